@@ -1,0 +1,62 @@
+"""kafka_idem: exactly-once effects for Kafka consumers, backed by PostgreSQL.
+
+    from kafka_idem import App, Context
+
+    app = App("payments")
+
+    @app.handler(topic="payments.charge-requested", model=ChargeRequested,
+                 key="{tenant_id}:charge:{order_id}", hash_fields=("amount", "currency"))
+    def charge(msg: ChargeRequested, ctx: Context) -> dict:
+        ctx.tx.execute("INSERT INTO payments.ledger ...", (...))
+        return {"ok": True}
+"""
+
+from kafka_idem.app import App, Context, Done, Handler
+from kafka_idem.errors import (
+    ConfigError,
+    DeadLetterError,
+    FrameworkError,
+    HandlerError,
+    IllegalTransition,
+    InvalidPayload,
+    KafkaIdemError,
+    MessageError,
+    MissingKeyField,
+    Permanent,
+    Retryable,
+    StaleOwner,
+    StoreError,
+    StoreUnavailable,
+    Undecodable,
+    UnknownOutcome,
+)
+from kafka_idem.keys import request_hash
+from kafka_idem.retry import RetryPolicy, no_wait
+from kafka_idem.settings import Settings
+
+__all__ = [
+    "App",
+    "ConfigError",
+    "Context",
+    "DeadLetterError",
+    "Done",
+    "FrameworkError",
+    "Handler",
+    "HandlerError",
+    "IllegalTransition",
+    "InvalidPayload",
+    "KafkaIdemError",
+    "MessageError",
+    "MissingKeyField",
+    "Permanent",
+    "Retryable",
+    "RetryPolicy",
+    "Settings",
+    "StaleOwner",
+    "StoreError",
+    "StoreUnavailable",
+    "Undecodable",
+    "UnknownOutcome",
+    "no_wait",
+    "request_hash",
+]

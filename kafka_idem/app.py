@@ -1,0 +1,269 @@
+"""The handler API: :class:`App`, ``@app.handler``, :class:`Context`.
+
+    app = App(name="payments")
+
+    @app.handler(
+        topic="payments.charge-requested",
+        model=ChargeRequested,
+        key="{tenant_id}:charge:{order_id}",
+        hash_fields=("amount", "currency"),
+    )
+    def charge(msg: ChargeRequested, ctx: Context) -> dict:
+        ctx.tx.execute("INSERT INTO payments.ledger ...", (...))
+        return {"charged": str(msg.amount)}
+
+A handler gets the decoded, validated payload and a :class:`Context` whose
+``tx`` is an open psycopg transaction: business writes made through it commit
+together with the success record, or not at all. The return value must be
+JSON-able; it is stored and replayed, exactly, on every duplicate.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+
+import psycopg
+from pydantic import BaseModel, ValidationError
+
+from kafka_idem.errors import (
+    ConfigError,
+    MessageError,
+    Permanent,
+    Retryable,
+    StaleOwner,
+    UnknownOutcome,
+)
+from kafka_idem.keys import KeySpec, KeyTemplate
+from kafka_idem.retry import RetryPolicy
+from kafka_idem.settings import Settings, load_settings
+from kafka_idem.store import TRANSIENT_SQLSTATES
+
+M = TypeVar("M", bound=BaseModel)
+
+Mode = Literal["local", "leased"]
+ErrorKind = Literal["retryable", "permanent", "unknown_outcome"]
+
+
+@dataclass
+class Context:
+    """What a handler knows about the message it is processing.
+
+    ``tx`` is the open transaction (a psycopg connection inside ``BEGIN``):
+    write business rows through it. ``idempotency_key`` is the key to pass
+    downstream (e.g. as an ``Idempotency-Key`` HTTP header) so remote side
+    effects are deduplicated by the remote side too.
+    """
+
+    tx: psycopg.Connection[Any]
+    idempotency_key: str
+    request_hash: str
+    attempt: int
+    handler: str
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int | None
+    kafka_key: bytes | None
+    headers: Mapping[str, bytes] = field(default_factory=dict)
+    _lease_lost: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once a heartbeat found the lease taken over (leased mode): stop early."""
+        return self._lease_lost.is_set()
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """What ``reconcile`` returns when the downstream says the operation already happened."""
+
+    result: Any = None
+
+
+Reconciler = Callable[[Any, Context], Done | None]
+
+
+# Default classification of exceptions a handler lets escape (first match wins).
+DEFAULT_ERRORS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
+    (Permanent, "permanent"),
+    (Retryable, "retryable"),
+    (UnknownOutcome, "unknown_outcome"),
+    (MessageError, "permanent"),
+    (ValidationError, "permanent"),
+    (psycopg.errors.IntegrityError, "permanent"),
+    (psycopg.errors.DataError, "permanent"),
+)
+
+
+class Handler(Generic[M]):
+    """A registered handler; call ``@handler.reconciler`` to add a reconcile step."""
+
+    def __init__(
+        self,
+        fn: Callable[[M, Context], Any],
+        *,
+        name: str,
+        topic: str,
+        model: type[M],
+        key: KeySpec,
+        hash_fields: tuple[str, ...],
+        mode: Mode,
+        dlq_topic: str | None,
+        schema: str | None,
+        retry: RetryPolicy | None,
+        errors: tuple[tuple[type[BaseException], ErrorKind], ...],
+    ) -> None:
+        self.fn = fn
+        self.name = name
+        self.topic = topic
+        self.model = model
+        self.key = KeyTemplate(key)
+        self.hash_fields = hash_fields
+        self.mode: Mode = mode
+        self.dlq_topic_override = dlq_topic
+        self.schema = schema
+        self.retry_override = retry
+        self.errors = errors
+        self.reconcile: Reconciler | None = None
+        unknown = [f for f in (*self.key.fields, *hash_fields) if f not in model.model_fields]
+        if unknown:
+            raise ConfigError(
+                f"handler {name!r}: fields {unknown} are not fields of {model.__name__}",
+                setting="key/hash_fields",
+            )
+
+    def __call__(self, msg: M, ctx: Context) -> Any:
+        return self.fn(msg, ctx)
+
+    def reconciler(self, fn: Reconciler) -> Reconciler:
+        """Register ``fn(msg, ctx) -> Done | None``: asked first on the attempt after an
+        unknown outcome (or a lease lost mid-flight); ``Done(result)`` completes the
+        record without calling the handler again, ``None`` retries it with the same key."""
+        self.reconcile = fn
+        return fn
+
+    def classify(self, exc: BaseException) -> ErrorKind:
+        """Retryable, permanent or unknown outcome. Unmapped exceptions are retryable
+        (up to the retry limit, then exhausted)."""
+        for cls, kind in self.errors:
+            if isinstance(exc, cls):
+                return kind
+        if isinstance(exc, psycopg.Error) and (exc.sqlstate or "") in TRANSIENT_SQLSTATES:
+            return "retryable"
+        return "retryable"
+
+
+class App:
+    """A kafka_idem application: settings plus handlers, one per topic."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        group_id: str | None = None,
+        settings: Settings | None = None,
+        errors: Mapping[type[BaseException], ErrorKind] | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.name = name
+        self._settings = settings
+        self._overrides = {"group_id": group_id, **overrides}
+        self.errors = tuple((errors or {}).items())
+        self.handlers: dict[str, Handler[Any]] = {}
+        self.migrations: list[Callable[[psycopg.Connection[Any]], None]] = []
+
+    @property
+    def settings(self) -> Settings:
+        if self._settings is None:
+            self._settings = load_settings(**self._overrides)
+        return self._settings
+
+    def configure(self, **overrides: Any) -> None:
+        """Replace settings fields (CLI flags, tests)."""
+        clean = {k: v for k, v in overrides.items() if v is not None}
+        base = self.settings.model_dump()
+        base["database_url"] = self.settings.dsn
+        self._settings = load_settings(**{**base, **clean})
+
+    @property
+    def group_id(self) -> str:
+        return self.settings.group_id or self.name
+
+    def handler(
+        self,
+        *,
+        topic: str,
+        model: type[M],
+        key: KeySpec,
+        hash_fields: tuple[str, ...] | list[str],
+        mode: Mode = "local",
+        dlq_topic: str | None = None,
+        schema: str | None = None,
+        name: str | None = None,
+        retry: RetryPolicy | None = None,
+        errors: Mapping[type[BaseException], ErrorKind] | None = None,
+    ) -> Callable[[Callable[[M, Context], Any]], Handler[M]]:
+        """Register a handler for ``topic``.
+
+        ``mode="local"`` (default) runs claim, handler and completion in one
+        transaction: for handlers whose effects are only in this database.
+        ``mode="leased"`` commits the claim first and fences the completion with
+        the owner token, with a heartbeat on the lease: for handlers that call
+        other systems.
+        """
+        if topic in self.handlers:
+            raise ConfigError(f"topic {topic!r} already has a handler", setting="topic")
+        if mode not in ("local", "leased"):
+            raise ConfigError(f"mode must be 'local' or 'leased', not {mode!r}", setting="mode")
+        if not hash_fields:
+            raise ConfigError("hash_fields must name at least one field", setting="hash_fields")
+
+        def register(fn: Callable[[M, Context], Any]) -> Handler[M]:
+            mapping = tuple((errors or {}).items()) + self.errors + DEFAULT_ERRORS
+            h = Handler(
+                fn,
+                name=name or fn.__name__,
+                topic=topic,
+                model=model,
+                key=key,
+                hash_fields=tuple(hash_fields),
+                mode=mode,
+                dlq_topic=dlq_topic,
+                schema=schema,
+                retry=retry,
+                errors=mapping,
+            )
+            self.handlers[topic] = h
+            return h
+
+        return register
+
+    def migration(self, fn: Callable[[psycopg.Connection[Any]], None]) -> Callable[..., None]:
+        """Register the app's own schema set-up, run by ``kafka-idem migrate`` (idempotent SQL)."""
+        self.migrations.append(fn)
+        return fn
+
+    def retry_policy(self, handler: Handler[Any]) -> RetryPolicy:
+        """The handler's own policy, else one from the settings (read at run time)."""
+        if handler.retry_override is not None:
+            return handler.retry_override
+        s = self.settings
+        return RetryPolicy(
+            base=s.backoff_base_seconds,
+            cap=s.backoff_cap_seconds,
+            max_attempts=s.max_attempts,
+            max_elapsed=s.max_elapsed_seconds,
+        )
+
+    def dlq_topic(self, handler: Handler[Any]) -> str:
+        return handler.dlq_topic_override or f"{handler.topic}{self.settings.dlq_suffix}"
+
+    @property
+    def topics(self) -> list[str]:
+        return list(self.handlers)
+
+
+__all__ = ["App", "Context", "Done", "Handler", "StaleOwner"]

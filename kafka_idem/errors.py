@@ -1,0 +1,112 @@
+"""The one exception hierarchy of kafka_idem.
+
+Three groups users catch or raise:
+
+* :class:`HandlerError` and its leaves are what a *handler* raises to say how
+  its failure must be treated: :class:`Retryable`, :class:`Permanent`,
+  :class:`UnknownOutcome`.
+* :class:`MessageError` covers what is wrong with a *message* before any handler
+  runs (undecodable bytes, a missing key field). Always permanent.
+* :class:`FrameworkError` covers what is wrong with the framework's own
+  surroundings (configuration, store, broker). These are never charged to a
+  message: the partition waits and the work is retried.
+
+Each class docstring is its default message. Errors carry the context an
+operator needs (topic, partition, offset, key), never secrets or payloads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class KafkaIdemError(Exception):
+    """kafka_idem error."""
+
+    def __init__(self, message: str | None = None, **context: Any) -> None:
+        self.message = message or (self.__class__.__doc__ or "").strip().splitlines()[0]
+        self.context = {k: v for k, v in context.items() if v is not None}
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        if not self.context:
+            return self.message
+        ctx = ", ".join(f"{k}={v}" for k, v in sorted(self.context.items()))
+        return f"{self.message} ({ctx})"
+
+
+# --- raised by handlers -------------------------------------------------------
+
+
+class HandlerError(KafkaIdemError):
+    """The handler failed."""
+
+
+class Retryable(HandlerError):
+    """Transient failure known to have happened before any side effect; retry with the same key."""
+
+
+class Permanent(HandlerError):
+    """Permanent failure (validation, business rule): dead-letter, never retry."""
+
+
+class UnknownOutcome(HandlerError):
+    """A request was sent and no answer came back: reconcile before retrying with the same key."""
+
+
+# --- problems with a message --------------------------------------------------
+
+
+class MessageError(KafkaIdemError):
+    """The message cannot be processed."""
+
+
+class Undecodable(MessageError):
+    """The message value could not be decoded."""
+
+
+class InvalidPayload(MessageError):
+    """The decoded payload does not validate against the handler's model."""
+
+
+class MissingKeyField(MessageError):
+    """A field of the idempotency key is missing or empty."""
+
+
+# --- the framework's surroundings --------------------------------------------
+
+
+class FrameworkError(KafkaIdemError):
+    """kafka_idem could not do its own work."""
+
+
+class ConfigError(FrameworkError):
+    """Invalid configuration."""
+
+
+class StoreError(FrameworkError):
+    """The idempotency store failed."""
+
+
+class StoreUnavailable(StoreError):
+    """The database is unreachable or the connection was lost; retried, never charged to a message."""
+
+
+class TransientStoreError(StoreError):
+    """A transient database error (serialization failure, deadlock, lock timeout); retried."""
+
+
+class IllegalTransition(StoreError):
+    """The database refused a state transition."""
+
+
+class StaleOwner(StoreError):
+    """The lease was taken over by another owner; this attempt's writes were rolled back."""
+
+
+class DeadLetterError(FrameworkError):
+    """The dead-letter record could not be produced; the source offset is not committed."""
+
+
+class BrokerError(FrameworkError):
+    """The Kafka client reported an error."""

@@ -1,0 +1,155 @@
+"""Idempotency keys and request hashes (DESIGN §2).
+
+The **key** names one business operation and is built from payload fields only,
+from a template such as ``"{tenant_id}:charge:{order_id}"``. Never offsets,
+timestamps or random values, so redelivery, producer retries and replays all
+map to the same key.
+
+The **request hash** is a digest of the canonical form of the business fields
+that make two requests "the same". Canonical form v1:
+
+* objects: keys sorted, no insignificant whitespace (compact JSON);
+* numbers (int, Decimal, float): the shortest plain decimal text, so ``10``,
+  ``10.0`` and ``Decimal("10.00")`` are all ``10``; ``-0`` is ``0``;
+* booleans stay ``true``/``false`` (never the numbers 1/0); ``None`` is ``null``;
+* datetimes: ISO 8601 in UTC; dates ISO; UUIDs lower-case text; enums by value;
+* strings as they are (no case or Unicode folding).
+
+    >>> request_hash({"amount": Decimal("10.00"), "currency": "EUR"})
+    'v1:sha256:...'
+
+The digest is prefixed with its rule version (``v1:sha256:``) so a future rule
+can coexist with stored v1 digests instead of silently changing them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import hashlib
+import json
+import string
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from decimal import Decimal
+from typing import Any
+
+from pydantic import BaseModel
+
+from kafka_idem.errors import ConfigError, MissingKeyField
+
+HASH_VERSION = "v1"
+
+KeySpec = str | Callable[[Any], str]
+
+
+def canonical_number(value: int | float | Decimal) -> str:
+    """``10``, ``10.0`` and ``Decimal('10.00')`` all give ``'10'``."""
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError("NaN and infinity have no canonical form")
+        value = Decimal(repr(value))
+    d = Decimal(value)
+    if not d.is_finite():
+        raise ValueError("NaN and infinity have no canonical form")
+    if d.is_zero():
+        return "0"
+    text = format(d.normalize(), "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return text
+
+
+def _canonical(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float | Decimal):
+        return canonical_number(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, enum.Enum):
+        return _canonical(value.value)
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None:
+            raise ValueError("naive datetimes have no canonical form; attach a timezone")
+        return json.dumps(value.astimezone(dt.UTC).isoformat())
+    if isinstance(value, dt.date):
+        return json.dumps(value.isoformat())
+    if isinstance(value, uuid.UUID):
+        return json.dumps(str(value))
+    if isinstance(value, bytes):
+        return json.dumps(value.hex())
+    if isinstance(value, BaseModel):
+        return _canonical(value.model_dump())
+    if isinstance(value, Mapping):
+        items = sorted((str(k), v) for k, v in value.items())
+        return "{" + ",".join(f"{json.dumps(k)}:{_canonical(v)}" for k, v in items) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_canonical(v) for v in value) + "]"
+    raise TypeError(f"no canonical form for {type(value).__name__}")
+
+
+def canonical_json(fields: Mapping[str, Any]) -> str:
+    """The v1 canonical text of a mapping of business fields."""
+    return _canonical(fields)
+
+
+def request_hash(fields: Mapping[str, Any]) -> str:
+    """``v1:sha256:<hex>`` of the canonical form of ``fields``."""
+    digest = hashlib.sha256(canonical_json(fields).encode("utf-8")).hexdigest()
+    return f"{HASH_VERSION}:sha256:{digest}"
+
+
+def _field(payload: Any, name: str) -> Any:
+    if isinstance(payload, Mapping):
+        return payload.get(name)
+    return getattr(payload, name, None)
+
+
+def hash_payload(payload: Any, fields: Iterable[str]) -> str:
+    """Request hash of the named fields of a model or mapping (missing fields hash as null)."""
+    return request_hash({name: _field(payload, name) for name in fields})
+
+
+class KeyTemplate:
+    """Builds ``tenant:operation:business-id`` keys from payload fields.
+
+    >>> KeyTemplate("{tenant_id}:charge:{order_id}").build({"tenant_id": "t1", "order_id": "o9"})
+    't1:charge:o9'
+    """
+
+    def __init__(self, spec: KeySpec) -> None:
+        self.spec = spec
+        self.fields: tuple[str, ...] = ()
+        if isinstance(spec, str):
+            parsed = list(string.Formatter().parse(spec))
+            names = [name for _, name, _, _ in parsed if name is not None]
+            if not names:
+                raise ConfigError(
+                    f"key template {spec!r} names no payload field; use e.g. "
+                    "'{tenant_id}:charge:{order_id}'",
+                    setting="key",
+                )
+            for name in names:
+                if not name.isidentifier():
+                    raise ConfigError(f"key template field {name!r} is not a field name")
+            self.fields = tuple(names)
+        elif not callable(spec):
+            raise ConfigError("key must be a template string or a callable", setting="key")
+
+    def build(self, payload: Any) -> str:
+        if isinstance(self.spec, str):
+            values: dict[str, str] = {}
+            for name in self.fields:
+                value = _field(payload, name)
+                text = "" if value is None else str(value).strip()
+                if not text:
+                    raise MissingKeyField(f"key field {name!r} is missing or empty", field=name)
+                values[name] = text
+            return self.spec.format(**values)
+        key = self.spec(payload)
+        if not isinstance(key, str) or not key.strip():
+            raise MissingKeyField("the key function returned an empty key")
+        return key

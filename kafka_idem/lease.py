@@ -1,0 +1,77 @@
+"""Lease heartbeats for leased-mode handlers (PITFALLS 18).
+
+While a leased handler runs, a background thread extends its lease every
+``lease / 3`` seconds on a connection of its own. When an extension finds the
+token no longer owns the key, the hold's event is set (``ctx.lease_lost``) and
+extensions stop; the fenced completion will refuse the stale owner anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kafka_idem.errors import StoreError
+from kafka_idem.store import Conn, Store, connect
+
+log = logging.getLogger(__name__)
+
+
+class LeaseKeeper(threading.Thread):
+    def __init__(self, store: Store, dsn: str, lease_seconds: float) -> None:
+        super().__init__(name="kafka-idem-leases", daemon=True)
+        self.store = store
+        self.dsn = dsn
+        self.lease_seconds = lease_seconds
+        self._held: dict[str, tuple[uuid.UUID, threading.Event]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._conn: Conn | None = None
+
+    @contextmanager
+    def hold(self, key: str, token: uuid.UUID) -> Iterator[threading.Event]:
+        lost = threading.Event()
+        with self._lock:
+            self._held[key] = (token, lost)
+        try:
+            yield lost
+        finally:
+            with self._lock:
+                if self._held.get(key, (None,))[0] == token:
+                    del self._held[key]
+
+    def run(self) -> None:
+        while not self._stop.wait(self.lease_seconds / 3):
+            with self._lock:
+                held = list(self._held.items())
+            for key, (token, lost) in held:
+                try:
+                    if self._conn is None or self._conn.closed:
+                        self._conn = connect(self.dsn, application_name="kafka_idem:leases")
+                    with self._conn.transaction():
+                        alive = self.store.extend_lease(
+                            self._conn, key=key, token=token, lease_seconds=self.lease_seconds
+                        )
+                except StoreError:
+                    log.warning("lease extension failed", extra={"action": "heartbeat", "key": key})
+                    self._close()
+                    continue
+                if not alive:
+                    lost.set()
+                    log.warning("lease lost", extra={"action": "lease_lost", "key": key})
+                    with self._lock:
+                        self._held.pop(key, None)
+        self._close()
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._conn = None
+
+    def stop(self) -> None:
+        self._stop.set()

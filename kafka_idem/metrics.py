@@ -1,0 +1,140 @@
+"""Prometheus metrics (DESIGN §8). One registry and one /metrics endpoint per process.
+
+Counters are updated on the message path; database gauges (records by status,
+expired leases, long-running records) are *sampled* by a background thread at
+an interval, never queried on a scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
+
+log = logging.getLogger(__name__)
+
+OUTCOMES = ("succeeded", "replayed", "busy", "conflict", "retried", "dead_lettered")
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.messages = Counter(
+            "kafka_idem_messages_total",
+            "Messages processed, by outcome.",
+            ["topic", "handler", "outcome"],
+            registry=r,
+        )
+        self.dead_lettered = Counter(
+            "kafka_idem_dead_lettered_total",
+            "Messages dead-lettered, by error kind.",
+            ["topic", "handler", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kafka_idem_retries_total",
+            "Handler failures scheduled for a retry.",
+            ["topic", "handler"],
+            registry=r,
+        )
+        self.exhausted = Counter(
+            "kafka_idem_exhausted_total",
+            "Keys that used up their retries (alert on this).",
+            ["topic", "handler"],
+            registry=r,
+        )
+        self.dlq_failures = Counter(
+            "kafka_idem_dlq_produce_failures_total",
+            "Dead-letter produces that were not acknowledged.",
+            ["topic"],
+            registry=r,
+        )
+        self.framework_errors = Counter(
+            "kafka_idem_framework_errors_total",
+            "Store or broker errors that made a partition wait (never charged to a message).",
+            ["kind"],
+            registry=r,
+        )
+        self.handler_seconds = Histogram(
+            "kafka_idem_handler_duration_seconds",
+            "Handler run time.",
+            ["topic", "handler"],
+            registry=r,
+        )
+        self.duplicate_ratio = Gauge(
+            "kafka_idem_duplicate_ratio",
+            "Replayed / all decided messages since start.",
+            registry=r,
+        )
+        self.lag = Gauge(
+            "kafka_idem_consumer_lag_messages",
+            "High watermark minus committed offset, per assigned partition.",
+            ["topic", "partition"],
+            registry=r,
+        )
+        self.records = Gauge(
+            "kafka_idem_records",
+            "Idempotency records by status (sampled).",
+            ["status"],
+            registry=r,
+        )
+        self.expired_leases = Gauge(
+            "kafka_idem_expired_leases",
+            "Records processing with an expired lease (sampled).",
+            registry=r,
+        )
+        self.long_running = Gauge(
+            "kafka_idem_long_running_records",
+            "Records processing for longer than the threshold (sampled).",
+            registry=r,
+        )
+        self._decided = 0
+        self._replayed = 0
+        self._lock = threading.Lock()
+
+    def outcome(self, topic: str, handler: str, outcome: str, n: int = 1) -> None:
+        self.messages.labels(topic, handler, outcome).inc(n)
+        if outcome in ("succeeded", "replayed", "conflict", "dead_lettered"):
+            with self._lock:
+                self._decided += n
+                if outcome == "replayed":
+                    self._replayed += n
+                self.duplicate_ratio.set(self._replayed / self._decided)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        bound = int(server.server_address[1])
+        log.info("metrics endpoint started", extra={"action": "metrics", "port": bound})
+        return bound
+
+
+class Sampler(threading.Thread):
+    """Samples the database gauges every ``interval`` seconds."""
+
+    def __init__(self, metrics: Metrics, sample: Any, interval: float = 15.0) -> None:
+        super().__init__(name="kafka-idem-sampler", daemon=True)
+        self.metrics = metrics
+        self.sample = sample
+        self.interval = interval
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                figures = self.sample()
+                for status, count in figures["by_status"].items():
+                    self.metrics.records.labels(status).set(count)
+                self.metrics.expired_leases.set(figures["expired_leases"])
+                self.metrics.long_running.set(figures["long_running"])
+            except Exception:  # a sampling failure must never stop the consumer
+                log.warning("metrics sampling failed", exc_info=True, extra={"action": "sample"})
+            self.stopped.wait(self.interval)

@@ -1,0 +1,92 @@
+"""Versioned, add-only schema migrations (``kafka_idem/migrations/NNNN_name.sql``).
+
+``migrate()`` applies the missing versions in order, each in its own
+transaction, under an advisory lock so two processes can't race. Running it
+twice is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from importlib import resources
+
+import psycopg
+from psycopg import sql
+
+from kafka_idem.sql import identifiers
+
+log = logging.getLogger(__name__)
+
+_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    text: str
+
+
+def migrations() -> list[Migration]:
+    found = []
+    for entry in resources.files("kafka_idem.migrations").iterdir():
+        match = _FILE.match(entry.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], entry.read_text()))
+    return sorted(found, key=lambda m: m.version)
+
+
+def render(migration: Migration, schema: str, table: str) -> sql.Composed:
+    return sql.SQL(migration.text).format(**identifiers(schema, table))  # type: ignore[arg-type]
+
+
+def applied_versions(conn: psycopg.Connection[object], schema: str) -> list[int]:
+    names = identifiers(schema, "x")
+    exists = conn.execute(
+        "SELECT to_regclass(format('%%I.schema_migrations', %s::text)) IS NOT NULL", (schema,)
+    ).fetchone()
+    if not exists or not exists[0]:
+        return []
+    rows = conn.execute(
+        sql.SQL("SELECT version FROM {} ORDER BY version").format(names["migrations"])
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def migrate(dsn: str, schema: str, table: str) -> list[Migration]:
+    """Apply the missing migrations; return the ones applied."""
+    names = identifiers(schema, table)
+    done: list[Migration] = []
+    with psycopg.connect(dsn, autocommit=False) as conn:
+        with conn.transaction():
+            # One migrator per schema at a time.
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"kafka_idem:{schema}",))
+            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(names["schema"]))
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (version integer PRIMARY KEY, "
+                    "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+                ).format(names["migrations"])
+            )
+        for migration in migrations():
+            with conn.transaction():
+                conn.execute(
+                    "SELECT pg_advisory_xact_lock(hashtext(%s))", (f"kafka_idem:{schema}",)
+                )
+                if migration.version in applied_versions(conn, schema):
+                    continue
+                conn.execute(render(migration, schema, table))
+                conn.execute(
+                    sql.SQL("INSERT INTO {} (version, name) VALUES (%s, %s)").format(
+                        names["migrations"]
+                    ),
+                    (migration.version, migration.name),
+                )
+                log.info(
+                    "migration applied",
+                    extra={"action": "migrated", "version": migration.version, "schema": schema},
+                )
+                done.append(migration)
+    return done

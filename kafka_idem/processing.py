@@ -1,0 +1,432 @@
+"""Runs messages through the protocol and says, per message, what became of it.
+
+Two modes (DESIGN §4):
+
+* **local**: for handlers whose effects live only in this database. A whole
+  batch runs in *one* transaction; each message in its own SAVEPOINT (claim,
+  handler, completion), so one failing message rolls back alone. One commit,
+  one WAL flush, for the batch. A crash rolls everything back: nothing partial.
+* **leased**: for handlers with effects elsewhere. Step 1, a short claim
+  transaction commits ``processing`` with an owner token and a lease (kept
+  alive by a heartbeat). Step 2, the handler's writes and the fenced
+  completion commit together, or roll back together when the token lost.
+
+The result is :class:`Finished` (the offset may advance, after the DLQ record
+if any is acknowledged) or :class:`Deferred` (the partition waits; retry later).
+Kafka is not touched here: the runner owns the consumer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from pydantic import ValidationError
+
+from kafka_idem.app import App, Context, Done, Handler
+from kafka_idem.codec import AvroCodec
+from kafka_idem.dlq import DeadLetter, bounded
+from kafka_idem.errors import (
+    FrameworkError,
+    InvalidPayload,
+    MessageError,
+    StaleOwner,
+    StoreUnavailable,
+    TransientStoreError,
+    Undecodable,
+)
+from kafka_idem.keys import hash_payload
+from kafka_idem.lease import LeaseKeeper
+from kafka_idem.metrics import Metrics
+from kafka_idem.retry import Exhausted
+from kafka_idem.store import Claim, Conn, Delivery, Outcome, Store, classify_db_error, connect
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    outcome: str  # succeeded | replayed | conflict | dead_lettered
+    letter: DeadLetter | None = None
+    key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    delay: float
+    reason: str  # busy | retry | framework | dlq
+    token: uuid.UUID | None = None  # our still-live claim, re-entered on the next try
+
+
+Result = Finished | Deferred
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    model: Any
+    key: str
+    request_hash: str
+
+
+def _fields(msg: Any) -> dict[str, Any]:
+    return {"topic": msg.topic(), "partition": msg.partition(), "offset": msg.offset()}
+
+
+class Processor:
+    def __init__(
+        self,
+        app: App,
+        *,
+        store: Store,
+        codec: AvroCodec,
+        metrics: Metrics,
+        leases: LeaseKeeper | None = None,
+    ) -> None:
+        self.app = app
+        self.settings = app.settings
+        self.store = store
+        self.codec = codec
+        self.metrics = metrics
+        self.leases = leases
+        self.group_id = app.group_id
+        self._conn: Conn | None = None
+
+    # --- connection --------------------------------------------------------
+
+    def connection(self) -> Conn:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self.close()
+            self._conn = connect(self.settings.dsn, application_name=f"kafka_idem:{self.app.name}")
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except psycopg.Error:
+                pass
+            self._conn = None
+
+    @contextmanager
+    def _store_unavailable(self) -> Iterator[None]:
+        """psycopg errors that mean the connection is gone become StoreUnavailable."""
+        try:
+            yield
+        except psycopg.Error as exc:
+            cls = classify_db_error(exc)
+            conn = self._conn
+            if cls is StoreUnavailable or (conn is not None and (conn.closed or conn.broken)):
+                self.close()
+                raise StoreUnavailable(str(exc)) from exc
+            raise
+
+    # --- decoding ----------------------------------------------------------
+
+    def prepare(self, handler: Handler[Any], msg: Any) -> Prepared:
+        """Decode, validate, build key and hash; raise a MessageError when impossible."""
+        _name, record = self.codec.decode(msg.value(), reader=handler.schema)
+        try:
+            model = handler.model.model_validate(record)
+        except ValidationError as exc:
+            # Field paths and reasons only: never echo payload values.
+            reasons = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+            )
+            raise InvalidPayload(f"payload does not validate: {reasons}") from exc
+        key = handler.key.build(model)
+        return Prepared(model, key, hash_payload(model, handler.hash_fields))
+
+    def _letter(
+        self,
+        handler: Handler[Any],
+        msg: Any,
+        *,
+        kind: str,
+        exc_class: str,
+        message: str,
+        attempts: int,
+        key: str | None,
+        first: Any = None,
+        last: Any = None,
+    ) -> DeadLetter:
+        return DeadLetter(
+            dlq_topic=self.app.dlq_topic(handler),
+            source=msg,
+            kind=kind,
+            error_class=exc_class,
+            error_message=bounded(message, self.settings.error_message_max),
+            attempts=attempts,
+            consumer_group=self.group_id,
+            handler=handler.name,
+            idempotency_key=key,
+            first_failure_at=first,
+            last_failure_at=last,
+        )
+
+    def _undecodable(self, handler: Handler[Any], msg: Any, exc: MessageError) -> Finished:
+        kind = "undecodable" if isinstance(exc, Undecodable) else "permanent"
+        log.warning(
+            "message cannot be processed",
+            extra={"action": "rejected", "kind": kind, "handler": handler.name, **_fields(msg)},
+        )
+        letter = self._letter(
+            handler, msg, kind=kind, exc_class=type(exc).__name__, message=str(exc),
+            attempts=0, key=None,
+        )
+        return Finished("dead_lettered", letter)
+
+    # --- local mode: one transaction per batch -----------------------------
+
+    def run_local(self, parts: Sequence[tuple[Any, Sequence[Any]]]) -> dict[Any, list[Result]]:
+        """Process each partition's messages in order inside one transaction.
+
+        A partition stops at its first deferred message. If the transaction
+        itself fails (connection lost, commit refused), every message is
+        deferred: nothing was committed, nothing is charged.
+        """
+        results: dict[Any, list[Result]] = {tp: [] for tp, _ in parts}
+        try:
+            with self._store_unavailable():
+                conn = self.connection()
+                with conn.transaction():
+                    for tp, msgs in parts:
+                        for msg in msgs:
+                            result = self._local_one(conn, msg)
+                            results[tp].append(result)
+                            if isinstance(result, Deferred):
+                                break
+        except (FrameworkError, psycopg.Error) as exc:
+            log.warning(
+                "batch transaction failed; the batch will be retried",
+                extra={"action": "batch_failed", "kind": type(exc).__name__},
+            )
+            self.metrics.framework_errors.labels(type(exc).__name__).inc()
+            return {tp: [Deferred(0.0, "framework")] for tp, _ in parts}
+        return results
+
+    def _local_one(self, conn: Conn, msg: Any) -> Result:
+        handler = self.app.handlers[msg.topic()]
+        try:
+            prep = self.prepare(handler, msg)
+        except MessageError as exc:
+            return self._undecodable(handler, msg, exc)
+        try:
+            with conn.transaction():  # SAVEPOINT: this message rolls back alone
+                claim = self._claim(conn, handler, msg, prep)
+                if claim.outcome is not Outcome.CLAIMED:
+                    return self._not_claimed(handler, msg, prep, claim)
+                return self._execute(conn, handler, msg, prep, claim)
+        except (TransientStoreError, StaleOwner) as exc:
+            self._raise_if_gone(exc)
+            log.info("transient store error", extra={"action": "deferred", **_fields(msg)})
+            return Deferred(self.settings.busy_retry_seconds, "framework")
+
+    # --- leased mode: claim, then fenced completion -------------------------
+
+    def run_leased(self, msg: Any, *, reentrant: uuid.UUID | None = None) -> Result:
+        handler = self.app.handlers[msg.topic()]
+        try:
+            prep = self.prepare(handler, msg)
+        except MessageError as exc:
+            return self._undecodable(handler, msg, exc)
+        claim: Claim | None = None
+        try:
+            with self._store_unavailable():
+                conn = self.connection()
+                with conn.transaction():
+                    claim = self._claim(conn, handler, msg, prep, reentrant=reentrant)
+                if claim.outcome is not Outcome.CLAIMED:
+                    return self._not_claimed(handler, msg, prep, claim)
+                assert claim.token is not None
+                if self.leases is None:
+                    return self._execute(conn, handler, msg, prep, claim)
+                with self.leases.hold(claim.key, claim.token) as lost:
+                    return self._execute(conn, handler, msg, prep, claim, lost=lost)
+        except (StoreUnavailable, TransientStoreError, psycopg.Error) as exc:
+            self.metrics.framework_errors.labels(type(exc).__name__).inc()
+            log.warning(
+                "store error; the message will be retried",
+                extra={"action": "deferred", "key": prep.key, **_fields(msg)},
+            )
+            token = claim.token if claim is not None else reentrant
+            return Deferred(self.settings.busy_retry_seconds, "framework", token=token)
+        except StaleOwner:
+            return Deferred(self.settings.busy_retry_seconds, "busy")
+
+    # --- shared steps --------------------------------------------------------
+
+    def _claim(
+        self,
+        conn: Conn,
+        handler: Handler[Any],
+        msg: Any,
+        prep: Prepared,
+        reentrant: uuid.UUID | None = None,
+    ) -> Claim:
+        policy = self.app.retry_policy(handler)
+        return self.store.claim(
+            conn,
+            key=prep.key,
+            request_hash=prep.request_hash,
+            delivery=Delivery(msg.topic(), msg.partition(), msg.offset(), handler.name),
+            lease_seconds=self.settings.lease_seconds,
+            max_attempts=policy.max_attempts,
+            max_elapsed_seconds=policy.max_elapsed,
+            reentrant_token=reentrant,
+        )
+
+    def _not_claimed(
+        self, handler: Handler[Any], msg: Any, prep: Prepared, claim: Claim
+    ) -> Result:
+        extra = {"key": prep.key, "handler": handler.name, **_fields(msg)}
+        if claim.outcome is Outcome.REPLAY:
+            log.debug("replayed stored result", extra={"action": "replayed", **extra})
+            return Finished("replayed", key=prep.key)
+        if claim.outcome is Outcome.BUSY:
+            wait = claim.retry_in if claim.backoff else min(
+                claim.retry_in, self.settings.busy_retry_seconds
+            )
+            log.debug("key busy", extra={"action": "busy", "delay": wait, **extra})
+            return Deferred(max(wait, 0.0), "busy")
+        if claim.outcome is Outcome.CONFLICT:
+            log.warning("payload conflict", extra={"action": "conflict", **extra})
+            letter = self._letter(
+                handler, msg, kind="payload_conflict", exc_class="PayloadConflict",
+                message=f"key {prep.key!r} was first used with a different payload "
+                f"(request hash {prep.request_hash} differs from the stored one)",
+                attempts=claim.attempts, key=prep.key,
+            )
+            return Finished("conflict", letter, key=prep.key)
+        # DEAD (already failed) or EXHAUSTED (just moved to failed by the claim)
+        kind = claim.error_kind or "permanent"
+        if claim.outcome is Outcome.EXHAUSTED:
+            self.metrics.exhausted.labels(msg.topic(), handler.name).inc()
+        log.warning("dead-lettering", extra={"action": "dead_lettered", "kind": kind, **extra})
+        letter = self._letter(
+            handler, msg, kind=kind, exc_class=claim.error_class or "Failed",
+            message=claim.error_message or kind, attempts=claim.attempts, key=prep.key,
+            first=claim.first_failure_at, last=claim.last_failure_at,
+        )
+        return Finished("dead_lettered", letter, key=prep.key)
+
+    def _execute(
+        self,
+        conn: Conn,
+        handler: Handler[Any],
+        msg: Any,
+        prep: Prepared,
+        claim: Claim,
+        lost: Any = None,
+    ) -> Result:
+        assert claim.token is not None
+        ctx = Context(
+            tx=conn,
+            idempotency_key=prep.key,
+            request_hash=prep.request_hash,
+            attempt=claim.attempts,
+            handler=handler.name,
+            topic=msg.topic(),
+            partition=msg.partition(),
+            offset=msg.offset(),
+            timestamp=msg.timestamp()[1] if msg.timestamp()[0] else None,
+            kafka_key=msg.key(),
+            headers={k: v or b"" for k, v in (msg.headers() or [])},
+        )
+        if lost is not None:
+            ctx._lease_lost = lost
+        started = time.perf_counter()
+        try:
+            with conn.transaction():  # the handler's writes, rolled back alone on failure
+                result, how = self._call(handler, prep, ctx, claim)
+                self.store.complete(conn, key=prep.key, token=claim.token, result=result)
+        except (FrameworkError, StaleOwner):
+            raise
+        except Exception as exc:
+            self._raise_if_gone(exc)
+            if classify_db_error(exc) is TransientStoreError:
+                # Deadlocks and serialization failures come from contention between
+                # transactions (batches), not from the message: retried, not charged.
+                raise TransientStoreError(str(exc), key=prep.key) from exc
+            with conn.transaction():  # a savepoint in local mode, its own commit in leased
+                return self._record_failure(conn, handler, msg, prep, claim, exc)
+        finally:
+            self.metrics.handler_seconds.labels(msg.topic(), handler.name).observe(
+                time.perf_counter() - started
+            )
+        log.debug(how, extra={"action": how, "key": prep.key, "attempts": claim.attempts})
+        return Finished("succeeded", key=prep.key)
+
+    def _call(
+        self, handler: Handler[Any], prep: Prepared, ctx: Context, claim: Claim
+    ) -> tuple[Any, str]:
+        if handler.reconcile is not None and claim.previous_error_kind in (
+            "unknown_outcome",
+            "lease_expired",
+        ):
+            done = handler.reconcile(prep.model, ctx)
+            if isinstance(done, Done):
+                log.info("reconciled", extra={"action": "reconciled", "key": prep.key})
+                return done.result, "reconciled"
+        return handler(prep.model, ctx), "succeeded"
+
+    def _raise_if_gone(self, exc: BaseException) -> None:
+        conn = self._conn
+        if classify_db_error(exc) is StoreUnavailable or (
+            conn is not None and (conn.closed or conn.broken)
+        ):
+            self.close()
+            raise StoreUnavailable(str(exc)) from exc
+
+    def _record_failure(
+        self,
+        conn: Conn,
+        handler: Handler[Any],
+        msg: Any,
+        prep: Prepared,
+        claim: Claim,
+        exc: BaseException,
+    ) -> Result:
+        assert claim.token is not None
+        kind = handler.classify(exc)
+        error_class = type(exc).__name__
+        message = bounded(str(exc) or error_class, self.settings.error_message_max)
+        extra = {"key": prep.key, "handler": handler.name, "attempts": claim.attempts,
+                 **_fields(msg)}
+        topic = msg.topic()
+        fail = self.store.fail
+        if kind == "permanent":
+            f = fail(conn, key=prep.key, token=claim.token, status="failed", kind="permanent",
+                     error_class=error_class, error_message=message)
+            log.warning("permanent failure", extra={"action": "failed", "kind": kind, **extra})
+            return Finished("dead_lettered", self._letter(
+                handler, msg, kind="permanent", exc_class=error_class, message=message,
+                attempts=f.attempts, key=prep.key, first=f.first_failure_at,
+                last=f.last_failure_at,
+            ), key=prep.key)
+        decision = self.app.retry_policy(handler).decide(
+            attempts=claim.attempts, elapsed=claim.failing_for
+        )
+        if isinstance(decision, Exhausted):
+            text = bounded(f"{decision.reason}; last error: {message}",
+                           self.settings.error_message_max)
+            f = fail(conn, key=prep.key, token=claim.token, status="failed", kind="exhausted",
+                     error_class=error_class, error_message=text)
+            self.metrics.exhausted.labels(topic, handler.name).inc()
+            log.warning("retries exhausted", extra={"action": "exhausted", **extra})
+            return Finished("dead_lettered", self._letter(
+                handler, msg, kind="exhausted", exc_class=error_class, message=text,
+                attempts=f.attempts, key=prep.key, first=f.first_failure_at,
+                last=f.last_failure_at,
+            ), key=prep.key)
+        fail(conn, key=prep.key, token=claim.token, status="retryable_failed", kind=kind,
+             error_class=error_class, error_message=message, delay=decision.delay)
+        self.metrics.retries.labels(topic, handler.name).inc()
+        log.info("will retry", extra={"action": "retry_scheduled", "kind": kind,
+                                       "delay": round(decision.delay, 3), **extra})
+        return Deferred(decision.delay, "retry")

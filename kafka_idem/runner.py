@@ -1,0 +1,376 @@
+"""The consumer loop of one group member.
+
+Each round:
+
+1. ``consume()`` a batch (rebalance callbacks run in here, PITFALLS 5) and
+   append each message to its partition's in-memory queue.
+2. Take the queues whose partition is due (not waiting on a backoff).
+3. Run them through the :class:`~kafka_idem.processing.Processor`: local-mode
+   partitions together in one database transaction, leased-mode messages one
+   by one. Each partition stops at its first deferred message.
+4. Produce the round's dead-letter records and wait for their acks; a record
+   that was not acknowledged turns its message back into a deferred one.
+5. Per partition, pop the finished prefix of the queue and commit the offset
+   after it: offsets only advance over messages whose effect is durable,
+   replayed or dead-lettered, and never past a message still pending (PITFALLS 2).
+6. Pause partitions that wait (polling goes on, so ``max.poll.interval.ms``
+   is never exceeded: PITFALLS 4); resume them when drained.
+
+Paused partitions keep their fetched messages in our queue: librdkafka purges
+its own prefetch on pause and resumes after the last message it handed out.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
+from kafka_idem.app import App
+from kafka_idem.codec import AvroCodec
+from kafka_idem.dlq import DeadLetterer
+from kafka_idem.errors import BrokerError
+from kafka_idem.lease import LeaseKeeper
+from kafka_idem.metrics import Metrics, Sampler
+from kafka_idem.processing import Deferred, Finished, Processor, Result
+from kafka_idem.store import Store
+
+log = logging.getLogger(__name__)
+
+TP = tuple[str, int]
+
+# Commit errors that mean "this member no longer owns the partition" (PITFALLS 3, 4).
+_OWNERSHIP_LOST = {
+    KafkaError.ILLEGAL_GENERATION,
+    KafkaError.UNKNOWN_MEMBER_ID,
+    KafkaError.REBALANCE_IN_PROGRESS,
+    KafkaError._STATE,
+    KafkaError._ASSIGNMENT_LOST,
+    KafkaError.FENCED_INSTANCE_ID,
+}
+
+
+@dataclass
+class PartitionState:
+    queue: deque[Any] = field(default_factory=deque)
+    not_before: float = 0.0
+    paused: bool = False
+    framework_failures: int = 0
+    tokens: dict[int, Any] = field(default_factory=dict)  # offset -> our live claim token
+    last_queued: int = -1
+    to_commit: int | None = None  # next offset to commit, not yet acknowledged
+
+
+class Runner:
+    """One consumer group member running ``app``'s handlers until stopped."""
+
+    def __init__(self, app: App, *, metrics: Metrics | None = None) -> None:
+        self.app = app
+        self.settings = app.settings
+        self.metrics = metrics or Metrics()
+        self.store = Store(schema=self.settings.schema_name, table=self.settings.table)
+        self.codec = AvroCodec.from_dir(
+            self.settings.schemas_dir, registry_url=self.settings.schema_registry_url
+        )
+        self.leases: LeaseKeeper | None = None
+        if any(h.mode == "leased" for h in app.handlers.values()):
+            self.leases = LeaseKeeper(self.store, self.settings.dsn, self.settings.lease_seconds)
+        self.processor = Processor(
+            app, store=self.store, codec=self.codec, metrics=self.metrics, leases=self.leases
+        )
+        self.parts: dict[TP, PartitionState] = {}
+        self.newly_assigned: list[TopicPartition] = []
+        self.stopping = threading.Event()
+        self.consumer: Consumer | None = None
+        self.producer: Producer | None = None
+        self.dlq: DeadLetterer | None = None
+        self._fatal: str | None = None
+        self._last_lag = 0.0
+
+    # --- lifecycle -----------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        def stop(signum: int, _frame: FrameType | None) -> None:
+            log.info("stopping", extra={"action": "stopping", "kind": signal.Signals(signum).name})
+            self.stopping.set()
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+
+    def start(self) -> None:
+        s = self.settings
+        conf = s.consumer_config(self.app.group_id)
+        conf["error_cb"] = self._on_error
+        self.consumer = Consumer(conf)
+        self.producer = Producer({**s.producer_config(), "error_cb": self._on_error})
+        self.dlq = DeadLetterer(self.producer, header_limit=s.error_message_max)
+        if self.leases is not None:
+            self.leases.start()
+        self.consumer.subscribe(
+            self.app.topics,
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_lost,
+        )
+        log.info(
+            "consumer started",
+            extra={"action": "started", "topic": ",".join(self.app.topics)},
+        )
+
+    def run(self, *, max_seconds: float | None = None) -> int:
+        """Run until stopped (SIGTERM/SIGINT or :meth:`stop`); return the exit code."""
+        self.start()
+        deadline = time.monotonic() + max_seconds if max_seconds else None
+        try:
+            while not self.stopping.is_set():
+                if deadline and time.monotonic() >= deadline:
+                    break
+                self.step()
+                if self._fatal:
+                    raise BrokerError(self._fatal)
+        finally:
+            self.close()
+        return 0
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def close(self) -> None:
+        if self.consumer is not None:
+            self._commit_pending()
+            try:
+                self.consumer.close()  # leaves the group: partitions move at once
+            except (KafkaException, RuntimeError):
+                log.warning("consumer close failed", exc_info=True, extra={"action": "close"})
+            self.consumer = None
+        if self.producer is not None:
+            self.producer.flush(10)
+            self.producer = None
+        if self.leases is not None:
+            self.leases.stop()
+        self.processor.close()
+        log.info("consumer stopped", extra={"action": "stopped"})
+
+    # --- one round -------------------------------------------------------------
+
+    def step(self) -> None:
+        assert self.consumer is not None
+        if self.newly_assigned:
+            # A partition paused before a revoke can come back paused.
+            self.consumer.resume(self.newly_assigned)
+            self.newly_assigned = []
+        msgs = self.consumer.consume(
+            num_messages=self.settings.batch_size, timeout=self._wait_time()
+        )
+        self._ingest(msgs)
+        self._process_due()
+        self._commit_pending()
+        self._pause_resume()
+        self._observe_lag()
+
+    def _wait_time(self) -> float:
+        wait = self.settings.batch_max_wait_seconds
+        pending = [st.not_before for st in self.parts.values() if st.queue]
+        if pending:
+            wait = min(wait, max(min(pending) - time.monotonic(), 0.0))
+        return max(wait, 0.001)
+
+    def _ingest(self, msgs: list[Any]) -> None:
+        for msg in msgs:
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    continue
+                if err.fatal():
+                    self._fatal = f"fatal consumer error: {err}"
+                log.warning("consumer error: %s", err, extra={"action": "consumer_error"})
+                continue
+            tp = (msg.topic(), msg.partition())
+            st = self.parts.setdefault(tp, PartitionState())
+            if msg.offset() <= st.last_queued:
+                continue  # already queued (a re-fetch after a rewind)
+            st.queue.append(msg)
+            st.last_queued = msg.offset()
+
+    def _process_due(self) -> None:
+        now = time.monotonic()
+        due = [(tp, st) for tp, st in self.parts.items() if st.queue and st.not_before <= now]
+        if not due:
+            return
+        results: dict[TP, list[Result]] = {}
+        local = [(tp, list(st.queue)) for tp, st in due if self._mode(tp) == "local"]
+        if local:
+            results.update(self.processor.run_local(local))
+        for tp, st in due:
+            if self._mode(tp) != "leased":
+                continue
+            out: list[Result] = []
+            for msg in list(st.queue):
+                res = self.processor.run_leased(msg, reentrant=st.tokens.get(msg.offset()))
+                out.append(res)
+                if isinstance(res, Deferred) or self.stopping.is_set():
+                    break
+            results[tp] = out
+        self._dead_letter(results)
+        self._apply(results, now)
+
+    def _mode(self, tp: TP) -> str:
+        return self.app.handlers[tp[0]].mode
+
+    def _dead_letter(self, results: dict[TP, list[Result]]) -> None:
+        """Step 4: DLQ records acknowledged before their offsets may be committed."""
+        todo = [
+            (tp, i, r.letter)
+            for tp, rs in results.items()
+            for i, r in enumerate(rs)
+            if isinstance(r, Finished) and r.letter is not None
+        ]
+        if not todo:
+            return
+        assert self.dlq is not None
+        errors = self.dlq.send([letter for _, _, letter in todo])
+        for (tp, i, letter), err in zip(todo, errors, strict=True):
+            if err is None:
+                self.metrics.dead_lettered.labels(
+                    letter.source.topic(), letter.handler, letter.kind
+                ).inc()
+                continue
+            self.metrics.dlq_failures.labels(letter.dlq_topic).inc()
+            log.error(
+                "dead-letter produce failed; the source offset stays uncommitted",
+                extra={"action": "dlq_failed", "topic": tp[0], "partition": tp[1],
+                       "offset": letter.source.offset()},
+            )
+            rs = results[tp]
+            if i < len(rs):
+                del rs[i:]
+                rs.append(Deferred(0.0, "dlq"))
+
+    def _apply(self, results: dict[TP, list[Result]], now: float) -> None:
+        """Step 5: pop the finished prefix of each queue; schedule the deferred message."""
+        for tp, rs in results.items():
+            st = self.parts.get(tp)
+            if st is None:
+                continue  # revoked meanwhile
+            for res in rs:
+                msg = st.queue[0]
+                if isinstance(res, Finished):
+                    st.queue.popleft()
+                    st.tokens.pop(msg.offset(), None)
+                    st.framework_failures = 0
+                    st.to_commit = msg.offset() + 1
+                    handler = self.app.handlers[tp[0]].name
+                    self.metrics.outcome(tp[0], handler, res.outcome)
+                    continue
+                st.not_before = now + self._delay(st, res)
+                if res.token is not None:
+                    st.tokens[msg.offset()] = res.token
+                if res.reason in ("busy", "retry"):
+                    outcome = "busy" if res.reason == "busy" else "retried"
+                    self.metrics.outcome(tp[0], self.app.handlers[tp[0]].name, outcome)
+                break
+
+    def _delay(self, st: PartitionState, res: Deferred) -> float:
+        if res.reason in ("framework", "dlq"):
+            # Our own surroundings failed: wait with jittered growth, never charge the message.
+            st.framework_failures += 1
+            return random.uniform(0.1, min(10.0, 0.2 * 2 ** min(st.framework_failures, 6)))
+        return res.delay
+
+    def _commit_pending(self) -> None:
+        if self.consumer is None:
+            return
+        offsets = [
+            TopicPartition(tp[0], tp[1], st.to_commit)
+            for tp, st in self.parts.items()
+            if st.to_commit is not None
+        ]
+        if not offsets:
+            return
+        try:
+            self.consumer.commit(offsets=offsets, asynchronous=False)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if err.code() in _OWNERSHIP_LOST:
+                log.warning("commit refused, ownership lost: %s", err, extra={"action": "commit"})
+            else:
+                log.warning("commit failed, will retry: %s", err, extra={"action": "commit"})
+            return
+        for tp_ in offsets:
+            st = self.parts.get((tp_.topic, tp_.partition))
+            if st is not None and st.to_commit == tp_.offset:
+                st.to_commit = None
+
+    def _pause_resume(self) -> None:
+        assert self.consumer is not None
+        pause, resume = [], []
+        for (topic, part), st in self.parts.items():
+            if st.queue and not st.paused:
+                pause.append(TopicPartition(topic, part))
+                st.paused = True
+            elif not st.queue and st.paused:
+                resume.append(TopicPartition(topic, part))
+                st.paused = False
+        if pause:
+            self.consumer.pause(pause)
+        if resume:
+            self.consumer.resume(resume)
+
+    def _observe_lag(self) -> None:
+        now = time.monotonic()
+        if now - self._last_lag < 5.0 or self.consumer is None:
+            return
+        self._last_lag = now
+        for (topic, part), _st in self.parts.items():
+            try:
+                _low, high = self.consumer.get_watermark_offsets(
+                    TopicPartition(topic, part), cached=True
+                )
+                position = self.consumer.position([TopicPartition(topic, part)])[0].offset
+            except KafkaException:
+                continue
+            if high >= 0 and position >= 0:
+                self.metrics.lag.labels(topic, str(part)).set(max(high - position, 0))
+
+    # --- rebalance callbacks (run inside consume(); short and total) -----------
+
+    def _on_assign(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
+        log.info("assigned %s", _names(partitions), extra={"action": "assigned"})
+        self.newly_assigned.extend(partitions)
+
+    def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+        log.info("revoked %s", _names(partitions), extra={"action": "revoked"})
+        offsets = []
+        for tp_ in partitions:
+            st = self.parts.pop((tp_.topic, tp_.partition), None)
+            if st is not None and st.to_commit is not None:
+                offsets.append(TopicPartition(tp_.topic, tp_.partition, st.to_commit))
+        if offsets:
+            try:
+                consumer.commit(offsets=offsets, asynchronous=False)
+            except KafkaException as exc:
+                # The records are durable; the new owner replays them from the store.
+                log.warning("commit on revoke failed: %s", exc, extra={"action": "commit"})
+
+    def _on_lost(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
+        log.warning("lost %s", _names(partitions), extra={"action": "lost"})
+        for tp_ in partitions:
+            self.parts.pop((tp_.topic, tp_.partition), None)
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            # e.g. a second member with our group.instance.id fenced us (PITFALLS 6).
+            self._fatal = f"fatal Kafka error: {err}"
+        log.warning("kafka: %s", err, extra={"action": "kafka_error"})
+
+
+def _names(partitions: list[TopicPartition]) -> str:
+    return ",".join(f"{p.topic}[{p.partition}]" for p in partitions)

@@ -1,0 +1,181 @@
+"""Settings: one frozen pydantic model, from arguments or ``KAFKA_IDEM_*`` variables.
+
+    >>> s = Settings(group_id="payments", max_attempts=3)
+    >>> s.consumer_config()["enable.auto.offset.store"]
+    False
+
+librdkafka options pass through untouched in ``kafka`` (for SASL/TLS and
+tuning); the options the guarantees depend on are applied *over* them, so a
+user cannot switch them off by accident.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kafka_idem.errors import ConfigError
+
+DEFAULT_BOOTSTRAP = "127.0.0.1:39092"
+DEFAULT_DATABASE_URL = "postgresql://kafka_idem@127.0.0.1:55432/kafka_idem"
+
+_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,39}$")
+
+# Consumer options the exactly-once-effects protocol depends on (PITFALLS 1, 2).
+_PROTECTED_CONSUMER = {
+    "enable.auto.commit": False,
+    "enable.auto.offset.store": False,
+    "enable.partition.eof": False,
+}
+# The DLQ producer must not lose or duplicate a record on its own retries.
+_PROTECTED_PRODUCER = {
+    "enable.idempotence": True,
+    "acks": "all",
+}
+
+
+class Settings(BaseSettings):
+    """Configuration of one kafka_idem process. Environment prefix ``KAFKA_IDEM_``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KAFKA_IDEM_", frozen=True, extra="forbid", populate_by_name=True
+    )
+
+    bootstrap_servers: str = Field(DEFAULT_BOOTSTRAP, description="Kafka bootstrap servers.")
+    database_url: SecretStr = Field(
+        SecretStr(DEFAULT_DATABASE_URL), description="PostgreSQL connection URL (secret)."
+    )
+    group_id: str | None = Field(None, description="Consumer group id (defaults to the app name).")
+    schema_name: str = Field("kafka_idem", description="PostgreSQL schema of the store tables.")
+    table: str = Field("task_idempotency", description="Name of the idempotency table.")
+    lease_seconds: float = Field(30.0, gt=0, description="Lease of a claimed key (leased mode).")
+    max_attempts: int = Field(5, ge=1, description="Attempts before a key is exhausted.")
+    max_elapsed_seconds: float = Field(
+        3600.0, gt=0, description="Time since the first failure after which a key is exhausted."
+    )
+    backoff_base_seconds: float = Field(0.5, ge=0, description="Retry backoff base.")
+    backoff_cap_seconds: float = Field(60.0, ge=0, description="Retry backoff cap.")
+    busy_retry_seconds: float = Field(
+        0.5, gt=0, description="Wait before retrying a key another member holds."
+    )
+    batch_size: int = Field(500, ge=1, le=100_000, description="Messages per consume batch.")
+    batch_max_wait_seconds: float = Field(
+        0.1, ge=0, description="Longest wait to fill a batch."
+    )
+    dlq_suffix: str = Field(".dlq", min_length=1, description="Default DLQ topic suffix.")
+    error_message_max: int = Field(
+        1024, ge=64, le=65536, description="Bound on error text stored and put in DLQ headers."
+    )
+    schemas_dir: Path = Field(Path("schemas"), description="Folder of Avro schemas (.avsc).")
+    schema_registry_url: str | None = Field(
+        None, description="Confluent Schema Registry URL; enables Confluent wire framing."
+    )
+    kafka: dict[str, Any] = Field(
+        default_factory=dict, description="librdkafka options passed through (JSON in env)."
+    )
+    max_poll_interval_ms: int = Field(300_000, ge=1000, description="librdkafka option.")
+    session_timeout_ms: int = Field(45_000, ge=1000, description="librdkafka option.")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="/metrics port.")
+    log_format: Literal["text", "json"] = Field("text", description="Log output format.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
+
+    @field_validator("schema_name", "table")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        if not _IDENT.match(value):
+            raise ValueError(
+                f"{value!r} is not a plain SQL identifier: use lower-case letters, digits and "
+                "underscores, starting with a letter or underscore, at most 40 characters"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _backoff(self) -> Settings:
+        if self.backoff_cap_seconds < self.backoff_base_seconds:
+            raise ValueError("backoff_cap_seconds must be >= backoff_base_seconds")
+        return self
+
+    # --- derived ---------------------------------------------------------------
+
+    @property
+    def dsn(self) -> str:
+        return self.database_url.get_secret_value()
+
+    def consumer_config(self, group_id: str | None = None) -> dict[str, Any]:
+        group = group_id or self.group_id
+        if not group:
+            raise ConfigError("group_id is required", setting="group_id")
+        conf: dict[str, Any] = {
+            "auto.offset.reset": "earliest",
+            "partition.assignment.strategy": "cooperative-sticky",
+            "fetch.wait.max.ms": 50,
+            **self.kafka,
+        }
+        conf.update(
+            {
+                "bootstrap.servers": self.bootstrap_servers,
+                "group.id": group,
+                "max.poll.interval.ms": self.max_poll_interval_ms,
+                "session.timeout.ms": self.session_timeout_ms,
+                **_PROTECTED_CONSUMER,
+            }
+        )
+        return conf
+
+    def producer_config(self) -> dict[str, Any]:
+        conf: dict[str, Any] = {"linger.ms": 5, "message.timeout.ms": 30_000}
+        conf.update({k: v for k, v in self.kafka.items() if not _consumer_only(k)})
+        conf.update({"bootstrap.servers": self.bootstrap_servers, **_PROTECTED_PRODUCER})
+        return conf
+
+    def admin_config(self) -> dict[str, Any]:
+        conf = {k: v for k, v in self.kafka.items() if not _consumer_only(k)}
+        conf["bootstrap.servers"] = self.bootstrap_servers
+        return conf
+
+    def redacted(self) -> dict[str, Any]:
+        """Settings for display: secrets masked, librdkafka secrets masked."""
+        data = self.model_dump(mode="json")
+        data["database_url"] = _redact_url(self.dsn)
+        data["kafka"] = {
+            k: ("**********" if _is_secret_option(k) else v) for k, v in self.kafka.items()
+        }
+        return data
+
+
+_CONSUMER_ONLY = ("auto.offset.reset", "partition.assignment.strategy", "fetch.", "group.")
+
+
+def _consumer_only(key: str) -> bool:
+    return key.startswith(_CONSUMER_ONLY)
+
+
+def _is_secret_option(key: str) -> bool:
+    return any(word in key for word in ("password", "secret", "token", "key.pem", ".key"))
+
+
+def _redact_url(url: str) -> str:
+    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:**********@", url)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build settings, turning validation errors into a :class:`ConfigError` naming the setting.
+
+    >>> load_settings(max_attempts=0)
+    Traceback (most recent call last):
+    kafka_idem.errors.ConfigError: invalid setting max_attempts (KAFKA_IDEM_MAX_ATTEMPTS): ...
+    """
+    clean = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Settings(**clean)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            name = ".".join(str(p) for p in err["loc"]) or "settings"
+            env = f"KAFKA_IDEM_{name.upper()}"
+            problems.append(f"invalid setting {name} ({env}): {err['msg']}")
+        raise ConfigError("; ".join(problems)) from exc

@@ -1,0 +1,47 @@
+"""The store's SQL, parsed once from ``queries.sql`` into named blocks.
+
+Configurable identifiers are filled with :class:`psycopg.sql.Identifier`, never
+with string formatting, so a schema or table name can't change a statement.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from importlib import resources
+
+from psycopg import sql
+
+_BLOCK = re.compile(r"^-- name: (\w+)\n(.*?)(?=^-- name: |\Z)", re.M | re.S)
+
+
+@cache
+def raw_queries() -> dict[str, str]:
+    text = resources.files(__package__).joinpath("queries.sql").read_text()
+    queries = {}
+    for name, body in _BLOCK.findall(text):
+        lines = [ln for ln in body.strip().splitlines() if not ln.lstrip().startswith("--")]
+        queries[name] = "\n".join(lines).rstrip().rstrip(";")
+    return queries
+
+
+def identifiers(schema: str, table: str) -> dict[str, sql.Composable]:
+    """Every identifier a query or migration may name, quoted."""
+    return {
+        "schema": sql.Identifier(schema),
+        "table": sql.Identifier(schema, table),
+        "audit": sql.Identifier(schema, "admin_audit"),
+        "guard": sql.Identifier(schema, f"{table}_guard"),
+        "audit_guard": sql.Identifier(schema, "admin_audit_guard"),
+        "status_idx": sql.Identifier(f"{table}_status_idx"),
+        "retry_idx": sql.Identifier(f"{table}_retry_idx"),
+        "migrations": sql.Identifier(schema, "schema_migrations"),
+    }
+
+
+def compile_queries(schema: str, table: str) -> dict[str, sql.Composed]:
+    names = identifiers(schema, table)
+    return {
+        name: sql.SQL(text).format(**names)  # type: ignore[arg-type]
+        for name, text in raw_queries().items()
+    }

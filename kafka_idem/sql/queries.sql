@@ -1,0 +1,110 @@
+-- Every runtime query of kafka_idem, one named block each ("-- name: ...").
+-- {table} and {audit} are filled with quoted identifiers (psycopg.sql.Identifier).
+-- Lease and retry times come from clock_timestamp(), the database's real time:
+-- now() is the transaction start and goes stale inside a long transaction.
+
+-- name: claim_insert
+-- Step 1 of a claim: a new key becomes ours in one statement.
+INSERT INTO {table} AS t (
+    idempotency_key, request_hash, status, owner_token, lease_until, attempts,
+    handler, kafka_topic, kafka_partition, kafka_offset, created_at, updated_at)
+VALUES (
+    %(key)s, %(hash)s, 'processing', %(token)s,
+    clock_timestamp() + make_interval(secs => %(lease)s), 1,
+    %(handler)s, %(topic)s, %(partition)s, %(offset)s, clock_timestamp(), clock_timestamp())
+ON CONFLICT (idempotency_key) DO NOTHING
+RETURNING attempts;
+
+-- name: claim_lock
+-- Step 2 of a claim, when the key existed: lock it and read what to decide on.
+-- A new statement, so READ COMMITTED sees a row whose insert we just lost a race to.
+SELECT request_hash, status, owner_token, lease_until, attempts, next_attempt_at,
+       result_json, error_kind, error_class, error_message,
+       first_failure_at, last_failure_at, clock_timestamp() AS db_now
+FROM {table}
+WHERE idempotency_key = %(key)s
+FOR UPDATE;
+
+-- name: claim_take
+-- Step 3 of a claim: take over a retryable or expired record with a new token.
+UPDATE {table}
+SET status = 'processing',
+    owner_token = %(token)s,
+    lease_until = clock_timestamp() + make_interval(secs => %(lease)s),
+    attempts = attempts + %(charge)s,
+    next_attempt_at = NULL,
+    handler = %(handler)s,
+    kafka_topic = %(topic)s,
+    kafka_partition = %(partition)s,
+    kafka_offset = %(offset)s,
+    updated_at = clock_timestamp()
+WHERE idempotency_key = %(key)s
+RETURNING attempts;
+
+-- name: complete
+-- Fenced completion: only the current owner's token turns the record into succeeded.
+UPDATE {table}
+SET status = 'succeeded',
+    result_json = %(result)s,
+    completed_token = owner_token,
+    owner_token = NULL,
+    lease_until = NULL,
+    next_attempt_at = NULL,
+    completed_at = clock_timestamp(),
+    updated_at = clock_timestamp()
+WHERE idempotency_key = %(key)s AND owner_token = %(token)s AND status = 'processing';
+
+-- name: fail
+-- Fenced failure: retryable_failed (with the next due time) or failed.
+UPDATE {table}
+SET status = %(status)s,
+    error_kind = %(kind)s,
+    error_class = %(error_class)s,
+    error_message = %(error_message)s,
+    owner_token = NULL,
+    lease_until = NULL,
+    next_attempt_at = CASE WHEN %(status)s = 'retryable_failed'
+                           THEN clock_timestamp() + make_interval(secs => %(delay)s) END,
+    first_failure_at = coalesce(first_failure_at, clock_timestamp()),
+    last_failure_at = clock_timestamp(),
+    updated_at = clock_timestamp()
+WHERE idempotency_key = %(key)s AND owner_token = %(token)s AND status = 'processing'
+RETURNING attempts, next_attempt_at, first_failure_at, last_failure_at;
+
+-- name: extend_lease
+-- Heartbeat: keep a live lease live; no row back means the lease was lost.
+UPDATE {table}
+SET lease_until = clock_timestamp() + make_interval(secs => %(lease)s),
+    updated_at = clock_timestamp()
+WHERE idempotency_key = %(key)s AND owner_token = %(token)s AND status = 'processing'
+RETURNING idempotency_key;
+
+-- name: get_record
+SELECT idempotency_key, request_hash, status, result_json, error_kind, error_class,
+       error_message, owner_token, completed_token, lease_until, attempts, next_attempt_at,
+       first_failure_at, last_failure_at, handler, kafka_topic, kafka_partition, kafka_offset,
+       created_at, updated_at, completed_at, clock_timestamp() AS db_now
+FROM {table}
+WHERE idempotency_key = %(key)s;
+
+-- name: succeeded_results
+-- Replay fast path: which of these keys already succeeded, and with what.
+SELECT idempotency_key, request_hash, result_json
+FROM {table}
+WHERE idempotency_key = ANY(%(keys)s) AND status = 'succeeded';
+
+-- name: exhaust
+-- Claim found the attempts or elapsed time used up: the record becomes failed.
+UPDATE {table}
+SET status = 'failed',
+    error_kind = 'exhausted',
+    error_class = %(error_class)s,
+    error_message = %(error_message)s,
+    owner_token = NULL,
+    lease_until = NULL,
+    next_attempt_at = NULL,
+    first_failure_at = coalesce(first_failure_at, clock_timestamp()),
+    last_failure_at = clock_timestamp(),
+    updated_at = clock_timestamp()
+WHERE idempotency_key = %(key)s AND status IN ('processing', 'retryable_failed')
+RETURNING first_failure_at, last_failure_at;

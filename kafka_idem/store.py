@@ -1,0 +1,344 @@
+"""The idempotency store: the claim / complete protocol with fencing tokens (DESIGN §4).
+
+Claim, inside the caller's transaction:
+
+1. ``claim_insert``: a new key is inserted as ``processing`` with a fresh owner
+   token and lease, ``ON CONFLICT DO NOTHING``. A returned row means **claimed**.
+2. Otherwise ``claim_lock`` locks the existing row (``FOR UPDATE``; a new
+   statement, so a row whose insert we just lost a race to is visible) and,
+   holding the lock, decides:
+
+   a. request hash differs            -> **conflict** (the record is untouched)
+   b. ``succeeded``                   -> **replay** the stored result
+   c. ``failed``                      -> **dead**: already dead-lettered, do it again
+   d. ``processing`` with a live lease
+      or ``retryable_failed`` not yet due -> **busy**, retry in ``retry_in`` seconds
+   e. attempts or elapsed time used up -> **exhausted** (moved to ``failed`` here)
+   f. otherwise                        -> ``claim_take``: new token, new lease,
+                                          attempts + 1: **claimed**
+
+Complete, in the transaction that holds the handler's business writes:
+``UPDATE ... SET status='succeeded' WHERE owner_token = mine``. No row means the
+lease was taken over; the caller must roll back, and the business writes go
+with it. The database's transition guard enforces the same rule.
+
+Every database error leaves this module as a :mod:`kafka_idem.errors` class,
+translated in :func:`translate_errors` only.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from kafka_idem.errors import (
+    IllegalTransition,
+    StaleOwner,
+    StoreError,
+    StoreUnavailable,
+    TransientStoreError,
+)
+from kafka_idem.sql import compile_queries
+
+Conn = psycopg.Connection[Any]
+
+# SQLSTATEs, never message text (PITFALLS 9).
+TRANSIENT_SQLSTATES = frozenset(
+    {
+        "40001",  # serialization_failure
+        "40P01",  # deadlock_detected
+        "55P03",  # lock_not_available
+        "57014",  # query_canceled (statement/lock timeout)
+        "53300",  # too_many_connections
+    }
+)
+UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "08000", "08003", "08006"})
+ILLEGAL_TRANSITION = "KI001"
+STALE_OWNER = "KI002"
+
+
+def classify_db_error(exc: BaseException) -> type[StoreError] | None:
+    """The store error class for a psycopg error, by SQLSTATE; ``None`` if not a DB error."""
+    if not isinstance(exc, psycopg.Error):
+        return None
+    state = exc.sqlstate or ""
+    if state == ILLEGAL_TRANSITION:
+        return IllegalTransition
+    if state == STALE_OWNER:
+        return StaleOwner
+    if state in TRANSIENT_SQLSTATES:
+        return TransientStoreError
+    if state in UNAVAILABLE_SQLSTATES or state.startswith("08"):
+        return StoreUnavailable
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) and not state:
+        return StoreUnavailable  # connection lost, no server answer
+    return StoreError
+
+
+@contextmanager
+def translate_errors(**context: Any) -> Iterator[None]:
+    """The one place psycopg errors become kafka_idem errors (``__cause__`` kept)."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        cls = classify_db_error(exc) or StoreError
+        raise cls(f"{cls.__doc__ and cls.__doc__.splitlines()[0]}: {exc}".strip(), **context) from exc
+
+
+class Outcome(enum.StrEnum):
+    CLAIMED = "claimed"
+    REPLAY = "replay"
+    BUSY = "busy"
+    CONFLICT = "conflict"
+    DEAD = "dead"
+    EXHAUSTED = "exhausted"
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """Where the message being processed came from (stored as the last delivery)."""
+
+    topic: str
+    partition: int
+    offset: int
+    handler: str
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    outcome: Outcome
+    key: str
+    token: uuid.UUID | None = None
+    attempts: int = 0
+    result: Any = None
+    retry_in: float = 0.0
+    backoff: bool = False  # busy because a retry is not due yet (not someone's live lease)
+    failing_for: float = 0.0  # seconds since the first failure, by the database clock
+    took_over: bool = False
+    previous_error_kind: str | None = None
+    error_kind: str | None = None
+    error_class: str | None = None
+    error_message: str | None = None
+    first_failure_at: dt.datetime | None = None
+    last_failure_at: dt.datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What :meth:`Store.fail` recorded."""
+
+    attempts: int
+    next_attempt_at: dt.datetime | None
+    first_failure_at: dt.datetime
+    last_failure_at: dt.datetime
+
+
+class Store:
+    """Runs the protocol's SQL on a connection the caller owns.
+
+    Methods never commit: the caller decides the transaction boundaries (one
+    for claim+handler+complete in local mode, two in leased mode).
+    """
+
+    def __init__(self, *, schema: str, table: str) -> None:
+        self.schema = schema
+        self.table = table
+        self.q = compile_queries(schema, table)
+
+    # --- claim ---------------------------------------------------------------
+
+    def claim(
+        self,
+        conn: Conn,
+        *,
+        key: str,
+        request_hash: str,
+        delivery: Delivery,
+        lease_seconds: float,
+        max_attempts: int,
+        max_elapsed_seconds: float,
+        reentrant_token: uuid.UUID | None = None,
+    ) -> Claim:
+        token = uuid.uuid4()
+        params = {
+            "key": key,
+            "hash": request_hash,
+            "token": token,
+            "lease": lease_seconds,
+            "handler": delivery.handler,
+            "topic": delivery.topic,
+            "partition": delivery.partition,
+            "offset": delivery.offset,
+        }
+        with translate_errors(key=key):
+            row = conn.execute(self.q["claim_insert"], params).fetchone()
+            if row is not None:
+                return Claim(Outcome.CLAIMED, key, token=token, attempts=int(row[0]))
+            cur = conn.cursor(row_factory=dict_row)
+            rec = cur.execute(self.q["claim_lock"], {"key": key}).fetchone()
+            if rec is None:
+                # Purged between our insert and our lock: a new key again.
+                row = conn.execute(self.q["claim_insert"], params).fetchone()
+                if row is None:
+                    raise TransientStoreError("claim raced with a purge", key=key)
+                return Claim(Outcome.CLAIMED, key, token=token, attempts=int(row[0]))
+            return self._decide(
+                conn, rec, params, max_attempts, max_elapsed_seconds, reentrant_token
+            )
+
+    def _decide(
+        self,
+        conn: Conn,
+        rec: dict[str, Any],
+        params: dict[str, Any],
+        max_attempts: int,
+        max_elapsed_seconds: float,
+        reentrant_token: uuid.UUID | None,
+    ) -> Claim:
+        key: str = params["key"]
+        status: str = rec["status"]
+        now: dt.datetime = rec["db_now"]
+        errors = {
+            "error_kind": rec["error_kind"],
+            "error_class": rec["error_class"],
+            "error_message": rec["error_message"],
+            "first_failure_at": rec["first_failure_at"],
+            "last_failure_at": rec["last_failure_at"],
+        }
+        if rec["request_hash"] != params["hash"]:
+            return Claim(Outcome.CONFLICT, key, attempts=rec["attempts"], **errors)
+        if status == "succeeded":
+            return Claim(Outcome.REPLAY, key, attempts=rec["attempts"], result=rec["result_json"])
+        if status == "failed":
+            return Claim(Outcome.DEAD, key, attempts=rec["attempts"], **errors)
+        reentrant = reentrant_token is not None and rec["owner_token"] == reentrant_token
+        if status == "processing" and rec["lease_until"] > now and not reentrant:
+            wait = (rec["lease_until"] - now).total_seconds()
+            return Claim(Outcome.BUSY, key, attempts=rec["attempts"], retry_in=wait)
+        if status == "retryable_failed" and rec["next_attempt_at"] and rec["next_attempt_at"] > now:
+            wait = (rec["next_attempt_at"] - now).total_seconds()
+            return Claim(
+                Outcome.BUSY, key, attempts=rec["attempts"], retry_in=wait, backoff=True
+            )
+        took_over = status == "processing" and not reentrant
+        first = rec["first_failure_at"]
+        failing_for = (now - first).total_seconds() if first is not None else 0.0
+        elapsed_out = first is not None and failing_for >= max_elapsed_seconds
+        if not reentrant and (rec["attempts"] >= max_attempts or elapsed_out):
+            return self._exhaust(conn, rec, key, took_over)
+        taken = conn.execute(self.q["claim_take"], {**params, "charge": 0 if reentrant else 1})
+        row = taken.fetchone()
+        assert row is not None  # we hold the row lock
+        previous = "lease_expired" if took_over else rec["error_kind"]
+        return Claim(
+            Outcome.CLAIMED,
+            key,
+            token=params["token"],
+            attempts=int(row[0]),
+            took_over=took_over,
+            failing_for=failing_for,
+            previous_error_kind=previous,
+            **{k: v for k, v in errors.items() if k != "error_kind"},
+        )
+
+    def _exhaust(self, conn: Conn, rec: dict[str, Any], key: str, took_over: bool) -> Claim:
+        kind = "exhausted"
+        message = rec["error_message"] or (
+            "lease expired on the last attempt (the process died or stalled)" if took_over else None
+        )
+        error_class = rec["error_class"] or ("LeaseExpired" if took_over else None)
+        row = conn.execute(
+            self.q["exhaust"], {"key": key, "error_class": error_class, "error_message": message}
+        ).fetchone()
+        assert row is not None
+        return Claim(
+            Outcome.EXHAUSTED,
+            key,
+            attempts=rec["attempts"],
+            error_kind=kind,
+            error_class=error_class,
+            error_message=message,
+            first_failure_at=row[0],
+            last_failure_at=row[1],
+        )
+
+    # --- complete / fail / heartbeat -----------------------------------------
+
+    def complete(self, conn: Conn, *, key: str, token: uuid.UUID, result: Any) -> None:
+        """Mark succeeded if ``token`` still owns ``key``; else raise :class:`StaleOwner`."""
+        with translate_errors(key=key):
+            cur = conn.execute(
+                self.q["complete"], {"key": key, "token": token, "result": Jsonb(result)}
+            )
+        if cur.rowcount != 1:
+            raise StaleOwner(key=key)
+
+    def fail(
+        self,
+        conn: Conn,
+        *,
+        key: str,
+        token: uuid.UUID,
+        status: str,
+        kind: str,
+        error_class: str,
+        error_message: str,
+        delay: float = 0.0,
+    ) -> Failure:
+        """Record a failure as ``retryable_failed`` (due in ``delay`` s) or ``failed``."""
+        with translate_errors(key=key):
+            row = conn.execute(
+                self.q["fail"],
+                {
+                    "key": key,
+                    "token": token,
+                    "status": status,
+                    "kind": kind,
+                    "error_class": error_class,
+                    "error_message": error_message,
+                    "delay": delay,
+                },
+            ).fetchone()
+        if row is None:
+            raise StaleOwner(key=key)
+        return Failure(int(row[0]), row[1], row[2], row[3])
+
+    def extend_lease(self, conn: Conn, *, key: str, token: uuid.UUID, lease_seconds: float) -> bool:
+        with translate_errors(key=key):
+            row = conn.execute(
+                self.q["extend_lease"], {"key": key, "token": token, "lease": lease_seconds}
+            ).fetchone()
+        return row is not None
+
+    # --- reads -----------------------------------------------------------------
+
+    def get(self, conn: Conn, key: str) -> dict[str, Any] | None:
+        with translate_errors(key=key):
+            cur = conn.cursor(row_factory=dict_row)
+            return cur.execute(self.q["get_record"], {"key": key}).fetchone()
+
+    def succeeded(self, conn: Conn, keys: Sequence[str]) -> dict[str, tuple[str, Any]]:
+        """``{key: (request_hash, result)}`` for the keys among ``keys`` that succeeded."""
+        with translate_errors():
+            rows = conn.execute(self.q["succeeded_results"], {"keys": list(keys)}).fetchall()
+        return {r[0]: (r[1], r[2]) for r in rows}
+
+
+def connect(dsn: str, *, application_name: str = "kafka_idem") -> Conn:
+    """A connection fit for the protocol: synchronous commit on (PITFALLS 8)."""
+    with translate_errors():
+        conn = psycopg.connect(dsn, autocommit=False, application_name=application_name)
+        # An asynchronously committed success could vanish in a crash after its
+        # Kafka offset was committed; insist on synchronous commit.
+        conn.execute("SET synchronous_commit = on")
+        conn.commit()
+    return conn
