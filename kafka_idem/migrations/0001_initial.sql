@@ -42,7 +42,8 @@ CREATE INDEX {retry_idx} ON {table} (next_attempt_at) WHERE status IN ('processi
 -- DELETE only inside an audited purge, and only of succeeded/failed rows.
 CREATE FUNCTION {guard}() RETURNS trigger LANGUAGE plpgsql AS $fn$
 DECLARE
-    admin text := nullif(current_setting('kafka_idem.admin_action', true), '');
+    -- coalesce: a NULL here would make the checks below NULL, and IF NULL never raises.
+    admin text := coalesce(current_setting('kafka_idem.admin_action', true), '');
 BEGIN
     IF TG_OP = 'INSERT' THEN
         IF NEW.status <> 'processing' THEN
@@ -52,7 +53,7 @@ BEGIN
         RETURN NEW;
     END IF;
     IF TG_OP = 'DELETE' THEN
-        IF admin IS DISTINCT FROM 'purge' OR OLD.status NOT IN ('succeeded', 'failed') THEN
+        IF admin <> 'purge' OR OLD.status NOT IN ('succeeded', 'failed') THEN
             RAISE EXCEPTION USING ERRCODE = 'KI001',
                 MESSAGE = format('kafka_idem: deleting a %s record is not allowed outside an audited purge (%s)', OLD.status, OLD.idempotency_key);
         END IF;

@@ -1,0 +1,82 @@
+"""Worker processes for the seed's concurrency scenarios: each runs the real
+processing path (``Processor``) on one message, released together by a barrier."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from consumers import payments
+from kafka_idem import Context
+from kafka_idem.metrics import Metrics
+from kafka_idem.processing import Deferred, Finished, Processor
+from kafka_idem.store import Store
+
+
+@dataclass
+class FakeMessage:
+    """The parts of confluent_kafka.Message the processor reads."""
+
+    topic_: str
+    partition_: int
+    offset_: int
+    key_: bytes | None
+    value_: bytes | None
+    headers_: list[tuple[str, bytes]] = field(default_factory=list)
+
+    def topic(self) -> str:
+        return self.topic_
+
+    def partition(self) -> int:
+        return self.partition_
+
+    def offset(self) -> int:
+        return self.offset_
+
+    def key(self) -> bytes | None:
+        return self.key_
+
+    def value(self) -> bytes | None:
+        return self.value_
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return self.headers_
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, 1_700_000_000_000)
+
+
+def describe(result: Any) -> tuple[str, str, str | None]:
+    if isinstance(result, Finished):
+        kind = result.letter.kind if result.letter else None
+        return ("finished", result.outcome, kind)
+    assert isinstance(result, Deferred)
+    return ("deferred", result.reason, None)
+
+
+def processor(dsn: str, topic: str, mode: str, hold: float = 0.0) -> Processor:
+    app = payments.build_app(topic=topic, mode=mode, database_url=dsn, group_id="workers")
+    if hold:
+        def slow(msg: payments.ChargeRequested, ctx: Context) -> dict[str, Any]:
+            result = payments.charge(msg, ctx)
+            time.sleep(hold)  # hold the claim while others arrive
+            return result
+
+        app.handlers[topic].fn = slow
+    return Processor(app, store=Store(schema="kafka_idem", table="task_idempotency"),
+                     codec=payments.codec(), metrics=Metrics())
+
+
+def process_one(dsn: str, topic: str, mode: str, value: bytes, offset: int,
+                barrier: Any, queue: Any, hold: float = 0.0) -> None:
+    proc = processor(dsn, topic, mode, hold)
+    msg = FakeMessage(topic, 0, offset, b"order", value)
+    proc.connection()  # connect before the barrier, so the race is on the claim
+    barrier.wait(timeout=30)
+    if mode == "local":
+        result = proc.run_local([((topic, 0), [msg])])[(topic, 0)][0]
+    else:
+        result = proc.run_leased(msg)
+    proc.close()
+    queue.put(describe(result))
