@@ -102,7 +102,11 @@ class Processor:
     def connection(self) -> Conn:
         if self._conn is None or self._conn.closed or self._conn.broken:
             self.close()
-            self._conn = connect(self.settings.dsn, application_name=f"kafka_idem:{self.app.name}")
+            self._conn = connect(
+                self.settings.dsn,
+                application_name=f"kafka_idem:{self.app.name}",
+                idle_in_transaction_timeout=self.settings.idle_in_transaction_timeout_seconds,
+            )
         return self._conn
 
     def close(self) -> None:

@@ -79,6 +79,12 @@ class Settings(BaseSettings):
     )
     max_poll_interval_ms: int = Field(300_000, ge=1000, description="librdkafka option.")
     session_timeout_ms: int = Field(45_000, ge=1000, description="librdkafka option.")
+    idle_in_transaction_timeout_seconds: float = Field(
+        300.0,
+        ge=0,
+        description="PostgreSQL ends a framework session idle in a transaction this long "
+        "(a stalled zombie's locks are released); 0 disables.",
+    )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="/metrics port.")
     log_format: Literal["text", "json"] = Field("text", description="Log output format.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")

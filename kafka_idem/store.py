@@ -333,12 +333,23 @@ class Store:
         return {r[0]: (r[1], r[2]) for r in rows}
 
 
-def connect(dsn: str, *, application_name: str = "kafka_idem") -> Conn:
-    """A connection fit for the protocol: synchronous commit on (PITFALLS 8)."""
+def connect(
+    dsn: str, *, application_name: str = "kafka_idem", idle_in_transaction_timeout: float = 0.0
+) -> Conn:
+    """A connection fit for the protocol: synchronous commit on (PITFALLS 8).
+
+    ``idle_in_transaction_timeout`` (seconds, 0 = off) lets the server end the
+    session of a member stalled inside a transaction (a zombie), releasing the
+    row locks that would otherwise block the member that took its lease over.
+    """
     with translate_errors():
         conn = psycopg.connect(dsn, autocommit=False, application_name=application_name)
         # An asynchronously committed success could vanish in a crash after its
         # Kafka offset was committed; insist on synchronous commit.
         conn.execute("SET synchronous_commit = on")
+        conn.execute(
+            "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
+            (f"{int(idle_in_transaction_timeout * 1000)}ms",),
+        )
         conn.commit()
     return conn
