@@ -58,7 +58,7 @@ class Ctx:
 @click.option("--table", help="Idempotency table (default task_idempotency).")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default=None)
 @click.pass_context
-def cli(ctx: click.Context, log_format: str | None, **overrides: Any) -> None:
+def cli(ctx: click.Context, /, log_format: str | None, **overrides: Any) -> None:
     """kafka_idem: exactly-once effects for Kafka consumers, backed by PostgreSQL."""
     clean = {k: v for k, v in overrides.items() if v is not None}
     if log_format:

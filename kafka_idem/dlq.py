@@ -68,7 +68,7 @@ class DeadLetter:
     first_failure_at: dt.datetime | None = None
     last_failure_at: dt.datetime | None = None
 
-    def headers(self, limit: int) -> list[tuple[str, bytes]]:
+    def headers(self, limit: int) -> list[tuple[str, str | bytes | None]]:
         ts_type, ts = self.source.timestamp()
         pairs: list[tuple[str, str]] = [
             ("idem.original.topic", self.source.topic()),
@@ -87,7 +87,7 @@ class DeadLetter:
         if self.idempotency_key is not None:
             pairs.append(("idem.key", bounded(self.idempotency_key, 1024)))
         # The original headers travel along, except our own from an earlier DLQ trip.
-        original = [
+        original: list[tuple[str, str | bytes | None]] = [
             (k, v or b"") for k, v in (self.source.headers() or []) if not k.startswith(PREFIX)
         ]
         return original + [(k, v.encode("utf-8")) for k, v in pairs]

@@ -89,7 +89,7 @@ class StoreError(FrameworkError):
 
 
 class StoreUnavailable(StoreError):
-    """The database is unreachable or the connection was lost; retried, never charged to a message."""
+    """The database is unreachable or the connection was lost (retried, never charged)."""
 
 
 class TransientStoreError(StoreError):

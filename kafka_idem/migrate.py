@@ -11,6 +11,7 @@ import logging
 import re
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -39,10 +40,10 @@ def migrations() -> list[Migration]:
 
 
 def render(migration: Migration, schema: str, table: str) -> sql.Composed:
-    return sql.SQL(migration.text).format(**identifiers(schema, table))  # type: ignore[arg-type]
+    return sql.SQL(migration.text).format(**identifiers(schema, table))
 
 
-def applied_versions(conn: psycopg.Connection[object], schema: str) -> list[int]:
+def applied_versions(conn: psycopg.Connection[Any], schema: str) -> list[int]:
     names = identifiers(schema, "x")
     exists = conn.execute(
         "SELECT to_regclass(format('%%I.schema_migrations', %s::text)) IS NOT NULL", (schema,)

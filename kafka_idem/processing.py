@@ -18,6 +18,7 @@ Kafka is not touched here: the runner owns the consumer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -111,10 +112,8 @@ class Processor:
 
     def close(self) -> None:
         if self._conn is not None:
-            try:
+            with contextlib.suppress(psycopg.Error):
                 self._conn.close()
-            except psycopg.Error:
-                pass
             self._conn = None
 
     @contextmanager

@@ -50,20 +50,25 @@ class RetryPolicy:
     cap: float = 60.0
     max_attempts: int = 5
     max_elapsed: float = 3600.0
+    rng: random.Random | None = None  # a seeded generator makes the jitter reproducible
 
     def bound(self, attempts: int) -> float:
         """Upper bound of the delay after ``attempts`` failed attempts."""
         exponent = min(max(attempts - 1, 0), 62)
         return float(min(self.cap, self.base * (2**exponent)))
 
-    def decide(self, *, attempts: int, elapsed: float, rng: random.Random | None = None) -> Decision:
+    def decide(
+        self, *, attempts: int, elapsed: float, rng: random.Random | None = None
+    ) -> Decision:
         if attempts >= self.max_attempts:
             return Exhausted(f"{attempts} attempts reached the limit of {self.max_attempts}")
         if elapsed >= self.max_elapsed:
-            return Exhausted(f"{elapsed:.0f}s since the first failure reached {self.max_elapsed:.0f}s")
+            return Exhausted(
+                f"{elapsed:.0f}s since the first failure reached {self.max_elapsed:.0f}s"
+            )
         if _NO_WAIT:
             return Retry(0.0)
-        return Retry((rng or random).uniform(0.0, self.bound(attempts)))
+        return Retry((rng or self.rng or random).uniform(0.0, self.bound(attempts)))
 
 
 @contextmanager

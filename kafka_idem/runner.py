@@ -39,7 +39,7 @@ from kafka_idem.codec import AvroCodec
 from kafka_idem.dlq import DeadLetterer
 from kafka_idem.errors import BrokerError
 from kafka_idem.lease import LeaseKeeper
-from kafka_idem.metrics import Metrics, Sampler
+from kafka_idem.metrics import Metrics
 from kafka_idem.processing import Deferred, Finished, Processor, Result
 from kafka_idem.store import Store
 

@@ -91,7 +91,8 @@ def translate_errors(**context: Any) -> Iterator[None]:
         yield
     except psycopg.Error as exc:
         cls = classify_db_error(exc) or StoreError
-        raise cls(f"{cls.__doc__ and cls.__doc__.splitlines()[0]}: {exc}".strip(), **context) from exc
+        summary = (cls.__doc__ or "").strip().splitlines()[0]
+        raise cls(f"{summary}: {exc}", **context) from exc
 
 
 class Outcome(enum.StrEnum):

@@ -42,6 +42,6 @@ def identifiers(schema: str, table: str) -> dict[str, sql.Composable]:
 def compile_queries(schema: str, table: str) -> dict[str, sql.Composed]:
     names = identifiers(schema, table)
     return {
-        name: sql.SQL(text).format(**names)  # type: ignore[arg-type]
+        name: sql.SQL(text).format(**names)
         for name, text in raw_queries().items()
     }
