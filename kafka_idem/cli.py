@@ -7,18 +7,21 @@ required; 2 usage or configuration error.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import sys
 from typing import Any
 
 import click
+from rich.console import Console
+from rich.table import Table
 
-from kafka_idem import logs
+from kafka_idem import admin, audit, logs
 from kafka_idem.app import App
 from kafka_idem.errors import ConfigError, FrameworkError
 from kafka_idem.migrate import migrate as run_migrations
 from kafka_idem.settings import Settings, load_settings
-from kafka_idem.store import connect
+from kafka_idem.store import Store, connect
 
 log = logging.getLogger("kafka_idem.cli")
 
@@ -114,6 +117,203 @@ def run(
     runner.install_signal_handlers()
     code = runner.run(max_seconds=max_seconds)
     sys.exit(code)
+
+
+# --- operations ------------------------------------------------------------------
+
+
+def _store(s: Settings) -> Store:
+    return Store(schema=s.schema_name, table=s.table)
+
+
+def _print_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--long-running", "long_running", help="Threshold, e.g. 10m (default: settings).")
+@click.pass_obj
+def status(obj: Ctx, as_json: bool, long_running: str | None) -> None:
+    """Counts by status, leases, long-running records, failures by kind, retry backlog."""
+    s = obj.settings()
+    threshold = _duration(long_running) if long_running else s.long_running_seconds
+    conn = connect(s.dsn)
+    try:
+        st = admin.status(conn, _store(s), long_running_seconds=threshold)
+    finally:
+        conn.close()
+    if as_json:
+        _print_json(st.to_json())
+        return
+    console = Console()
+    table = Table(title=f"kafka_idem store {s.schema_name}.{s.table}")
+    table.add_column("what")
+    table.add_column("count", justify="right")
+    for name, n in st.by_status.items():
+        table.add_row(name, str(n))
+    table.add_row("processing, live lease", str(st.processing_live))
+    table.add_row("processing, expired lease", str(st.processing_expired))
+    table.add_row(f"long-running (> {threshold:.0f}s)", str(st.long_running))
+    for kind, n in st.failed_by_kind.items():
+        table.add_row(f"failed: {kind}", str(n))
+    due = st.next_retry_at.isoformat() if st.next_retry_at else "-"
+    table.add_row("retry backlog (due now)", f"{st.retry_backlog} ({st.retry_due_now})")
+    table.add_row("next retry due", due)
+    console.print(table)
+
+
+@cli.command()
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+def inspect(obj: Ctx, key: str, as_json: bool) -> None:
+    """One record (status, hash, attempts, owner, lease, result, error, last delivery) and
+    its audit trail. Exit 1 when the key is unknown."""
+    s = obj.settings()
+    conn = connect(s.dsn)
+    try:
+        rec = admin.inspect(conn, _store(s), key)
+    finally:
+        conn.close()
+    if rec is None:
+        click.echo(f"no record with key {key!r}", err=True)
+        sys.exit(1)
+    if as_json:
+        _print_json(rec)
+        return
+    console = Console()
+    table = Table(title=key, show_header=False)
+    table.add_column("field")
+    table.add_column("value")
+    for name in ("status", "request_hash", "attempts", "owner_token", "lease_until",
+                 "lease_live", "next_attempt_at", "result_json", "error_kind", "error_class",
+                 "error_message", "first_failure_at", "last_failure_at", "completed_token",
+                 "handler", "kafka_topic", "kafka_partition", "kafka_offset", "created_at",
+                 "updated_at", "completed_at"):
+        value = rec.get(name)
+        table.add_row(name, json.dumps(value, default=str) if name == "result_json" else
+                      ("" if value is None else str(value)))
+    console.print(table)
+    trail = Table(title="audit trail")
+    for col in ("at", "actor", "action", "reason", "previous_status", "previous_error"):
+        trail.add_column(col)
+    for row in rec["audit"]:
+        trail.add_row(*(str(row[c] or "") for c in
+                        ("at", "actor", "action", "reason", "previous_status", "previous_error")))
+    console.print(trail)
+
+
+@cli.command()
+@click.argument("key")
+@click.option("--reason", required=True, help="Why (kept in the audit trail).")
+@click.option("--actor", default=None, help="Who (default: KAFKA_IDEM_ACTOR or the OS user).")
+@click.option("--dlq", "dlq_topic", help="DLQ topic to find the message in "
+              "(default: the record's topic + dlq suffix).")
+@click.pass_obj
+def rerun(obj: Ctx, key: str, reason: str, actor: str | None, dlq_topic: str | None) -> None:
+    """Audited admin re-run of a failed key: failed -> retryable_failed (fresh retry budget),
+    then republish its dead-lettered message so the consumer group runs it again.
+    Refuses succeeded and live processing records (exit 1)."""
+    from confluent_kafka import Producer
+
+    from kafka_idem import replay
+
+    s = obj.settings()
+    who = actor or audit.default_actor()
+    store = _store(s)
+    conn = connect(s.dsn)
+    try:
+        rec = store.get(conn, key)
+        conn.rollback()
+        if rec is None:
+            raise admin.Refused("no record with this key", key=key)
+        topic = dlq_topic or f"{rec['kafka_topic']}{s.dlq_suffix}"
+        letter = replay.latest_for_key(s, topic, key) if rec["status"] == "failed" else None
+        if rec["status"] == "failed" and letter is None:
+            raise admin.Refused(f"no dead-lettered message for this key in {topic}", key=key)
+        with conn.transaction():
+            admin.rerun(conn, store, key=key, actor=who, reason=reason)
+    except admin.Refused as exc:
+        click.echo(f"refused: {exc}", err=True)
+        sys.exit(1)
+    finally:
+        conn.close()
+    assert letter is not None
+    producer = Producer(s.producer_config())
+    replay.republish(producer, letter, actor=who)
+    if producer.flush(30):
+        click.echo(f"re-run recorded, but republishing failed; run: kafka-idem dlq replay "
+                   f"--dlq {topic} --key {key}", err=True)
+        sys.exit(1)
+    click.echo(f"{key}: failed -> retryable_failed by {who}; message republished to "
+               f"{letter.original_topic} from {topic}[{letter.partition}]@{letter.offset}")
+
+
+@cli.command()
+@click.option("--older-than", required=True, help="Age of records to delete, e.g. 30d.")
+@click.option("--include-failed", is_flag=True, help="Also purge old failed records.")
+@click.option("--batch-size", type=click.IntRange(1, 100_000), default=5000, show_default=True)
+@click.option("--actor", default=None, help="Who (default: KAFKA_IDEM_ACTOR or the OS user).")
+@click.option("--reason", default=None, help="Why (kept in the audit trail).")
+@click.pass_obj
+def purge(obj: Ctx, older_than: str, include_failed: bool, batch_size: int,
+          actor: str | None, reason: str | None) -> None:
+    """Retention: delete succeeded (and with --include-failed, failed) records older than
+    the window, in audited batches. Never touches processing or retryable_failed records.
+    Warns when the window is shorter than a source topic's retention."""
+    s = obj.settings()
+    seconds = _duration(older_than)
+    store = _store(s)
+    conn = connect(s.dsn)
+    try:
+        _warn_retention(s, admin.topics_seen(conn, store), seconds)
+        conn.rollback()
+        deleted = admin.purge(conn, store, older_than=seconds, include_failed=include_failed,
+                              batch_size=batch_size, actor=actor or audit.default_actor(),
+                              reason=reason)
+    finally:
+        conn.close()
+    click.echo(f"purged {deleted} records older than {older_than}")
+
+
+def _duration(text: str) -> float:
+    try:
+        return admin.parse_duration(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+def _warn_retention(s: Settings, topics: list[str], window: float) -> None:
+    """A duplicate older than the window would run again: say so when the topic keeps
+    messages longer than the window."""
+    if not topics:
+        return
+    from confluent_kafka.admin import (  # type: ignore[attr-defined]
+        AdminClient,
+        ConfigResource,
+    )
+
+    client = AdminClient(s.admin_config())
+    resources = [ConfigResource(ConfigResource.Type.TOPIC, t) for t in topics]
+    try:
+        futures = client.describe_configs(resources, request_timeout=10)
+    except Exception as exc:  # the warning is advisory; never block retention on it
+        click.echo(f"warning: could not read topic retention: {exc}", err=True)
+        return
+    for res, fut in futures.items():
+        try:
+            config = fut.result(timeout=10)
+        except Exception:  # topic deleted since: nothing to compare
+            continue
+        retention_ms = int(config["retention.ms"].value)
+        if retention_ms < 0 or retention_ms / 1000 > window:
+            shown = "forever" if retention_ms < 0 else f"{retention_ms / 86_400_000:.1f} days"
+            click.echo(
+                f"warning: topic {res.name} keeps messages for {shown}, longer than the purge "
+                f"window; a duplicate older than the window would be processed again",
+                err=True,
+            )
 
 
 def main() -> None:

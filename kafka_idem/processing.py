@@ -413,7 +413,7 @@ class Processor:
                 last=f.last_failure_at,
             ), key=prep.key)
         decision = self.app.retry_policy(handler).decide(
-            attempts=claim.attempts, elapsed=claim.failing_for
+            attempts=claim.budget_used, elapsed=claim.failing_for
         )
         if isinstance(decision, Exhausted):
             text = bounded(f"{decision.reason}; last error: {message}",

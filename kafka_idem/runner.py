@@ -39,9 +39,9 @@ from kafka_idem.codec import AvroCodec
 from kafka_idem.dlq import DeadLetterer
 from kafka_idem.errors import BrokerError
 from kafka_idem.lease import LeaseKeeper
-from kafka_idem.metrics import Metrics
+from kafka_idem.metrics import Metrics, Sampler
 from kafka_idem.processing import Deferred, Finished, Processor, Result
-from kafka_idem.store import Store
+from kafka_idem.store import Store, connect
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,9 @@ class Runner:
         self.dlq: DeadLetterer | None = None
         self._fatal: str | None = None
         self._last_lag = 0.0
+        self.sampler = Sampler(
+            self.metrics, self._sample_store, interval=self.settings.metrics_sample_seconds
+        )
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -114,6 +117,7 @@ class Runner:
         self.dlq = DeadLetterer(self.producer, header_limit=s.error_message_max)
         if self.leases is not None:
             self.leases.start()
+        self.sampler.start()
         self.consumer.subscribe(
             self.app.topics,
             on_assign=self._on_assign,
@@ -156,6 +160,7 @@ class Runner:
             self.producer = None
         if self.leases is not None:
             self.leases.stop()
+        self.sampler.stopped.set()
         self.processor.close()
         log.info("consumer stopped", extra={"action": "stopped"})
 
@@ -339,6 +344,23 @@ class Runner:
                 continue
             if high >= 0 and position >= 0:
                 self.metrics.lag.labels(topic, str(part)).set(max(high - position, 0))
+
+    def _sample_store(self) -> dict[str, Any]:
+        """Database gauges for the sampler thread (its own short-lived connection)."""
+        from kafka_idem import admin
+
+        conn = connect(self.settings.dsn, application_name="kafka_idem:metrics")
+        try:
+            st = admin.status(
+                conn, self.store, long_running_seconds=self.settings.long_running_seconds
+            )
+        finally:
+            conn.close()
+        return {
+            "by_status": st.by_status,
+            "expired_leases": st.processing_expired,
+            "long_running": st.long_running,
+        }
 
     # --- rebalance callbacks (run inside consume(); short and total) -----------
 

@@ -85,6 +85,12 @@ class Settings(BaseSettings):
         description="PostgreSQL ends a framework session idle in a transaction this long "
         "(a stalled zombie's locks are released); 0 disables.",
     )
+    long_running_seconds: float = Field(
+        300.0, gt=0, description="A record unfinished for this long counts as long-running."
+    )
+    metrics_sample_seconds: float = Field(
+        15.0, gt=0, description="Interval of the database gauges' sampling."
+    )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="/metrics port.")
     log_format: Literal["text", "json"] = Field("text", description="Log output format.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")

@@ -120,6 +120,7 @@ class Claim:
     key: str
     token: uuid.UUID | None = None
     attempts: int = 0
+    budget_used: int = 1  # attempts counted against the retry limit (since the last re-run)
     result: Any = None
     retry_in: float = 0.0
     backoff: bool = False  # busy because a retry is not due yet (not someone's live lease)
@@ -234,7 +235,8 @@ class Store:
         first = rec["first_failure_at"]
         failing_for = (now - first).total_seconds() if first is not None else 0.0
         elapsed_out = first is not None and failing_for >= max_elapsed_seconds
-        if not reentrant and (rec["attempts"] >= max_attempts or elapsed_out):
+        used = rec["attempts"] - rec["attempt_base"]  # since the last audited re-run
+        if not reentrant and (used >= max_attempts or elapsed_out):
             return self._exhaust(conn, rec, key, took_over)
         taken = conn.execute(self.q["claim_take"], {**params, "charge": 0 if reentrant else 1})
         row = taken.fetchone()
@@ -245,6 +247,7 @@ class Store:
             key,
             token=params["token"],
             attempts=int(row[0]),
+            budget_used=int(row[0]) - rec["attempt_base"],
             took_over=took_over,
             failing_for=failing_for,
             previous_error_kind=previous,

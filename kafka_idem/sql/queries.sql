@@ -18,7 +18,7 @@ RETURNING attempts;
 -- name: claim_lock
 -- Step 2 of a claim, when the key existed: lock it and read what to decide on.
 -- A new statement, so READ COMMITTED sees a row whose insert we just lost a race to.
-SELECT request_hash, status, owner_token, lease_until, attempts, next_attempt_at,
+SELECT request_hash, status, owner_token, lease_until, attempts, attempt_base, next_attempt_at,
        result_json, error_kind, error_class, error_message,
        first_failure_at, last_failure_at, clock_timestamp() AS db_now
 FROM {table}
@@ -108,3 +108,71 @@ SET status = 'failed',
     updated_at = clock_timestamp()
 WHERE idempotency_key = %(key)s AND status IN ('processing', 'retryable_failed')
 RETURNING first_failure_at, last_failure_at;
+
+-- name: audit_insert
+-- The append-only admin trail (rerun, purge, replay).
+INSERT INTO {audit} (actor, action, idempotency_key, selection, reason, previous_status,
+                     previous_error, counts)
+VALUES (%(actor)s, %(action)s, %(key)s, %(selection)s, %(reason)s, %(previous_status)s,
+        %(previous_error)s, %(counts)s)
+RETURNING id, at;
+
+-- name: audit_for_key
+SELECT id, at, actor, action, reason, previous_status, previous_error, selection, counts
+FROM {audit}
+WHERE idempotency_key = %(key)s
+ORDER BY id;
+
+-- name: status_summary
+-- Counts for `kafka-idem status` and the sampled metrics gauges.
+SELECT status,
+       count(*) AS n,
+       count(*) FILTER (WHERE status = 'processing' AND lease_until >= clock_timestamp()) AS live,
+       count(*) FILTER (WHERE status = 'processing' AND lease_until < clock_timestamp()) AS expired,
+       count(*) FILTER (WHERE status IN ('processing', 'retryable_failed')
+                        AND created_at < clock_timestamp() - make_interval(secs => %(long_running)s))
+           AS long_running,
+       count(*) FILTER (WHERE status = 'retryable_failed'
+                        AND next_attempt_at <= clock_timestamp()) AS due_now,
+       min(next_attempt_at) AS next_due
+FROM {table}
+GROUP BY status;
+
+-- name: failed_by_kind
+SELECT coalesce(error_kind, 'unknown') AS kind, count(*) AS n
+FROM {table}
+WHERE status = 'failed'
+GROUP BY 1
+ORDER BY 1;
+
+-- name: lock_record
+SELECT idempotency_key, status, lease_until, error_kind, error_class, error_message,
+       kafka_topic, handler, clock_timestamp() AS db_now
+FROM {table}
+WHERE idempotency_key = %(key)s
+FOR UPDATE;
+
+-- name: rerun
+-- The audited admin re-run: failed -> retryable_failed, due now, with a fresh
+-- retry budget. The guard allows it only with kafka_idem.admin_action = 'rerun'.
+UPDATE {table}
+SET status = 'retryable_failed',
+    next_attempt_at = clock_timestamp(),
+    attempt_base = attempts,
+    first_failure_at = NULL,
+    updated_at = clock_timestamp()
+WHERE idempotency_key = %(key)s AND status = 'failed';
+
+-- name: purge_batch
+-- Retention: one batch of old terminal records (never processing or retryable_failed).
+DELETE FROM {table}
+WHERE ctid IN (
+    SELECT ctid FROM {table}
+    WHERE status = ANY(%(statuses)s)
+      AND updated_at < clock_timestamp() - make_interval(secs => %(older_than)s)
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+);
+
+-- name: topics_seen
+SELECT DISTINCT kafka_topic FROM {table} WHERE kafka_topic IS NOT NULL;

@@ -1,0 +1,170 @@
+"""Admin operations on the store: status, inspect, audited re-run, retention purge.
+
+Every state change here is an audited admin action: it runs with
+``kafka_idem.admin_action`` set for its transaction (the transition guard lets
+``failed -> retryable_failed`` and DELETE through only then) and appends its
+audit row in that same transaction.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from psycopg.rows import dict_row
+
+from kafka_idem import audit
+from kafka_idem.errors import KafkaIdemError
+from kafka_idem.store import Conn, Store, translate_errors
+
+STATUSES = ("processing", "succeeded", "retryable_failed", "failed")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+class Refused(KafkaIdemError):
+    """The admin action was refused."""
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``'90s'``, ``'15m'``, ``'12h'``, ``'30d'``, ``'2w'`` (plain numbers are seconds).
+
+    >>> parse_duration("30d")
+    2592000.0
+    """
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a duration like 90s, 15m, 12h, 30d or 2w")
+    return float(match[1]) * _UNIT[match[2] or "s"]
+
+
+def _set_admin_action(conn: Conn, action: str) -> None:
+    conn.execute("SELECT set_config('kafka_idem.admin_action', %s, true)", (action,))
+
+
+@dataclass
+class Status:
+    by_status: dict[str, int]
+    processing_live: int
+    processing_expired: int
+    long_running: int
+    retry_backlog: int
+    retry_due_now: int
+    next_retry_at: dt.datetime | None
+    failed_by_kind: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "by_status": self.by_status,
+            "processing": {"live": self.processing_live, "expired": self.processing_expired},
+            "long_running": self.long_running,
+            "retry_backlog": {
+                "count": self.retry_backlog,
+                "due_now": self.retry_due_now,
+                "next_due_at": self.next_retry_at.isoformat() if self.next_retry_at else None,
+            },
+            "failed_by_kind": self.failed_by_kind,
+        }
+
+
+def status(conn: Conn, store: Store, *, long_running_seconds: float) -> Status:
+    with translate_errors():
+        cur = conn.cursor(row_factory=dict_row)
+        rows = cur.execute(
+            store.q["status_summary"], {"long_running": long_running_seconds}
+        ).fetchall()
+        kinds = cur.execute(store.q["failed_by_kind"]).fetchall()
+    by = {r["status"]: r for r in rows}
+    retry = by.get("retryable_failed", {})
+    return Status(
+        by_status={s: int(by[s]["n"]) if s in by else 0 for s in STATUSES},
+        processing_live=sum(int(r["live"]) for r in rows),
+        processing_expired=sum(int(r["expired"]) for r in rows),
+        long_running=sum(int(r["long_running"]) for r in rows),
+        retry_backlog=int(retry.get("n", 0)),
+        retry_due_now=int(retry.get("due_now", 0)),
+        next_retry_at=retry.get("next_due"),
+        failed_by_kind={r["kind"]: int(r["n"]) for r in kinds},
+    )
+
+
+def inspect(conn: Conn, store: Store, key: str) -> dict[str, Any] | None:
+    """The record and its audit trail, or ``None``."""
+    record = store.get(conn, key)
+    if record is None:
+        return None
+    record["lease_live"] = bool(
+        record["status"] == "processing" and record["lease_until"] > record["db_now"]
+    )
+    record["audit"] = audit.trail(conn, store, key)
+    return record
+
+
+def rerun(conn: Conn, store: Store, *, key: str, actor: str, reason: str) -> dict[str, Any]:
+    """``failed -> retryable_failed`` with an audit row, in the caller's transaction.
+
+    Refuses a missing key, a ``succeeded`` record, a live ``processing`` record,
+    and anything not ``failed`` (it is already on its way).
+    """
+    if not reason.strip():
+        raise Refused("a reason is required for a re-run", key=key)
+    with translate_errors(key=key):
+        cur = conn.cursor(row_factory=dict_row)
+        rec = cur.execute(store.q["lock_record"], {"key": key}).fetchone()
+        if rec is None:
+            raise Refused("no record with this key", key=key)
+        state = rec["status"]
+        if state == "succeeded":
+            raise Refused("the operation already succeeded; a re-run would do it twice", key=key)
+        if state == "processing" and rec["lease_until"] > rec["db_now"]:
+            raise Refused("the operation is being processed right now (live lease)", key=key)
+        if state != "failed":
+            raise Refused(f"the record is {state}, not failed; the consumer retries it", key=key)
+        _set_admin_action(conn, "rerun")
+        conn.execute(store.q["rerun"], {"key": key})
+        previous_error = f"{rec['error_kind']}: {rec['error_class']}: {rec['error_message']}"
+        audit_id = audit.record(
+            conn, store, actor=actor, action="rerun", key=key, reason=reason,
+            previous_status=state, previous_error=previous_error,
+        )
+    return {"key": key, "previous": rec, "audit_id": audit_id}
+
+
+def topics_seen(conn: Conn, store: Store) -> list[str]:
+    with translate_errors():
+        return [r[0] for r in conn.execute(store.q["topics_seen"]).fetchall()]
+
+
+def purge(
+    conn: Conn,
+    store: Store,
+    *,
+    older_than: float,
+    include_failed: bool,
+    batch_size: int,
+    actor: str,
+    reason: str | None = None,
+) -> int:
+    """Delete old ``succeeded`` (and optionally ``failed``) records in batches.
+
+    Each batch is its own transaction with its own audit row, so a long purge
+    never holds many locks and an interrupted one leaves an exact trail.
+    """
+    statuses = ["succeeded", "failed"] if include_failed else ["succeeded"]
+    selection = {"older_than_seconds": older_than, "statuses": statuses}
+    total = 0
+    while True:
+        with translate_errors(), conn.transaction():
+            _set_admin_action(conn, "purge")
+            deleted = conn.execute(
+                store.q["purge_batch"],
+                {"statuses": statuses, "older_than": older_than, "batch": batch_size},
+            ).rowcount
+            if deleted:
+                audit.record(conn, store, actor=actor, action="purge", selection=selection,
+                             reason=reason, counts={"deleted": deleted})
+        total += deleted
+        if deleted < batch_size:
+            return total

@@ -1,0 +1,63 @@
+"""The append-only audit trail of admin actions (rerun, purge, replay).
+
+Every admin action writes one row in the same transaction as its effect, so an
+effect without its audit row cannot exist. The table refuses UPDATE and DELETE.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+from typing import Any
+
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from kafka_idem.store import Conn, Store, translate_errors
+
+
+def default_actor() -> str:
+    """Who is acting: ``KAFKA_IDEM_ACTOR``, else the OS user."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return os.environ.get("KAFKA_IDEM_ACTOR") or user
+
+
+def record(
+    conn: Conn,
+    store: Store,
+    *,
+    actor: str,
+    action: str,
+    key: str | None = None,
+    selection: dict[str, Any] | None = None,
+    reason: str | None = None,
+    previous_status: str | None = None,
+    previous_error: str | None = None,
+    counts: dict[str, Any] | None = None,
+) -> int:
+    """Append one audit row inside the caller's transaction; return its id."""
+    with translate_errors(key=key):
+        row = conn.execute(
+            store.q["audit_insert"],
+            {
+                "actor": actor,
+                "action": action,
+                "key": key,
+                "selection": Jsonb(selection) if selection is not None else None,
+                "reason": reason,
+                "previous_status": previous_status,
+                "previous_error": previous_error,
+                "counts": Jsonb(counts) if counts is not None else None,
+            },
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def trail(conn: Conn, store: Store, key: str) -> list[dict[str, Any]]:
+    with translate_errors(key=key):
+        cur = conn.cursor(row_factory=dict_row)
+        return cur.execute(store.q["audit_for_key"], {"key": key}).fetchall()
