@@ -6,6 +6,7 @@ tests.apps.variants:app`` can be started with different faults:
 * ``SLOW_SECONDS`` / ``SLOW_ORDERS`` ("*" or comma list): after the business
   write, sleep (only on ``ctx.attempt <= SLOW_ATTEMPTS``, default 1).
 * ``RETRYABLE_ORDERS`` / ``RETRYABLE_ATTEMPTS``: raise Retryable on the first N attempts.
+* ``PERMANENT_ORDERS``: raise Permanent (a bug or bad data, "fixed" by restarting without it).
 * ``KILL_AFTER_WRITE_ORDERS``: SIGKILL this process right after the business
   write, on the first attempt (crash before the success state).
 * ``CRASH_BEFORE_OFFSET_COMMIT=1``: SIGKILL this process right after the database
@@ -20,7 +21,7 @@ import time
 from typing import Any
 
 from consumers import payments
-from kafka_idem import Context, Retryable
+from kafka_idem import Context, Permanent, Retryable
 from kafka_idem.runner import Runner
 
 
@@ -37,6 +38,8 @@ def _hit(var: str, order: str) -> bool:
 
 
 def charge(msg: payments.ChargeRequested, ctx: Context) -> dict[str, Any]:
+    if _hit("PERMANENT_ORDERS", msg.order_id):
+        raise Permanent("injected permanent failure")
     if _hit("RETRYABLE_ORDERS", msg.order_id) and ctx.attempt <= int(
         os.environ.get("RETRYABLE_ATTEMPTS", "1")
     ):

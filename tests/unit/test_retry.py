@@ -104,3 +104,18 @@ def test_no_wait_restores_after_an_exception() -> None:
         raise RuntimeError("boom")
     assert retry._NO_WAIT is False
     assert POLICY.decide(attempts=9, elapsed=0.0, rng=random.Random(3)) != Retry(0.0)
+
+
+def test_a_seeded_policy_rng_makes_the_jitter_reproducible() -> None:
+    def delays(policy: RetryPolicy) -> list[float]:
+        return [policy.decide(attempts=n, elapsed=0.0).delay for n in range(1, 8)]  # type: ignore[union-attr]
+
+    a = RetryPolicy(base=0.5, cap=60, max_attempts=100, rng=random.Random(42))
+    b = RetryPolicy(base=0.5, cap=60, max_attempts=100, rng=random.Random(42))
+    c = RetryPolicy(base=0.5, cap=60, max_attempts=100, rng=random.Random(43))
+    assert delays(a) == delays(b)
+    assert delays(a) != delays(c)
+    # An rng given to decide() wins over the policy's own.
+    assert a.decide(attempts=3, elapsed=0.0, rng=random.Random(1)) == POLICY.decide(
+        attempts=3, elapsed=0.0, rng=random.Random(1)
+    )
