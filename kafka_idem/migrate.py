@@ -1,8 +1,10 @@
 """Versioned, add-only schema migrations (``kafka_idem/migrations/NNNN_name.sql``).
 
-``migrate()`` applies the missing versions in order, each in its own
-transaction, under an advisory lock so two processes can't race. Running it
-twice is a no-op.
+``migrate()`` builds a new store from ``schema.sql`` (the full current schema)
+in one step and records every version as applied; an existing store gets the
+missing versions in order, each in its own transaction. An advisory lock keeps
+two migrators apart; running it twice is a no-op. A test checks that
+``schema.sql`` equals all migrations applied in order.
 """
 
 from __future__ import annotations
@@ -56,8 +58,18 @@ def applied_versions(conn: psycopg.Connection[Any], schema: str) -> list[int]:
     return [int(r[0]) for r in rows]
 
 
-def migrate(dsn: str, schema: str, table: str) -> list[Migration]:
-    """Apply the missing migrations; return the ones applied."""
+def full_schema() -> str:
+    return resources.files("kafka_idem").joinpath("schema.sql").read_text()
+
+
+def migrate(
+    dsn: str, schema: str, table: str, *, from_scratch: bool = True
+) -> list[Migration]:
+    """Apply the missing migrations; return the ones applied.
+
+    ``from_scratch=False`` applies a new store's migrations one by one instead
+    of ``schema.sql`` (the test that compares both uses it).
+    """
     names = identifiers(schema, table)
     done: list[Migration] = []
     with psycopg.connect(dsn, autocommit=False) as conn:
@@ -71,6 +83,20 @@ def migrate(dsn: str, schema: str, table: str) -> list[Migration]:
                     "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
                 ).format(names["migrations"])
             )
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"kafka_idem:{schema}",))
+            if from_scratch and not applied_versions(conn, schema):
+                conn.execute(sql.SQL(full_schema()).format(**names))
+                for migration in migrations():
+                    conn.execute(
+                        sql.SQL("INSERT INTO {} (version, name) VALUES (%s, %s)").format(
+                            names["migrations"]
+                        ),
+                        (migration.version, migration.name),
+                    )
+                    done.append(migration)
+                log.info("store created", extra={"action": "migrated", "schema": schema})
+                return done
         for migration in migrations():
             with conn.transaction():
                 conn.execute(
