@@ -111,6 +111,7 @@ class Handler(Generic[M]):
         key: KeySpec,
         hash_fields: tuple[str, ...],
         mode: Mode,
+        batch: bool,
         dlq_topic: str | None,
         schema: str | None,
         retry: RetryPolicy | None,
@@ -123,6 +124,7 @@ class Handler(Generic[M]):
         self.key = KeyTemplate(key)
         self.hash_fields = hash_fields
         self.mode: Mode = mode
+        self.batch = batch
         self.dlq_topic_override = dlq_topic
         self.schema = schema
         self.retry_override = retry
@@ -200,6 +202,7 @@ class App:
         key: KeySpec,
         hash_fields: tuple[str, ...] | list[str],
         mode: Mode = "local",
+        batch: bool = True,
         dlq_topic: str | None = None,
         schema: str | None = None,
         name: str | None = None,
@@ -213,6 +216,11 @@ class App:
         ``mode="leased"`` commits the claim first and fences the completion with
         the owner token, with a heartbeat on the lease: for handlers that call
         other systems.
+
+        ``batch=True`` (local mode) lets the batch path run many messages in one
+        transaction with pipelined statements; when a batch falls back to the
+        per-message path the handler may run again after a rollback, so keep
+        its effects in this database (or pass ``batch=False``).
         """
         if topic in self.handlers:
             raise ConfigError(f"topic {topic!r} already has a handler", setting="topic")
@@ -231,6 +239,7 @@ class App:
                 key=key,
                 hash_fields=tuple(hash_fields),
                 mode=mode,
+                batch=batch,
                 dlq_topic=dlq_topic,
                 schema=schema,
                 retry=retry,

@@ -316,6 +316,9 @@ def _warn_retention(s: Settings, topics: list[str], window: float) -> None:
             )
 
 
+from kafka_idem.cli_dlq import dlq; cli.add_command(dlq)  # noqa: E402, E702, I001
+
+
 def main() -> None:
     try:
         cli(standalone_mode=True)

@@ -187,6 +187,34 @@ class Processor:
     # --- local mode: one transaction per batch -----------------------------
 
     def run_local(self, parts: Sequence[tuple[Any, Sequence[Any]]]) -> dict[Any, list[Result]]:
+        """The batch path when it applies, else (or on fallback) the per-message path."""
+        handlers = {self.app.handlers[tp[0]] for tp, _ in parts}
+        if self.settings.batch_path and all(h.batch for h in handlers):
+            from kafka_idem.batch import Fallback, run_batch
+
+            try:
+                return run_batch(self, parts)
+            except Fallback as exc:
+                log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
+            except (FrameworkError, psycopg.Error) as exc:
+                if isinstance(exc, StoreUnavailable) or classify_db_error(exc) is StoreUnavailable:
+                    return self._all_deferred(parts, exc)
+                log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
+        return self.run_local_safe(parts)
+
+    def _all_deferred(
+        self, parts: Sequence[tuple[Any, Sequence[Any]]], exc: BaseException
+    ) -> dict[Any, list[Result]]:
+        log.warning(
+            "batch transaction failed; the batch will be retried",
+            extra={"action": "batch_failed", "kind": type(exc).__name__},
+        )
+        self.metrics.framework_errors.labels(type(exc).__name__).inc()
+        return {tp: [Deferred(0.0, "framework")] for tp, _ in parts}
+
+    def run_local_safe(
+        self, parts: Sequence[tuple[Any, Sequence[Any]]]
+    ) -> dict[Any, list[Result]]:
         """Process each partition's messages in order inside one transaction.
 
         A partition stops at its first deferred message. If the transaction
@@ -205,12 +233,7 @@ class Processor:
                             if isinstance(result, Deferred):
                                 break
         except (FrameworkError, psycopg.Error) as exc:
-            log.warning(
-                "batch transaction failed; the batch will be retried",
-                extra={"action": "batch_failed", "kind": type(exc).__name__},
-            )
-            self.metrics.framework_errors.labels(type(exc).__name__).inc()
-            return {tp: [Deferred(0.0, "framework")] for tp, _ in parts}
+            return self._all_deferred(parts, exc)
         return results
 
     def _local_one(self, conn: Conn, msg: Any) -> Result:

@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     batch_max_wait_seconds: float = Field(
         0.1, ge=0, description="Longest wait to fill a batch."
     )
+    batch_path: bool = Field(
+        True, description="Run local-mode batches on the optimistic batch path (see batch.py)."
+    )
     dlq_suffix: str = Field(".dlq", min_length=1, description="Default DLQ topic suffix.")
     error_message_max: int = Field(
         1024, ge=64, le=65536, description="Bound on error text stored and put in DLQ headers."

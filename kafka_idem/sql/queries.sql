@@ -89,6 +89,7 @@ WHERE idempotency_key = %(key)s;
 
 -- name: succeeded_results
 -- Replay fast path: which of these keys already succeeded, and with what.
+-- succeeded is terminal, so a plain snapshot read answers duplicates: no lock, no write.
 SELECT idempotency_key, request_hash, result_json
 FROM {table}
 WHERE idempotency_key = ANY(%(keys)s) AND status = 'succeeded';
@@ -176,3 +177,43 @@ WHERE ctid IN (
 
 -- name: topics_seen
 SELECT DISTINCT kafka_topic FROM {table} WHERE kafka_topic IS NOT NULL;
+
+-- name: batch_claim_insert
+-- Batch path step 1: every new key of the batch claimed in one statement, in
+-- key order (a consistent lock order between concurrent batches).
+INSERT INTO {table} AS t (
+    idempotency_key, request_hash, status, owner_token, lease_until, attempts,
+    handler, kafka_topic, kafka_partition, kafka_offset, created_at, updated_at)
+SELECT i.key, i.hash, 'processing', i.token,
+       clock_timestamp() + make_interval(secs => %(lease)s), 1,
+       i.handler, i.topic, i.part, i.off, clock_timestamp(), clock_timestamp()
+FROM unnest(%(keys)s::text[], %(hashes)s::text[], %(tokens)s::uuid[], %(handlers)s::text[],
+            %(topics)s::text[], %(parts)s::int[], %(offs)s::bigint[])
+     AS i(key, hash, token, handler, topic, part, off)
+ORDER BY i.key
+ON CONFLICT (idempotency_key) DO NOTHING
+RETURNING idempotency_key;
+
+-- name: batch_lock
+-- Batch path step 2: lock the keys that already existed, in key order.
+SELECT idempotency_key, request_hash, status, owner_token, lease_until, attempts,
+       attempt_base, next_attempt_at, result_json, error_kind, error_class, error_message,
+       first_failure_at, last_failure_at, clock_timestamp() AS db_now
+FROM {table}
+WHERE idempotency_key = ANY(%(keys)s)
+ORDER BY idempotency_key
+FOR UPDATE;
+
+-- name: batch_complete
+-- Batch path step 4: every success of the batch in one fenced statement.
+UPDATE {table} AS t
+SET status = 'succeeded',
+    result_json = v.result,
+    completed_token = t.owner_token,
+    owner_token = NULL,
+    lease_until = NULL,
+    next_attempt_at = NULL,
+    completed_at = clock_timestamp(),
+    updated_at = clock_timestamp()
+FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(results)s::jsonb[]) AS v(key, token, result)
+WHERE t.idempotency_key = v.key AND t.owner_token = v.token AND t.status = 'processing';

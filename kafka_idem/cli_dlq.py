@@ -1,0 +1,265 @@
+"""``kafka-idem dlq list|show|replay``: inspect and replay dead-letter topics.
+
+    kafka-idem dlq list --topic payments.charge-requested --kind permanent
+    kafka-idem dlq show --dlq payments.charge-requested.dlq --partition 0 --offset 42
+    kafka-idem dlq replay --topic payments.charge-requested --since 2024-05-01T00:00Z --dry-run
+
+Exit codes: 0 ok; 1 nothing matched; 2 usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from kafka_idem import audit, replay
+from kafka_idem.dlq import ERROR_KINDS
+from kafka_idem.settings import Settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+MESSAGE_WIDTH = 60
+
+
+class _Obj(Protocol):
+    """What the parent ``kafka-idem`` group puts in ``ctx.obj`` (``cli.Ctx``)."""
+
+    def settings(self) -> Settings: ...
+
+
+def _when(ctx: click.Context, param: click.Parameter, value: str | None) -> dt.datetime | None:
+    """An ISO 8601 date or date-time; without a UTC offset it is taken as UTC."""
+    if value is None:
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not an ISO 8601 date-time (e.g. 2024-05-01T10:00:00Z)"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
+def _topic_options(fn: F) -> F:
+    fn = click.option("--topic", "source_topic", metavar="SOURCE",
+                      help="Source topic; the DLQ is SOURCE + the DLQ suffix (.dlq).")(fn)
+    fn = click.option("--dlq", "dlq_topic", metavar="TOPIC", help="The DLQ topic.")(fn)
+    return fn
+
+
+def _selection_options(fn: F) -> F:
+    options = [
+        click.option("--key", help="Only this idempotency key."),
+        click.option("--kind", type=click.Choice(ERROR_KINDS), help="Only this error kind."),
+        click.option("--handler", help="Only records of this handler."),
+        click.option("--since", metavar="ISO-DATETIME", callback=_when,
+                     help="Last failure at or after this time (ISO 8601; UTC if no offset)."),
+        click.option("--until", metavar="ISO-DATETIME", callback=_when,
+                     help="Last failure before this time (ISO 8601; UTC if no offset)."),
+        click.option("--partition", type=click.IntRange(min=0), help="Only this DLQ partition."),
+        click.option("--from-offset", type=click.IntRange(min=0),
+                     help="DLQ offsets from this one (inclusive)."),
+        click.option("--to-offset", type=click.IntRange(min=0),
+                     help="DLQ offsets up to this one (inclusive)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _selection(opts: dict[str, Any]) -> replay.Selection:
+    if (opts["from_offset"] is not None and opts["to_offset"] is not None
+            and opts["from_offset"] > opts["to_offset"]):
+        raise click.BadParameter("--from-offset must be <= --to-offset")
+    return replay.Selection(
+        key=opts["key"], kind=opts["kind"], handler=opts["handler"], since=opts["since"],
+        until=opts["until"], partition=opts["partition"], from_offset=opts["from_offset"],
+        to_offset=opts["to_offset"],
+    )
+
+
+def _dlq_topic(s: Settings, dlq_topic: str | None, source_topic: str | None) -> str:
+    if bool(dlq_topic) == bool(source_topic):
+        raise click.UsageError("give exactly one of --dlq TOPIC or --topic SOURCE")
+    return dlq_topic or replay.dlq_topic_for(s, source_topic or "")
+
+
+def _nothing(message: str) -> None:
+    click.echo(message, err=True)
+    click.get_current_context().exit(1)
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def _short(text: str | None, width: int = MESSAGE_WIDTH) -> str:
+    text = " ".join((text or "").split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _time(value: dt.datetime | None) -> str:
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S") if value else ""
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def dlq() -> None:
+    """Dead-letter topics: list and show records, replay them after a fix.
+
+    The DLQ is named with --dlq TOPIC, or --topic SOURCE for SOURCE's default DLQ.
+    Filters (all optional, all must match): --key, --kind, --handler, --since/--until
+    (on the last failure time), --partition, --from-offset/--to-offset (DLQ positions).
+    Exit codes: 0 ok, 1 nothing matched, 2 usage error.
+    """
+
+
+@dlq.command("list")
+@_topic_options
+@_selection_options
+@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="At most this many records.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (a JSON list).")
+@click.pass_obj
+def list_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, limit: int,
+          as_json: bool, **opts: Any) -> None:
+    """List DLQ records (position, time, error kind and class, key, handler, attempts)."""
+    s = obj.settings()
+    topic = _dlq_topic(s, dlq_topic, source_topic)
+    selection = _selection(opts)
+    records: list[replay.DlqRecord] = []
+    more = False
+    found = replay.scan(s, topic, selection)
+    try:
+        for rec in found:
+            if len(records) == limit:
+                more = True
+                break
+            records.append(rec)
+    finally:
+        found.close()
+    if not records:
+        _nothing(f"no record of {topic} matches")
+    if as_json:
+        _echo_json([r.to_json() for r in records])
+        return
+    table = Table(title=f"{topic}: {len(records)} record(s)" + (" (--limit reached)"
+                                                                if more else ""))
+    for col in ("partition", "offset", "last failure (UTC)", "kind", "class", "key",
+                "handler", "attempts", "message"):
+        table.add_column(col, overflow="fold")
+    for r in records:
+        table.add_row(
+            str(r.partition), str(r.offset), _time(r.last_failure_at), r.kind or "",
+            r.error_class or "", r.idempotency_key or "", r.handler or "",
+            "" if r.attempts is None else str(r.attempts), _short(r.error_message),
+        )
+    Console(soft_wrap=False).print(table)
+
+
+@dlq.command()
+@_topic_options
+@click.option("--partition", type=click.IntRange(min=0), required=True, help="DLQ partition.")
+@click.option("--offset", type=click.IntRange(min=0), required=True, help="DLQ offset.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: int,
+         offset: int, as_json: bool) -> None:
+    """Show one DLQ record: every header, the Kafka key and the value's size."""
+    s = obj.settings()
+    topic = _dlq_topic(s, dlq_topic, source_topic)
+    rec = replay.read_one(s, topic, partition, offset)
+    if rec is None:
+        _nothing(f"no record at {topic}[{partition}]@{offset}")
+        return
+    if as_json:
+        _echo_json(rec.to_json())
+        return
+    console = Console(soft_wrap=False)
+    console.print(f"[bold]{topic}[{partition}]@{offset}[/bold]", highlight=False)
+    console.print(f"timestamp:  {rec.timestamp.isoformat() if rec.timestamp else '-'}",
+                  highlight=False, markup=False)
+    console.print(f"kafka key:  {replay.display_bytes(rec.key)}", highlight=False,
+                  markup=False)
+    size = "null" if rec.value is None else f"{len(rec.value)} bytes"
+    console.print(f"value:      {size}", highlight=False, markup=False)
+    table = Table(title="headers")
+    table.add_column("name", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for name, value in rec.headers:
+        table.add_row(name, replay.display_bytes(value) or "")
+    console.print(table)
+
+
+@dlq.command("replay")
+@_topic_options
+@_selection_options
+@click.option("--to", "to_topic", metavar="TOPIC",
+              help="Send to this topic instead of each record's original topic.")
+@click.option("--dry-run", is_flag=True,
+              help="Print what would be sent; send, commit and audit nothing.")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True),
+              help="At most this many records per second.")
+@click.option("--limit", type=click.IntRange(min=1),
+              help="Send at most this many records; run again to continue.")
+@click.option("--actor", help="Who replays (default: KAFKA_IDEM_ACTOR or the OS user).")
+@click.option("--group", help="The replay's own consumer group (default: derived from the "
+              "DLQ, the filters and --to, so the same replay resumes where it stopped).")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.pass_obj
+def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_topic: str | None,
+            dry_run: bool, rate: float | None, limit: int | None, actor: str | None,
+            group: str | None, no_progress: bool, as_json: bool, **opts: Any) -> None:
+    """Republish matching DLQ records to their original topic (or --to TOPIC).
+
+    Key and value bytes are unchanged; idem.replay.* headers record when, who and
+    from which DLQ position. Records whose key already succeeded are skipped. Each
+    batch and the replay's position are committed in one Kafka transaction, so an
+    interrupted replay, run again with the same filters and --to, continues where
+    it stopped without sending anything twice.
+    """
+    s = obj.settings()
+    topic = _dlq_topic(s, dlq_topic, source_topic)
+    selection = _selection(opts)
+    show_each = _would_send if dry_run and not as_json else None
+    summary = replay.replay(
+        s, None, topic, selection, to_topic=to_topic, dry_run=dry_run, rate=rate, limit=limit,
+        actor=actor or audit.default_actor(), progress=not no_progress, group=group,
+        on_record=show_each,
+    )
+    if as_json:
+        _echo_json(summary.to_json())
+    else:
+        _echo_summary(summary)
+    if summary.matched == 0:
+        _nothing(f"no record of {topic} matches (from the replay's position; "
+                 f"group {summary.group})")
+
+
+def _would_send(rec: replay.DlqRecord, target: str) -> None:
+    click.echo(f"would send {rec.dlq_topic}[{rec.partition}]@{rec.offset} -> {target}  "
+               f"kind={rec.kind} key={rec.idempotency_key or '-'}")
+
+
+def _echo_summary(summary: replay.ReplaySummary) -> None:
+    verb = "would send" if summary.dry_run else "sent"
+    count = summary.would_send if summary.dry_run else summary.sent
+    targets = ", ".join(f"{t}: {n}" for t, n in sorted(summary.targets.items())) or "-"
+    click.echo(
+        f"{'dry run: ' if summary.dry_run else ''}scanned {summary.scanned}, "
+        f"matched {summary.matched}, {verb} {count}, "
+        f"skipped (key already succeeded) {summary.skipped_succeeded}"
+    )
+    click.echo(f"targets: {targets}")
+    click.echo(f"replay group: {summary.group}")
+    if summary.limited:
+        click.echo("stopped at --limit; run the same command again to continue")
+
+
+__all__ = ["dlq"]
