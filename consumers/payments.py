@@ -15,6 +15,9 @@ framework alone, so a double execution would show as a second ledger row.
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import os
+import uuid
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -22,8 +25,12 @@ from typing import Any
 from pydantic import BaseModel
 
 from kafka_idem import App, Context, Permanent
+from kafka_idem.codec import AvroCodec
 
-TOPIC = "payments.charge-requested"
+# The topic and mode can be changed from the environment so tests and demos can
+# run the same example on a fresh topic (PAYMENTS_TOPIC) or in leased mode.
+TOPIC = os.environ.get("PAYMENTS_TOPIC", "payments.charge-requested")
+MODE = os.environ.get("PAYMENTS_MODE", "local")
 SCHEMA = "payments.ChargeRequested"
 CURRENCIES = frozenset({"EUR", "USD", "GBP", "CHF", "JPY"})
 SCHEMAS_DIR = Path(__file__).resolve().parent.parent / "schemas"
@@ -38,10 +45,6 @@ class ChargeRequested(BaseModel):
     requested_at: dt.datetime
 
 
-app = App("payments", group_id="payments", schemas_dir=SCHEMAS_DIR)
-
-
-@app.migration
 def create_tables(conn: Any) -> None:
     conn.execute("CREATE SCHEMA IF NOT EXISTS payments")
     conn.execute(
@@ -69,13 +72,6 @@ def create_tables(conn: Any) -> None:
     )
 
 
-@app.handler(
-    topic=TOPIC,
-    model=ChargeRequested,
-    key="{tenant_id}:charge:{order_id}",
-    hash_fields=("amount", "currency"),
-    schema=SCHEMA,
-)
 def charge(msg: ChargeRequested, ctx: Context) -> dict[str, Any]:
     if msg.amount <= 0:
         raise Permanent(f"amount must be positive, got {msg.amount}")
@@ -92,3 +88,53 @@ def charge(msg: ChargeRequested, ctx: Context) -> dict[str, Any]:
         (msg.tenant_id, msg.currency, msg.amount),
     )
     return {"order_id": msg.order_id, "amount": str(msg.amount), "currency": msg.currency}
+
+
+def build_app(
+    *, topic: str = TOPIC, mode: str = MODE, name: str = "payments", **settings: Any
+) -> App:
+    """The payments app on ``topic``; ``settings`` override Settings fields."""
+    settings.setdefault("schemas_dir", SCHEMAS_DIR)
+    settings.setdefault("group_id", "payments")
+    application = App(name, **settings)
+    application.migration(create_tables)
+    application.handler(
+        topic=topic,
+        model=ChargeRequested,
+        key="{tenant_id}:charge:{order_id}",
+        hash_fields=("amount", "currency"),
+        schema=SCHEMA,
+        mode=mode,  # type: ignore[arg-type]
+    )(charge)
+    return application
+
+
+app = build_app()
+
+
+@functools.cache
+def codec() -> AvroCodec:
+    return AvroCodec.from_dir(SCHEMAS_DIR)
+
+
+def encode_charge(
+    tenant_id: str,
+    order_id: str,
+    amount: Decimal | str,
+    currency: str = "EUR",
+    *,
+    request_id: str | None = None,
+    requested_at: dt.datetime | None = None,
+) -> bytes:
+    """The Avro single-object bytes of one charge request (what producers send)."""
+    return codec().encode(
+        SCHEMA,
+        {
+            "tenant_id": tenant_id,
+            "order_id": order_id,
+            "amount": Decimal(amount),
+            "currency": currency,
+            "request_id": request_id or str(uuid.uuid4()),
+            "requested_at": requested_at or dt.datetime.now(dt.UTC),
+        },
+    )

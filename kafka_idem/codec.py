@@ -20,6 +20,7 @@ import io
 import json
 import struct
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any
 import fastavro
 import fastavro.schema
 
-from kafka_idem.errors import ConfigError, Undecodable
+from kafka_idem.errors import ConfigError, SchemaRegistryUnavailable, Undecodable
 
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 CONFLUENT_MAGIC = 0
@@ -128,10 +129,22 @@ class AvroCodec:
         url = f"{self._registry_url}/schemas/ids/{schema_id}"
         try:
             with urllib.request.urlopen(url, timeout=10) as resp:
-                schema = json.loads(json.loads(resp.read())["schema"])
+                body = resp.read()
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:  # the id names no schema: the message's own fault
+                raise Undecodable(f"schema id {schema_id} not found in the registry") from exc
+            raise SchemaRegistryUnavailable(
+                f"schema registry answered HTTP {exc.code}", schema_id=schema_id
+            ) from exc
+        except OSError as exc:  # URLError, refused, reset, timed out
+            raise SchemaRegistryUnavailable(
+                f"schema registry unreachable: {exc}", schema_id=schema_id
+            ) from exc
+        try:
+            schema = json.loads(json.loads(body)["schema"])
+            parsed = fastavro.parse_schema(schema)
         except Exception as exc:
-            raise Undecodable(f"schema id {schema_id} not found in the registry: {exc}") from exc
-        parsed = fastavro.parse_schema(schema)
+            raise Undecodable(f"schema id {schema_id}: unusable registry schema: {exc}") from exc
         with self._lock:
             self._by_registry_id[schema_id] = parsed
         return parsed

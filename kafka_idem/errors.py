@@ -110,3 +110,7 @@ class DeadLetterError(FrameworkError):
 
 class BrokerError(FrameworkError):
     """The Kafka client reported an error."""
+
+
+class SchemaRegistryUnavailable(FrameworkError):
+    """The schema registry could not be asked; the message waits, it is not dead-lettered."""

@@ -28,7 +28,7 @@ class LeaseKeeper(threading.Thread):
         self.lease_seconds = lease_seconds
         self._held: dict[str, tuple[uuid.UUID, threading.Event]] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stopping = threading.Event()  # not _stop: threading.Thread has a _stop()
         self._conn: Conn | None = None
 
     @contextmanager
@@ -44,7 +44,7 @@ class LeaseKeeper(threading.Thread):
                     del self._held[key]
 
     def run(self) -> None:
-        while not self._stop.wait(self.lease_seconds / 3):
+        while not self._stopping.wait(self.lease_seconds / 3):
             with self._lock:
                 held = list(self._held.items())
             for key, (token, lost) in held:
@@ -59,11 +59,16 @@ class LeaseKeeper(threading.Thread):
                     log.warning("lease extension failed", extra={"action": "heartbeat", "key": key})
                     self._close()
                     continue
-                if not alive:
-                    lost.set()
-                    log.warning("lease lost", extra={"action": "lease_lost", "key": key})
-                    with self._lock:
-                        self._held.pop(key, None)
+                if alive:
+                    continue
+                with self._lock:
+                    if self._held.get(key, (None,))[0] != token:
+                        # Released (completed or failed by its owner) while we extended:
+                        # not a loss. Never pop a newer hold of the same key either.
+                        continue
+                    del self._held[key]
+                lost.set()
+                log.warning("lease lost", extra={"action": "lease_lost", "key": key})
         self._close()
 
     def _close(self) -> None:
@@ -74,4 +79,4 @@ class LeaseKeeper(threading.Thread):
                 self._conn = None
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()

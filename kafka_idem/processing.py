@@ -261,6 +261,11 @@ class Processor:
             prep = self.prepare(handler, msg)
         except MessageError as exc:
             return self._undecodable(handler, msg, exc)
+        except FrameworkError as exc:  # e.g. the schema registry is down: not the message's fault
+            self.metrics.framework_errors.labels(type(exc).__name__).inc()
+            log.warning("cannot decode now; the message will be retried",
+                        extra={"action": "deferred", **_fields(msg)})
+            return Deferred(self.settings.busy_retry_seconds, "framework", token=reentrant)
         claim: Claim | None = None
         try:
             with self._store_unavailable():

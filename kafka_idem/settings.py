@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kafka_idem.errors import ConfigError
@@ -108,11 +108,19 @@ class Settings(BaseSettings):
             )
         return value
 
-    @model_validator(mode="after")
-    def _backoff(self) -> Settings:
-        if self.backoff_cap_seconds < self.backoff_base_seconds:
+    @field_validator("backoff_cap_seconds")
+    @classmethod
+    def _backoff(cls, value: float, info: ValidationInfo) -> float:
+        # A field validator (not a model one) so the error names this setting and its variable.
+        base = info.data.get("backoff_base_seconds")
+        if base is not None and value < base:
             raise ValueError("backoff_cap_seconds must be >= backoff_base_seconds")
-        return self
+        return value
+
+    def __repr_args__(self) -> Any:
+        # repr() and str() show librdkafka secrets (sasl.password...) masked, like redacted().
+        for name, value in super().__repr_args__():
+            yield name, (_redact_options(value) if name == "kafka" else value)
 
     # --- derived ---------------------------------------------------------------
 
@@ -156,9 +164,7 @@ class Settings(BaseSettings):
         """Settings for display: secrets masked, librdkafka secrets masked."""
         data = self.model_dump(mode="json")
         data["database_url"] = _redact_url(self.dsn)
-        data["kafka"] = {
-            k: ("**********" if _is_secret_option(k) else v) for k, v in self.kafka.items()
-        }
+        data["kafka"] = _redact_options(self.kafka)
         return data
 
 
@@ -171,6 +177,10 @@ def _consumer_only(key: str) -> bool:
 
 def _is_secret_option(key: str) -> bool:
     return any(word in key for word in ("password", "secret", "token", "key.pem", ".key"))
+
+
+def _redact_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: ("**********" if _is_secret_option(k) else v) for k, v in options.items()}
 
 
 def _redact_url(url: str) -> str:

@@ -275,11 +275,6 @@ def test_confluent_framing_without_a_registry_is_undecodable(codec: AvroCodec) -
         codec.decode(confluent(7, charge()))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="framework bug (reported): a registry outage is raised as Undecodable, so every "
-    "Confluent-framed message would be dead-lettered as permanent instead of waiting",
-)
 def test_an_unreachable_registry_is_not_the_messages_fault() -> None:
     import socket
 

@@ -201,10 +201,6 @@ def test_the_database_secret_never_appears_in_repr_or_str() -> None:
     assert s.dsn.endswith("@127.0.0.1:55432/kafka_idem")  # still usable
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="framework bug (reported): librdkafka secrets in `kafka` are shown by repr(settings)",
-)
 def test_kafka_secrets_never_appear_in_repr_or_str() -> None:
     s = secret_settings()
     assert "kafka-pw-123" not in repr(s)

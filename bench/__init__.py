@@ -1,0 +1,1 @@
+"""Benchmarks for kafka_idem: ``python -m bench`` (see bench/README.md)."""
