@@ -14,6 +14,8 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psycopg
+
 from kafka_idem.errors import StoreError
 from kafka_idem.store import Conn, Store, connect
 
@@ -55,7 +57,7 @@ class LeaseKeeper(threading.Thread):
                         alive = self.store.extend_lease(
                             self._conn, key=key, token=token, lease_seconds=self.lease_seconds
                         )
-                except StoreError:
+                except (StoreError, psycopg.Error):  # the commit itself can fail too
                     log.warning("lease extension failed", extra={"action": "heartbeat", "key": key})
                     self._close()
                     continue
