@@ -49,6 +49,7 @@ class AvroCodec:
         self, schemas: Mapping[str, Any] | None = None, *, registry_url: str | None = None
     ) -> None:
         self._by_name: dict[str, Any] = {}
+        self._fingerprint_of: dict[str, bytes] = {}  # computing one costs ~0.3 ms
         self._by_fingerprint: dict[bytes, Any] = {}
         self._by_registry_id: dict[int, Any] = {}
         self._registry_url = registry_url.rstrip("/") if registry_url else None
@@ -74,7 +75,8 @@ class AvroCodec:
         parsed = fastavro.parse_schema(schema)
         name = parsed["name"] if isinstance(parsed, dict) else str(parsed)
         self._by_name[name] = parsed
-        self._by_fingerprint[fingerprint(parsed)] = parsed
+        self._fingerprint_of[name] = fingerprint(parsed)
+        self._by_fingerprint[self._fingerprint_of[name]] = parsed
         return name
 
     def schema(self, name: str) -> Any:
@@ -91,7 +93,7 @@ class AvroCodec:
         parsed = self.schema(name)
         buf = io.BytesIO()
         buf.write(SINGLE_OBJECT_MAGIC)
-        buf.write(fingerprint(parsed))
+        buf.write(self._fingerprint_of[name])
         fastavro.schemaless_writer(buf, parsed, dict(record))
         return buf.getvalue()
 
