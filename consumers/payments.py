@@ -72,11 +72,23 @@ def create_tables(conn: Any) -> None:
     )
 
 
-def charge(msg: ChargeRequested, ctx: Context) -> dict[str, Any]:
+def validate(msg: ChargeRequested) -> Permanent | None:
+    """The business rules; a broken rule is permanent (retrying can't fix it)."""
     if msg.amount <= 0:
-        raise Permanent(f"amount must be positive, got {msg.amount}")
+        return Permanent(f"amount must be positive, got {msg.amount}")
     if msg.currency not in CURRENCIES:
-        raise Permanent(f"unknown currency {msg.currency!r}")
+        return Permanent(f"unknown currency {msg.currency!r}")
+    return None
+
+
+def result_of(msg: ChargeRequested) -> dict[str, Any]:
+    return {"order_id": msg.order_id, "amount": str(msg.amount), "currency": msg.currency}
+
+
+def charge(msg: ChargeRequested, ctx: Context) -> dict[str, Any]:
+    problem = validate(msg)
+    if problem is not None:
+        raise problem
     ctx.tx.execute(
         "INSERT INTO payments.ledger (tenant_id, order_id, amount, currency, idempotency_key)"
         " VALUES (%s, %s, %s, %s, %s)",
@@ -87,7 +99,45 @@ def charge(msg: ChargeRequested, ctx: Context) -> dict[str, Any]:
         " ON CONFLICT (tenant_id, currency) DO UPDATE SET balance = b.balance + EXCLUDED.balance",
         (msg.tenant_id, msg.currency, msg.amount),
     )
-    return {"order_id": msg.order_id, "amount": str(msg.amount), "currency": msg.currency}
+    return result_of(msg)
+
+
+def charge_many(
+    batch: list[tuple[ChargeRequested, Context]], tx: Any
+) -> list[dict[str, Any] | Permanent]:
+    """The same effect as ``charge`` on each item, in two statements for the batch.
+
+    Rejected items write nothing and come back as their ``Permanent`` error.
+    Balances are updated in (tenant, currency) order so concurrent batches lock
+    rows in one order and can't deadlock.
+    """
+    out: list[dict[str, Any] | Permanent] = []
+    rows: list[tuple[str, str, Decimal, str, str]] = []
+    totals: dict[tuple[str, str], Decimal] = {}
+    for msg, ctx in batch:
+        problem = validate(msg)
+        if problem is not None:
+            out.append(problem)
+            continue
+        rows.append((msg.tenant_id, msg.order_id, msg.amount, msg.currency, ctx.idempotency_key))
+        pair = (msg.tenant_id, msg.currency)
+        totals[pair] = totals.get(pair, Decimal(0)) + msg.amount
+        out.append(result_of(msg))
+    if rows:
+        tenants, orders, amounts, currencies, keys = (list(col) for col in zip(*rows, strict=True))
+        tx.execute(
+            "INSERT INTO payments.ledger (tenant_id, order_id, amount, currency, idempotency_key)"
+            " SELECT * FROM unnest(%s::text[], %s::text[], %s::numeric[], %s::text[], %s::text[])",
+            (tenants, orders, amounts, currencies, keys),
+        )
+        pairs = sorted(totals)
+        tx.execute(
+            "INSERT INTO payments.balances AS b (tenant_id, currency, balance)"
+            " SELECT * FROM unnest(%s::text[], %s::text[], %s::numeric[])"
+            " ON CONFLICT (tenant_id, currency) DO UPDATE SET balance = b.balance + EXCLUDED.balance",
+            ([p[0] for p in pairs], [p[1] for p in pairs], [totals[p] for p in pairs]),
+        )
+    return out
 
 
 def build_app(
@@ -98,7 +148,7 @@ def build_app(
     settings.setdefault("group_id", "payments")
     application = App(name, **settings)
     application.migration(create_tables)
-    application.handler(
+    handler = application.handler(
         topic=topic,
         model=ChargeRequested,
         key="{tenant_id}:charge:{order_id}",
@@ -106,6 +156,7 @@ def build_app(
         schema=SCHEMA,
         mode=mode,  # type: ignore[arg-type]
     )(charge)
+    handler.bulk_handler(charge_many)
     return application
 
 

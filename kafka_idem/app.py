@@ -68,12 +68,12 @@ class Context:
     timestamp: int | None
     kafka_key: bytes | None
     headers: Mapping[str, bytes] = field(default_factory=dict)
-    _lease_lost: threading.Event = field(default_factory=threading.Event, repr=False)
+    _lease_lost: threading.Event | None = field(default=None, repr=False)
 
     @property
     def lease_lost(self) -> bool:
         """True once a heartbeat found the lease taken over (leased mode): stop early."""
-        return self._lease_lost.is_set()
+        return self._lease_lost is not None and self._lease_lost.is_set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +84,7 @@ class Done:
 
 
 Reconciler = Callable[[Any, Context], Done | None]
+BulkHandler = Callable[[list[tuple[Any, Context]], psycopg.Connection[Any]], list[Any]]
 
 
 # Default classification of exceptions a handler lets escape (first match wins).
@@ -130,6 +131,7 @@ class Handler(Generic[M]):
         self.retry_override = retry
         self.errors = errors
         self.reconcile: Reconciler | None = None
+        self.bulk: BulkHandler | None = None
         unknown = [f for f in (*self.key.fields, *hash_fields) if f not in model.model_fields]
         if unknown:
             raise ConfigError(
@@ -145,6 +147,22 @@ class Handler(Generic[M]):
         unknown outcome (or a lease lost mid-flight); ``Done(result)`` completes the
         record without calling the handler again, ``None`` retries it with the same key."""
         self.reconcile = fn
+        return fn
+
+    def bulk_handler(self, fn: BulkHandler) -> BulkHandler:
+        """Register ``fn(batch, tx) -> results``: the batch path's way to run many
+        messages in a few statements (e.g. one ``INSERT ... SELECT FROM unnest``).
+
+        ``batch`` is a list of ``(msg, ctx)`` for the claimed messages of one
+        transaction; return one JSON-able result per item, in order, or for an item
+        rejected *before anything of it was written*, a ``Permanent`` exception
+        instance (it is recorded failed and dead-lettered). It must have
+        exactly the effect of calling the handler on each item; the handler itself
+        still runs whenever the batch falls back to the per-message path (an error
+        raised here makes the batch fall back). Lock rows in a stable order (sort
+        by key) so concurrent batches can't deadlock.
+        """
+        self.bulk = fn
         return fn
 
     def classify(self, exc: BaseException) -> ErrorKind:

@@ -154,39 +154,91 @@ def _claim(proc: Processor, conn: Conn, items: list[_Item]) -> dict[str, Claim]:
 def _run_handlers(
     proc: Processor, conn: Conn, items: list[_Item], claims: dict[str, Claim]
 ) -> None:
-    """Step 4: handlers in order, pipelined; then one fenced completion."""
-    seen: dict[str, tuple[str, Any]] = {}  # key -> (hash, result) of its first run here
-    successes: list[tuple[str, uuid.UUID, Any]] = []
+    """Step 4: handlers (pipelined, or one bulk call per handler); then one fenced
+    completion. A key's second occurrence replays its first's result."""
+    first: dict[str, _Item] = {}
+    again: list[_Item] = []
+    for item in items:
+        if item.result is None and item.prep is not None:
+            if item.prep.key in first:
+                again.append(item)
+            else:
+                first[item.prep.key] = item
+    outcomes: dict[str, Any] = {}
     with translate_errors(), conn.pipeline():
-        for item in items:
-            if item.result is not None or item.prep is None:
-                continue
-            key = item.prep.key
-            if key in seen:  # a second occurrence: exactly like a redelivery
-                item.result = _replay_or_conflict(proc, item, *seen[key])
-                continue
-            claim = claims[key]
-            assert claim.token is not None
-            result = _call(proc, conn, item, claim)
-            seen[key] = (item.prep.request_hash, result)
-            successes.append((key, claim.token, result))
-            item.result = Finished("succeeded", key=key)
+        by_handler: dict[str, list[_Item]] = {}
+        for item in first.values():
+            by_handler.setdefault(item.handler.name, []).append(item)
+        for group in by_handler.values():
+            outcomes.update(_run_group(proc, conn, group, claims))
+        successes = [
+            (key, claims[key].token, value)
+            for key, value in outcomes.items()
+            if not isinstance(value, Finished)
+        ]
         cur = conn.execute(
             proc.store.q["batch_complete"],
             {
                 "keys": [s[0] for s in successes],
                 "tokens": [s[1] for s in successes],
-                "results": [Jsonb(s[2]) for s in successes],
+                "results": Jsonb([s[2] for s in successes]),
             },
         )
     if cur.rowcount != len(successes):
         raise Fallback("a completion lost its fence")
+    for key, item in first.items():
+        value = outcomes[key]
+        item.result = value if isinstance(value, Finished) else Finished("succeeded", key=key)
+    for item in again:  # exactly like a redelivery after the first attempt
+        assert item.prep is not None
+        value = outcomes[item.prep.key]
+        if isinstance(value, Finished):  # the first was dead-lettered: so is this one
+            raise Fallback("a failed key occurs twice in the batch")
+        first_prep = first[item.prep.key].prep
+        assert first_prep is not None
+        item.result = _replay_or_conflict(proc, item, first_prep.request_hash, value)
 
 
-def _call(proc: Processor, conn: Conn, item: _Item, claim: Claim) -> Any:
-    assert item.prep is not None and claim.token is not None
+def _run_group(
+    proc: Processor, conn: Conn, group: list[_Item], claims: dict[str, Claim]
+) -> dict[str, Any]:
+    """One handler's messages: ``{key: result}``, or a :class:`Finished` dead letter for
+    an item a bulk handler rejected as permanent (nothing of it was written)."""
+    handler = group[0].handler
+    if handler.bulk is None:
+        return {item.prep.key: _call(proc, conn, item, claims[item.prep.key])  # type: ignore[union-attr]
+                for item in group}
+    contexts = [_context(conn, item, claims[item.prep.key]) for item in group]  # type: ignore[union-attr]
+    started = time.perf_counter()
+    try:
+        out = handler.bulk([(item.prep.model, ctx)  # type: ignore[union-attr]
+                            for item, ctx in zip(group, contexts, strict=True)], conn)
+    except Exception as exc:
+        raise Fallback(f"bulk handler raised {type(exc).__name__}") from exc
+    finally:
+        proc.metrics.handler_seconds.labels(handler.topic, handler.name).observe(
+            time.perf_counter() - started
+        )
+    if len(out) != len(group):
+        raise Fallback(f"bulk handler returned {len(out)} results for {len(group)} messages")
+    results: dict[str, Any] = {}
+    for item, value in zip(group, out, strict=True):
+        assert item.prep is not None
+        if isinstance(value, BaseException):
+            if handler.classify(value) != "permanent":
+                raise Fallback("a bulk item failed transiently")
+            results[item.prep.key] = proc._record_failure(
+                conn, handler, item.msg, item.prep, claims[item.prep.key], value
+            )
+        else:
+            results[item.prep.key] = value
+    return results
+
+
+def _context(conn: Conn, item: _Item, claim: Claim) -> Context:
+    assert item.prep is not None
     msg = item.msg
-    ctx = Context(
+    return Context(
         tx=conn,
         idempotency_key=item.prep.key,
         request_hash=item.prep.request_hash,
@@ -199,6 +251,12 @@ def _call(proc: Processor, conn: Conn, item: _Item, claim: Claim) -> Any:
         kafka_key=msg.key(),
         headers={k: v or b"" for k, v in (msg.headers() or [])},
     )
+
+
+def _call(proc: Processor, conn: Conn, item: _Item, claim: Claim) -> Any:
+    assert item.prep is not None and claim.token is not None
+    msg = item.msg
+    ctx = _context(conn, item, claim)
     started = time.perf_counter()
     try:
         return item.handler(item.prep.model, ctx)

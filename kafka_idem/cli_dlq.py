@@ -145,6 +145,7 @@ def list_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, limit: 
         found.close()
     if not records:
         _nothing(f"no record of {topic} matches")
+    records.sort(key=lambda r: (r.partition, r.offset))
     if as_json:
         _echo_json([r.to_json() for r in records])
         return
@@ -202,7 +203,8 @@ def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: 
 @click.option("--to", "to_topic", metavar="TOPIC",
               help="Send to this topic instead of each record's original topic.")
 @click.option("--dry-run", is_flag=True,
-              help="Print what would be sent; send, commit and audit nothing.")
+              help="Print what would be sent from the replay's current position; "
+              "send, commit and audit nothing.")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True),
               help="At most this many records per second.")
 @click.option("--limit", type=click.IntRange(min=1),
@@ -227,14 +229,22 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
     s = obj.settings()
     topic = _dlq_topic(s, dlq_topic, source_topic)
     selection = _selection(opts)
-    show_each = _would_send if dry_run and not as_json else None
+    would: list[dict[str, Any]] = []
+
+    def on_record(rec: replay.DlqRecord, target: str) -> None:
+        if not as_json:
+            _would_send(rec, target)
+        would.append({"partition": rec.partition, "offset": rec.offset,
+                      "idempotency_key": rec.idempotency_key, "kind": rec.kind,
+                      "target": target})
+
     summary = replay.replay(
         s, None, topic, selection, to_topic=to_topic, dry_run=dry_run, rate=rate, limit=limit,
         actor=actor or audit.default_actor(), progress=not no_progress, group=group,
-        on_record=show_each,
+        on_record=on_record if dry_run else None,
     )
     if as_json:
-        _echo_json(summary.to_json())
+        _echo_json({**summary.to_json(), **({"would_send_records": would} if dry_run else {})})
     else:
         _echo_summary(summary)
     if summary.matched == 0:

@@ -614,19 +614,17 @@ def _run(
                     known.add(target)
                 if producer is not None:
                     _send(producer, consumer, summary, batch, actor, bucket, on_record)
-                elif on_record is not None:
+                elif on_record is not None:  # dry run
                     for rec, target in batch.send:
                         on_record(rec, target)
                 _apply(summary, batch)
-                advance(batch.scanned)
+                advance(batch.scanned, summary.sent + summary.would_send)
                 if remaining is not None and len(batch.send) >= remaining:
                     summary.limited = summary.scanned < total
                     break
         summary.completed = True
     finally:
-        consumer.close()
-        if producer is not None:
-            producer.flush(TIMEOUT)
+        consumer.close()  # the producer has nothing in flight: each batch was committed
 
 
 def _audit(
@@ -774,16 +772,26 @@ class _Progress:
         self.bar: Any = None
         if enabled and sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import Progress
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
-            self.bar = Progress(console=Console(stderr=True), transient=False)
-            self.task = self.bar.add_task("replaying", total=total)
+            self.bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("scanned, {task.fields[sent]} sent"), TimeElapsedColumn(),
+                console=Console(stderr=True),
+            )
+            self.task = self.bar.add_task("replaying", total=total, sent=0)
 
-    def __enter__(self) -> Callable[[int], None]:
+    def __enter__(self) -> Callable[[int, int], None]:
         if self.bar is None:
-            return lambda n: None
+            return lambda scanned, sent: None
         self.bar.start()
-        return lambda n: self.bar.advance(self.task, n)
+        return lambda scanned, sent: self.bar.update(self.task, advance=scanned, sent=sent)
 
     def __exit__(self, *exc: Any) -> None:
         if self.bar is not None:

@@ -67,6 +67,7 @@ class PartitionState:
     tokens: dict[int, Any] = field(default_factory=dict)  # offset -> our live claim token
     last_queued: int = -1
     to_commit: int | None = None  # next offset to commit, not yet acknowledged
+    committing: int | None = None  # the offset of an asynchronous commit in flight
 
 
 class Runner:
@@ -112,6 +113,7 @@ class Runner:
         s = self.settings
         conf = s.consumer_config(self.app.group_id)
         conf["error_cb"] = self._on_error
+        conf["on_commit"] = self._on_commit
         self.consumer = Consumer(conf)
         self.producer = Producer({**s.producer_config(), "error_cb": self._on_error})
         self.dlq = DeadLetterer(self.producer, header_limit=s.error_message_max)
@@ -149,7 +151,7 @@ class Runner:
 
     def close(self) -> None:
         if self.consumer is not None:
-            self._commit_pending()
+            self._commit_pending(sync=True)
             try:
                 self.consumer.close()  # leaves the group: partitions move at once
             except (KafkaException, RuntimeError):
@@ -290,15 +292,27 @@ class Runner:
             return random.uniform(0.1, min(10.0, 0.2 * 2 ** min(st.framework_failures, 6)))
         return res.delay
 
-    def _commit_pending(self) -> None:
+    def _commit_pending(self, *, sync: bool = False) -> None:
+        """Commit each partition's finished prefix. Asynchronous in the loop (its
+        acknowledgement arrives in :meth:`_on_commit`); synchronous when closing."""
         if self.consumer is None:
             return
         offsets = [
             TopicPartition(tp[0], tp[1], st.to_commit)
             for tp, st in self.parts.items()
-            if st.to_commit is not None
+            if st.to_commit is not None and (sync or st.committing != st.to_commit)
         ]
         if not offsets:
+            return
+        if not sync:
+            for tp_ in offsets:
+                self.parts[(tp_.topic, tp_.partition)].committing = tp_.offset
+            try:
+                self.consumer.commit(offsets=offsets, asynchronous=True)
+            except KafkaException as exc:
+                log.warning("commit failed, will retry: %s", exc, extra={"action": "commit"})
+                for tp_ in offsets:
+                    self.parts[(tp_.topic, tp_.partition)].committing = None
             return
         try:
             self.consumer.commit(offsets=offsets, asynchronous=False)
@@ -313,6 +327,21 @@ class Runner:
             st = self.parts.get((tp_.topic, tp_.partition))
             if st is not None and st.to_commit == tp_.offset:
                 st.to_commit = None
+
+    def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        """Acknowledgement of a commit (runs inside consume())."""
+        for tp_ in partitions:
+            st = self.parts.get((tp_.topic, tp_.partition))
+            if st is None:
+                continue
+            failed = err is not None or tp_.error is not None
+            if failed:
+                st.committing = None  # send it again next round
+            elif st.to_commit == tp_.offset:
+                st.to_commit = None
+                st.committing = None
+        if err is not None and err.code() != KafkaError._NO_OFFSET:
+            log.warning("commit failed, will retry: %s", err, extra={"action": "commit"})
 
     def _pause_resume(self) -> None:
         assert self.consumer is not None

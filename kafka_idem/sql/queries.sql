@@ -215,5 +215,10 @@ SET status = 'succeeded',
     next_attempt_at = NULL,
     completed_at = clock_timestamp(),
     updated_at = clock_timestamp()
-FROM unnest(%(keys)s::text[], %(tokens)s::uuid[], %(results)s::jsonb[]) AS v(key, token, result)
+FROM (
+    -- results travel as one JSON array (one encode per batch), matched by position
+    SELECT k.key, k.token, r.result
+    FROM unnest(%(keys)s::text[], %(tokens)s::uuid[]) WITH ORDINALITY AS k(key, token, n)
+    JOIN jsonb_array_elements(%(results)s::jsonb) WITH ORDINALITY AS r(result, n) USING (n)
+) AS v
 WHERE t.idempotency_key = v.key AND t.owner_token = v.token AND t.status = 'processing';

@@ -57,10 +57,10 @@ def charge(msg: payments.ChargeRequested, ctx: Context) -> dict[str, Any]:
 if os.environ.get("CRASH_BEFORE_OFFSET_COMMIT") == "1":
     _original = Runner._commit_pending
 
-    def _crash(self: Runner) -> None:
+    def _crash(self: Runner, *, sync: bool = False) -> None:
         if any(st.to_commit is not None for st in self.parts.values()):
             os.kill(os.getpid(), signal.SIGKILL)
-        _original(self)
+        _original(self, sync=sync)
 
     Runner._commit_pending = _crash  # type: ignore[method-assign]
 

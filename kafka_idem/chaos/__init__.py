@@ -1,0 +1,10 @@
+"""Chaos verification of the payments example: a fault-injecting run and an anomaly checker.
+
+* :mod:`kafka_idem.chaos.checker` reads only durable state (the source topic,
+  the DLQ topic, the group's committed offsets, PostgreSQL) and counts anomalies.
+* :mod:`kafka_idem.chaos.run` drives a consumer group of ``kafka-idem run``
+  members through seeded faults, heals, waits for the lag to reach 0 and runs
+  the checker: ``python -m kafka_idem.chaos.run --help``.
+
+See ``docs/VERIFICATION.md``.
+"""
