@@ -205,8 +205,15 @@ class Processor:
     def _all_deferred(
         self, parts: Sequence[tuple[Any, Sequence[Any]]], exc: BaseException
     ) -> dict[Any, list[Result]]:
+        cause = exc.__cause__ if isinstance(exc.__cause__, psycopg.Error) else exc
+        detail = (
+            f"{cause.sqlstate}: {cause.diag.message_primary}"
+            if isinstance(cause, psycopg.Error) and cause.sqlstate
+            else type(exc).__name__
+        )
         log.warning(
-            "batch transaction failed; the batch will be retried",
+            "batch transaction failed (%s); the batch will be retried",
+            detail,
             extra={"action": "batch_failed", "kind": type(exc).__name__},
         )
         self.metrics.framework_errors.labels(type(exc).__name__).inc()

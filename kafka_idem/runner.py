@@ -111,6 +111,7 @@ class Runner:
 
     def start(self) -> None:
         s = self.settings
+        self._check_schema()
         conf = s.consumer_config(self.app.group_id)
         conf["error_cb"] = self._on_error
         conf["on_commit"] = self._on_commit
@@ -130,6 +131,26 @@ class Runner:
             "consumer started",
             extra={"action": "started", "topic": ",".join(self.app.topics)},
         )
+
+    def _check_schema(self) -> None:
+        """Refuse to run on a store older than this code (deploy-before-migrate)."""
+        from kafka_idem.errors import ConfigError
+        from kafka_idem.migrate import applied_versions, migrations
+
+        s = self.settings
+        conn = connect(s.dsn, application_name=f"kafka_idem:{self.app.name}")
+        try:
+            have = set(applied_versions(conn, s.schema_name))
+        finally:
+            conn.close()
+        missing = [m for m in migrations() if m.version not in have]
+        if missing:
+            names = ", ".join(f"{m.version:04d}_{m.name}" for m in missing)
+            raise ConfigError(
+                f"store schema {s.schema_name!r} lacks migrations {names}: "
+                "run `kafka-idem migrate`",
+                setting="schema_name",
+            )
 
     def run(self, *, max_seconds: float | None = None) -> int:
         """Run until stopped (SIGTERM/SIGINT or :meth:`stop`); return the exit code."""
@@ -300,7 +321,9 @@ class Runner:
         offsets = [
             TopicPartition(tp[0], tp[1], st.to_commit)
             for tp, st in self.parts.items()
-            if st.to_commit is not None and (sync or st.committing != st.to_commit)
+            # One asynchronous commit in flight per partition: during a rebalance the
+            # broker holds commits, and piling them up only multiplies the failures.
+            if st.to_commit is not None and (sync or st.committing is None)
         ]
         if not offsets:
             return
@@ -335,11 +358,10 @@ class Runner:
             if st is None:
                 continue
             failed = err is not None or tp_.error is not None
-            if failed:
-                st.committing = None  # send it again next round
-            elif st.to_commit == tp_.offset:
+            if st.committing == tp_.offset:
+                st.committing = None  # the next round sends the newest offset, if any
+            if not failed and st.to_commit == tp_.offset:
                 st.to_commit = None
-                st.committing = None
         if err is not None and err.code() != KafkaError._NO_OFFSET:
             log.warning("commit failed, will retry: %s", err, extra={"action": "commit"})
 

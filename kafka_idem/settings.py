@@ -168,7 +168,21 @@ class Settings(BaseSettings):
         return data
 
 
-_CONSUMER_ONLY = ("auto.offset.reset", "partition.assignment.strategy", "fetch.", "group.")
+_CONSUMER_ONLY = (
+    "auto.offset.reset",
+    "auto.commit.",
+    "enable.auto.",
+    "enable.partition.eof",
+    "partition.assignment.strategy",
+    "fetch.",
+    "group.",
+    "heartbeat.interval.ms",
+    "session.timeout.ms",
+    "max.poll.interval.ms",
+    "isolation.level",
+    "queued.",
+    "check.crcs",
+)
 
 
 def _consumer_only(key: str) -> bool:
