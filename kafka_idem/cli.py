@@ -18,6 +18,8 @@ from rich.table import Table
 
 from kafka_idem import admin, audit, logs
 from kafka_idem.app import App
+from kafka_idem.cli_dlq import dlq
+from kafka_idem.cli_verify import verify
 from kafka_idem.errors import ConfigError, FrameworkError
 from kafka_idem.migrate import migrate as run_migrations
 from kafka_idem.settings import Settings, load_settings
@@ -316,7 +318,8 @@ def _warn_retention(s: Settings, topics: list[str], window: float) -> None:
             )
 
 
-from kafka_idem.cli_dlq import dlq; cli.add_command(dlq)  # noqa: E402, E702, I001
+cli.add_command(dlq)
+cli.add_command(verify)
 
 
 def main() -> None:

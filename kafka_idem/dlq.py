@@ -88,7 +88,10 @@ class DeadLetter:
             pairs.append(("idem.key", bounded(self.idempotency_key, 1024)))
         # The original headers travel along, except our own from an earlier DLQ trip.
         original: list[tuple[str, str | bytes | None]] = [
-            (k, v or b"") for k, v in (self.source.headers() or []) if not k.startswith(PREFIX)
+            # replay lineage stays: a replayed message that fails again says so
+            (k, v or b"")
+            for k, v in (self.source.headers() or [])
+            if not k.startswith(PREFIX) or k.startswith("idem.replay.")
         ]
         return original + [(k, v.encode("utf-8")) for k, v in pairs]
 

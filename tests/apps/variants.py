@@ -67,3 +67,9 @@ if os.environ.get("CRASH_BEFORE_OFFSET_COMMIT") == "1":
 
 app = payments.build_app(name="variants")
 app.handlers[payments.TOPIC].fn = charge
+
+# The fault hooks live in the per-message handler above; the example's bulk handler
+# (used on the batch path) would bypass them. With any hook set, run without it.
+_HOOKS = ("SLOW_ORDERS", "RETRYABLE_ORDERS", "PERMANENT_ORDERS", "KILL_AFTER_WRITE_ORDERS")
+if any(os.environ.get(var) for var in _HOOKS):
+    app.handlers[payments.TOPIC].bulk = None
