@@ -50,6 +50,10 @@ class Permanent(HandlerError):
     """Permanent failure (validation, business rule): dead-letter, never retry."""
 
 
+class RetryLimitReached(HandlerError):
+    """The retry limit is reached (raised by the framework, not by handlers)."""
+
+
 class UnknownOutcome(HandlerError):
     """A request was sent and no answer came back: reconcile before retrying with the same key."""
 

@@ -37,6 +37,7 @@ from kafka_idem.errors import (
     FrameworkError,
     InvalidPayload,
     MessageError,
+    RetryLimitReached,
     StaleOwner,
     StoreUnavailable,
     TransientStoreError,
@@ -277,15 +278,20 @@ class Processor:
         try:
             with self._store_unavailable():
                 conn = self.connection()
-                with conn.transaction():
-                    claim = self._claim(conn, handler, msg, prep, reentrant=reentrant)
+                if reentrant is None:
+                    claim = self._claim_new(conn, handler, msg, prep)
+                if claim is None:
+                    with conn.transaction():
+                        claim = self._claim(conn, handler, msg, prep, reentrant=reentrant)
                 if claim.outcome is not Outcome.CLAIMED:
                     return self._not_claimed(handler, msg, prep, claim)
                 assert claim.token is not None
                 if self.leases is None:
-                    return self._execute(conn, handler, msg, prep, claim)
+                    return self._execute(conn, handler, msg, prep, claim, pipelined=True)
                 with self.leases.hold(claim.key, claim.token) as lost:
-                    return self._execute(conn, handler, msg, prep, claim, lost=lost)
+                    return self._execute(
+                        conn, handler, msg, prep, claim, lost=lost, pipelined=True
+                    )
         except (StoreUnavailable, TransientStoreError, psycopg.Error) as exc:
             self.metrics.framework_errors.labels(type(exc).__name__).inc()
             log.warning(
@@ -298,6 +304,23 @@ class Processor:
             return Deferred(self.settings.busy_retry_seconds, "busy")
 
     # --- shared steps --------------------------------------------------------
+
+    def _claim_new(
+        self, conn: Conn, handler: Handler[Any], msg: Any, prep: Prepared
+    ) -> Claim | None:
+        """A new key claimed and committed in one round trip (autocommit), or ``None``."""
+        conn.autocommit = True
+        try:
+            return self.store.claim_new(
+                conn,
+                key=prep.key,
+                request_hash=prep.request_hash,
+                delivery=Delivery(msg.topic(), msg.partition(), msg.offset(), handler.name),
+                lease_seconds=self.settings.lease_seconds,
+            )
+        finally:
+            if not conn.closed:
+                conn.autocommit = False
 
     def _claim(
         self,
@@ -317,6 +340,7 @@ class Processor:
             max_attempts=policy.max_attempts,
             max_elapsed_seconds=policy.max_elapsed,
             reentrant_token=reentrant,
+            reconcile_first=handler.reconcile is not None,
         )
 
     def _not_claimed(
@@ -361,7 +385,12 @@ class Processor:
         prep: Prepared,
         claim: Claim,
         lost: Any = None,
+        pipelined: bool = False,
     ) -> Result:
+        """Run the handler and the fenced completion in one transaction (a savepoint
+        in local mode). ``pipelined`` (leased mode) sends BEGIN, the handler's
+        statements and the completion together: one sync after the handler, so its
+        own errors are still told apart from the completion's."""
         assert claim.token is not None
         ctx = Context(
             tx=conn,
@@ -380,8 +409,12 @@ class Processor:
             ctx._lease_lost = lost
         started = time.perf_counter()
         try:
-            with conn.transaction():  # the handler's writes, rolled back alone on failure
+            with contextlib.ExitStack() as stack:
+                pipe = stack.enter_context(conn.pipeline()) if pipelined else None
+                stack.enter_context(conn.transaction())  # rolled back alone on failure
                 result, how = self._call(handler, prep, ctx, claim)
+                if pipe is not None:
+                    pipe.sync()  # the handler's statements answer here
                 self.store.complete(conn, key=prep.key, token=claim.token, result=result)
         except (FrameworkError, StaleOwner):
             raise
@@ -411,6 +444,12 @@ class Processor:
             if isinstance(done, Done):
                 log.info("reconciled", extra={"action": "reconciled", "key": prep.key})
                 return done.result, "reconciled"
+        if claim.last_chance:
+            raise RetryLimitReached(
+                f"{claim.attempts} attempts used; the last one's outcome was unknown and "
+                "reconcile found no effect",
+                key=prep.key,
+            )
         return handler(prep.model, ctx), "succeeded"
 
     def _raise_if_gone(self, exc: BaseException) -> None:
@@ -447,9 +486,16 @@ class Processor:
                 attempts=f.attempts, key=prep.key, first=f.first_failure_at,
                 last=f.last_failure_at,
             ), key=prep.key)
-        decision = self.app.retry_policy(handler).decide(
-            attempts=claim.budget_used, elapsed=claim.failing_for
+        policy = self.app.retry_policy(handler)
+        decision = (
+            Exhausted("retry limit reached")
+            if isinstance(exc, RetryLimitReached)
+            else policy.decide(attempts=claim.budget_used, elapsed=claim.failing_for)
         )
+        if isinstance(decision, Exhausted) and kind == "unknown_outcome" and handler.reconcile:
+            # The effect may have happened: one more claim, which only reconciles
+            # (Claim.last_chance), decides between succeeded and exhausted.
+            decision = policy.delay(claim.budget_used)
         if isinstance(decision, Exhausted):
             text = bounded(f"{decision.reason}; last error: {message}",
                            self.settings.error_message_max)

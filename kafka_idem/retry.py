@@ -66,6 +66,10 @@ class RetryPolicy:
             return Exhausted(
                 f"{elapsed:.0f}s since the first failure reached {self.max_elapsed:.0f}s"
             )
+        return self.delay(attempts, rng=rng)
+
+    def delay(self, attempts: int, *, rng: random.Random | None = None) -> Retry:
+        """The jittered wait after ``attempts`` failed attempts, whatever the limits."""
         if _NO_WAIT:
             return Retry(0.0)
         return Retry((rng or self.rng or random).uniform(0.0, self.bound(attempts)))

@@ -126,6 +126,7 @@ class Claim:
     backoff: bool = False  # busy because a retry is not due yet (not someone's live lease)
     failing_for: float = 0.0  # seconds since the first failure, by the database clock
     took_over: bool = False
+    last_chance: bool = False  # limit reached: reconcile, then succeed or be exhausted
     previous_error_kind: str | None = None
     error_kind: str | None = None
     error_class: str | None = None
@@ -169,22 +170,13 @@ class Store:
         max_attempts: int,
         max_elapsed_seconds: float,
         reentrant_token: uuid.UUID | None = None,
+        reconcile_first: bool = False,
     ) -> Claim:
-        token = uuid.uuid4()
-        params = {
-            "key": key,
-            "hash": request_hash,
-            "token": token,
-            "lease": lease_seconds,
-            "handler": delivery.handler,
-            "topic": delivery.topic,
-            "partition": delivery.partition,
-            "offset": delivery.offset,
-        }
+        params = self._claim_params(key, request_hash, delivery, lease_seconds)
         with translate_errors(key=key):
             row = conn.execute(self.q["claim_insert"], params).fetchone()
             if row is not None:
-                return Claim(Outcome.CLAIMED, key, token=token, attempts=int(row[0]))
+                return Claim(Outcome.CLAIMED, key, token=params["token"], attempts=int(row[0]))
             cur = conn.cursor(row_factory=dict_row)
             rec = cur.execute(self.q["claim_lock"], {"key": key}).fetchone()
             if rec is None:
@@ -192,10 +184,39 @@ class Store:
                 row = conn.execute(self.q["claim_insert"], params).fetchone()
                 if row is None:
                     raise TransientStoreError("claim raced with a purge", key=key)
-                return Claim(Outcome.CLAIMED, key, token=token, attempts=int(row[0]))
+                return Claim(Outcome.CLAIMED, key, token=params["token"], attempts=int(row[0]))
             return self._decide(
-                conn, rec, params, max_attempts, max_elapsed_seconds, reentrant_token
+                conn, rec, params, max_attempts, max_elapsed_seconds, reentrant_token,
+                reconcile_first,
             )
+
+    def claim_new(
+        self, conn: Conn, *, key: str, request_hash: str, delivery: Delivery, lease_seconds: float
+    ) -> Claim | None:
+        """Step 1 alone: claim ``key`` if it is new, else ``None`` (then call :meth:`claim`).
+
+        On an autocommit connection this is a whole claim in one round trip."""
+        params = self._claim_params(key, request_hash, delivery, lease_seconds)
+        with translate_errors(key=key):
+            row = conn.execute(self.q["claim_insert"], params).fetchone()
+        if row is None:
+            return None
+        return Claim(Outcome.CLAIMED, key, token=params["token"], attempts=int(row[0]))
+
+    @staticmethod
+    def _claim_params(
+        key: str, request_hash: str, delivery: Delivery, lease_seconds: float
+    ) -> dict[str, Any]:
+        return {
+            "key": key,
+            "hash": request_hash,
+            "token": uuid.uuid4(),
+            "lease": lease_seconds,
+            "handler": delivery.handler,
+            "topic": delivery.topic,
+            "partition": delivery.partition,
+            "offset": delivery.offset,
+        }
 
     def _decide(
         self,
@@ -205,6 +226,7 @@ class Store:
         max_attempts: int,
         max_elapsed_seconds: float,
         reentrant_token: uuid.UUID | None,
+        reconcile_first: bool,
     ) -> Claim:
         key: str = params["key"]
         status: str = rec["status"]
@@ -236,9 +258,17 @@ class Store:
         failing_for = (now - first).total_seconds() if first is not None else 0.0
         elapsed_out = first is not None and failing_for >= max_elapsed_seconds
         used = rec["attempts"] - rec["attempt_base"]  # since the last audited re-run
+        last_chance = False
         if not reentrant and (used >= max_attempts or elapsed_out):
-            return self._exhaust(conn, rec, key, took_over)
-        taken = conn.execute(self.q["claim_take"], {**params, "charge": 0 if reentrant else 1})
+            # The limit is reached; but if the last attempt's outcome is unknown (it
+            # died mid-flight, or said so), the effect may have happened: a handler
+            # with a reconciler asks first, and only then is the key exhausted.
+            unknown = took_over or rec["error_kind"] == "unknown_outcome"
+            if not (reconcile_first and unknown):
+                return self._exhaust(conn, rec, key, took_over)
+            last_chance = True
+        charge = 0 if reentrant or last_chance else 1
+        taken = conn.execute(self.q["claim_take"], {**params, "charge": charge})
         row = taken.fetchone()
         assert row is not None  # we hold the row lock
         previous = "lease_expired" if took_over else rec["error_kind"]
@@ -250,6 +280,7 @@ class Store:
             budget_used=int(row[0]) - rec["attempt_base"],
             took_over=took_over,
             failing_for=failing_for,
+            last_chance=last_chance,
             previous_error_kind=previous,
             **{k: v for k, v in errors.items() if k != "error_kind"},
         )
@@ -280,10 +311,10 @@ class Store:
     def complete(self, conn: Conn, *, key: str, token: uuid.UUID, result: Any) -> None:
         """Mark succeeded if ``token`` still owns ``key``; else raise :class:`StaleOwner`."""
         with translate_errors(key=key):
-            cur = conn.execute(
+            row = conn.execute(
                 self.q["complete"], {"key": key, "token": token, "result": Jsonb(result)}
-            )
-        if cur.rowcount != 1:
+            ).fetchone()  # a row, not rowcount: rowcount is unknown in pipeline mode
+        if row is None:
             raise StaleOwner(key=key)
 
     def fail(

@@ -52,7 +52,8 @@ SET status = 'succeeded',
     next_attempt_at = NULL,
     completed_at = clock_timestamp(),
     updated_at = clock_timestamp()
-WHERE idempotency_key = %(key)s AND owner_token = %(token)s AND status = 'processing';
+WHERE idempotency_key = %(key)s AND owner_token = %(token)s AND status = 'processing'
+RETURNING attempts;
 
 -- name: fail
 -- Fenced failure: retryable_failed (with the next due time) or failed.

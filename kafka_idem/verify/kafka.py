@@ -7,15 +7,16 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from kafka_idem.errors import BrokerError
 from kafka_idem.settings import Settings
 
 TIMEOUT = 30.0
+T = TypeVar("T")
 
 
 class Timeout(Exception):
@@ -46,6 +47,37 @@ class Sent:
     value: bytes
 
 
+_TRANSIENT = {
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError._TIMED_OUT,
+    KafkaError._TRANSPORT,
+    KafkaError._ALL_BROKERS_DOWN,
+}
+
+
+def retrying(fn: Callable[[], T], *, what: str, timeout: float = TIMEOUT,
+             also: frozenset[int] = frozenset()) -> T:
+    """``fn()``, again after a short pause while the broker answers with a transient
+    error (a coordinator moving or loading, a leader election, a timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return fn()
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            transient = isinstance(err, KafkaError) and (
+                err.code() in _TRANSIENT or err.code() in also
+                or (err.retriable() and not err.fatal()))
+            if not transient or time.monotonic() > deadline:
+                raise BrokerError(f"{what}: {exc}") from exc
+            time.sleep(0.5)
+
+
 def headers(msg: Any) -> dict[str, str]:
     return {k: (v or b"").decode("utf-8", "replace") for k, v in (msg.headers() or [])}
 
@@ -54,7 +86,13 @@ class Kafka:
     def __init__(self, settings: Settings, run_id: str) -> None:
         self.settings = settings
         self.run_id = run_id
-        self.admin = AdminClient(settings.admin_config())
+        self._admin: AdminClient | None = None
+
+    @property
+    def admin(self) -> AdminClient:
+        if self._admin is None:  # made once the broker answered (see check)
+            self._admin = AdminClient(self.settings.admin_config())
+        return self._admin
 
     def _consumer(self, group: str, **extra: Any) -> Consumer:
         conf = self.settings.consumer_config(group)
@@ -62,26 +100,36 @@ class Kafka:
         return Consumer(conf)
 
     def check(self) -> None:
+        # A client of its own with librdkafka's logging off: an unreachable broker is
+        # reported once, below, not by a log line per reconnect attempt.
+        probe = AdminClient({**self.settings.admin_config(), "log_level": 0})
         try:
-            self.admin.list_topics(timeout=10)
+            probe.list_topics(timeout=10)
         except KafkaException as exc:
             raise BrokerError(f"Kafka at {self.settings.bootstrap_servers} is not reachable: "
                               f"{exc}") from exc
 
-    def topics(self) -> set[str]:
-        return set(self.admin.list_topics(timeout=TIMEOUT).topics)
-
     def create_topics(self, names: Sequence[str], partitions: int) -> None:
-        # Replication factor: the broker's default (-1), so this works on real clusters.
-        futures = self.admin.create_topics(
-            [NewTopic(n, num_partitions=partitions, replication_factor=-1) for n in names],
-            operation_timeout=TIMEOUT,
-        )
-        for f in futures.values():
-            f.result(timeout=TIMEOUT)
+        def create() -> None:
+            # Replication factor: the broker's default (-1), so this works on real clusters.
+            futures = self.admin.create_topics(
+                [NewTopic(n, num_partitions=partitions, replication_factor=-1) for n in names],
+                operation_timeout=TIMEOUT,
+            )
+            for f in futures.values():
+                try:
+                    f.result(timeout=TIMEOUT)
+                except KafkaException as exc:  # fresh names: "exists" means our own retry
+                    if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                        raise
+
+        retrying(create, what=f"creating topics {list(names)}")
 
         def ready() -> bool:
-            md = self.admin.list_topics(timeout=10)
+            try:
+                md = self.admin.list_topics(timeout=10)
+            except KafkaException:
+                return False  # the broker is busy (or restarting): ask again
             return all(n in md.topics and md.topics[n].error is None
                        and len(md.topics[n].partitions) == partitions
                        and all(p.leader >= 0 for p in md.topics[n].partitions.values())
@@ -90,25 +138,42 @@ class Kafka:
         wait_for(ready, timeout=TIMEOUT, what=f"topics {list(names)} to have leaders")
 
     def delete_topics(self, names: Sequence[str]) -> list[str]:
-        """Delete; return the errors (a topic already gone is not one)."""
-        if not names:
-            return []
-        errors = []
-        for name, f in self.admin.delete_topics(list(names), operation_timeout=TIMEOUT).items():
-            try:
-                f.result(timeout=TIMEOUT)
-            except KafkaException as exc:
-                if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
-                    errors.append(f"topic {name}: {exc}")
-        return errors
+        """Delete; return the problems (a topic already gone is not one)."""
+        gone: set[str] = set()
+
+        def delete() -> None:
+            todo = [n for n in names if n not in gone]
+            if not todo:
+                return
+            for name, f in self.admin.delete_topics(todo, operation_timeout=TIMEOUT).items():
+                try:
+                    f.result(timeout=TIMEOUT)
+                except KafkaException as exc:
+                    if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                        raise
+                gone.add(name)
+
+        try:
+            retrying(delete, what=f"deleting topics {list(names)}")
+        except BrokerError as exc:
+            return [str(exc)]
+        return []
 
     def delete_group(self, group: str) -> list[str]:
-        try:
+        """Delete; a group still holding a killed member waits for its session to end."""
+        def delete() -> None:
             for f in self.admin.delete_consumer_groups([group], request_timeout=TIMEOUT).values():
-                f.result(timeout=TIMEOUT)
-        except KafkaException as exc:
-            if exc.args[0].code() not in (KafkaError.GROUP_ID_NOT_FOUND,):
-                return [f"group {group}: {exc}"]
+                try:
+                    f.result(timeout=TIMEOUT)
+                except KafkaException as exc:
+                    if exc.args[0].code() != KafkaError.GROUP_ID_NOT_FOUND:
+                        raise
+
+        try:
+            retrying(delete, what=f"deleting group {group}",
+                     also=frozenset({KafkaError.NON_EMPTY_GROUP}))
+        except BrokerError as exc:
+            return [str(exc)]
         return []
 
     def produce(self, topic: str,
@@ -137,20 +202,28 @@ class Kafka:
 
     def end_offsets(self, topic: str) -> dict[int, int]:
         c = self._consumer(f"kafka-idem-verify-probe-{self.run_id}")
-        try:
+
+        def ask() -> dict[int, int]:
             parts = c.list_topics(topic, timeout=TIMEOUT).topics[topic].partitions
             return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=TIMEOUT)[1]
                     for p in parts}
+
+        try:
+            return retrying(ask, what=f"end offsets of {topic}")
         finally:
             c.close()
 
     def committed(self, group: str, topic: str) -> dict[int, int]:
         """The group's committed offset per partition (negative: none)."""
         c = self._consumer(group)  # never subscribes: only asks for the committed offsets
-        try:
+
+        def ask() -> dict[int, int]:
             parts = c.list_topics(topic, timeout=TIMEOUT).topics[topic].partitions
             tps = [TopicPartition(topic, p) for p in parts]
             return {tp.partition: tp.offset for tp in c.committed(tps, timeout=TIMEOUT)}
+
+        try:
+            return retrying(ask, what=f"committed offsets of {group}")
         finally:
             c.close()
 
@@ -176,8 +249,9 @@ class Kafka:
                     err = m.error()
                     if err is None:
                         out.append(m)
-                        if m.offset() >= ends[m.partition()] - 1:
-                            pending.discard(m.partition())
+                        part, offset = m.partition(), m.offset()
+                        if part is not None and offset is not None and offset >= ends[part] - 1:
+                            pending.discard(part)
                     elif err.code() == KafkaError._PARTITION_EOF:
                         pending.discard(m.partition())
         finally:

@@ -5,6 +5,7 @@ nothing behind unless asked to keep it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -138,10 +139,8 @@ def _remove(admin: AdminClient, run_id: str, report: dict[str, Any]) -> None:
     groups = groups_of(admin, run_id)
     if groups:
         for fut in admin.delete_consumer_groups(groups, request_timeout=30).values():
-            try:
+            with contextlib.suppress(KafkaException):
                 fut.result(timeout=30)
-            except KafkaException:
-                pass
     if report.get("logs"):
         for log in Path(report["logs"]).glob("*.log"):
             log.unlink()

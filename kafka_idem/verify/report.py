@@ -1,0 +1,141 @@
+"""What ``kafka-idem verify`` found: per scenario the checks, the durable figures they
+were decided on, and the verdict; printed as a table and written as JSON."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+PASS, FAIL, SKIPPED = "PASS", "FAIL", "SKIPPED"
+
+
+@dataclass
+class Check:
+    what: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class Outcome:
+    """One scenario's result; its verdict follows from its checks."""
+
+    id: str
+    title: str
+    checks: list[Check] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+    skipped: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
+    artefacts: dict[str, Any] = field(default_factory=dict)
+    cleanup_errors: list[str] = field(default_factory=list)
+
+    def check(self, what: str, ok: bool, detail: Any = "") -> bool:
+        self.checks.append(Check(what, bool(ok), str(detail)))
+        return bool(ok)
+
+    def figure(self, **figures: Any) -> None:
+        self.figures.update(figures)
+
+    @property
+    def status(self) -> str:
+        if self.skipped is not None and not self.checks and self.error is None:
+            return SKIPPED
+        if self.error is not None or not self.checks or not all(c.ok for c in self.checks):
+            return FAIL
+        return PASS
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "title": self.title,
+            "status": self.status,
+            "checks": [{"what": c.what, "ok": c.ok, "detail": c.detail} for c in self.checks],
+            "figures": self.figures,
+            "skipped": self.skipped,
+            "error": self.error,
+            "seconds": round(self.seconds, 2),
+            "artefacts": self.artefacts,
+            "cleanup_errors": self.cleanup_errors,
+        }
+
+
+@dataclass
+class Report:
+    run_id: str
+    bootstrap_servers: str
+    database: str
+    kept: bool
+    started_at: dt.datetime
+    outcomes: list[Outcome] = field(default_factory=list)
+    seconds: float = 0.0
+    logs: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(o.status != FAIL for o in self.outcomes)
+
+    def to_json(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for o in self.outcomes:
+            counts[o.status] = counts.get(o.status, 0) + 1
+        return {
+            "run_id": self.run_id,
+            "passed": self.passed,
+            "counts": counts,
+            "bootstrap_servers": self.bootstrap_servers,
+            "database": self.database,
+            "started_at": self.started_at.isoformat(),
+            "seconds": round(self.seconds, 2),
+            "kept": self.kept,
+            "logs": self.logs,
+            "scenarios": [o.to_json() for o in self.outcomes],
+        }
+
+    def write_json(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=2, default=str) + "\n")
+
+    def print(self, console: Console) -> None:
+        table = Table(title=f"kafka-idem verify  run {self.run_id}", show_lines=True)
+        table.add_column("scenario", no_wrap=False, max_width=24)
+        table.add_column("what was checked")
+        table.add_column("durable figures read")
+        table.add_column("result", justify="center")
+        for o in self.outcomes:
+            checks = [f"{'✓' if c.ok else '✗'} {c.what}" + ("" if c.ok or not c.detail
+                                                            else f": {c.detail}")
+                      for c in o.checks]
+            if o.error:
+                checks.append(f"✗ error: {o.error}")
+            if o.skipped:
+                checks.append(f"skipped: {o.skipped}")
+            style = {PASS: "bold green", FAIL: "bold red"}.get(o.status, "bold yellow")
+            table.add_row(f"{o.id}. {o.title}\n({o.seconds:.1f}s)", "\n".join(checks),
+                          format_figures(o.figures), f"[{style}]{o.status}[/]")
+        console.print(table)
+
+
+_UUID = re.compile(r"\b([0-9a-f]{8})-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
+
+
+_TIME = re.compile(r"\b\d{4}-\d\d-\d\dT(\d\d:\d\d:\d\d(?:\.\d{3})?)\d*\+00:00\b")
+
+
+def format_figures(figures: dict[str, Any]) -> str:
+    """One ``name: value`` line per figure; tokens shortened to their first 8 digits and
+    UTC times to the time of day (the JSON report keeps them whole)."""
+    lines = []
+    for name, value in figures.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
+        elif isinstance(value, list | tuple):
+            value = ", ".join(str(v) for v in value) or "-"
+        lines.append(_TIME.sub(r"\1", _UUID.sub(r"\1", f"{name}: {value}")))
+    return "\n".join(lines)
