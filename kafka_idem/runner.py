@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -88,6 +89,10 @@ class Runner:
             app, store=self.store, codec=self.codec, metrics=self.metrics, leases=self.leases
         )
         self.parts: dict[TP, PartitionState] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._thread_local = threading.local()
+        self._processors: list[Processor] = []
+        self._processors_lock = threading.Lock()
         self.newly_assigned: list[TopicPartition] = []
         self.stopping = threading.Event()
         self.consumer: Consumer | None = None
@@ -181,6 +186,11 @@ class Runner:
         if self.producer is not None:
             self.producer.flush(10)
             self.producer = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for proc in self._processors:
+            proc.close()
         if self.leases is not None:
             self.leases.stop()
         self.sampler.stopped.set()
@@ -234,21 +244,50 @@ class Runner:
         if not due:
             return
         results: dict[TP, list[Result]] = {}
+        # Leased partitions run on the worker pool (one connection each), so their
+        # commit waits and remote calls overlap; each partition stays in order.
+        leased = {
+            tp: self._workers().submit(self._run_leased_partition, list(st.queue), dict(st.tokens))
+            for tp, st in due
+            if self._mode(tp) == "leased"
+        }
         local = [(tp, list(st.queue)) for tp, st in due if self._mode(tp) == "local"]
         if local:
             results.update(self.processor.run_local(local))
-        for tp, st in due:
-            if self._mode(tp) != "leased":
-                continue
-            out: list[Result] = []
-            for msg in list(st.queue):
-                res = self.processor.run_leased(msg, reentrant=st.tokens.get(msg.offset()))
-                out.append(res)
-                if isinstance(res, Deferred) or self.stopping.is_set():
-                    break
-            results[tp] = out
+        for tp, future in leased.items():
+            results[tp] = future.result()
         self._dead_letter(results)
         self._apply(results, now)
+
+    def _workers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=self.settings.leased_workers, thread_name_prefix="kafka-idem-worker"
+            )
+        return self._pool
+
+    def _worker_processor(self) -> Processor:
+        proc: Processor | None = getattr(self._thread_local, "processor", None)
+        if proc is None:
+            proc = Processor(
+                self.app, store=self.store, codec=self.codec, metrics=self.metrics,
+                leases=self.leases,
+            )
+            self._thread_local.processor = proc
+            with self._processors_lock:
+                self._processors.append(proc)
+        return proc
+
+    def _run_leased_partition(self, msgs: list[Any], tokens: dict[int, Any]) -> list[Result]:
+        """One partition's due messages, in order, stopping at the first deferred one."""
+        proc = self._worker_processor()
+        out: list[Result] = []
+        for msg in msgs:
+            res = proc.run_leased(msg, reentrant=tokens.get(msg.offset()))
+            out.append(res)
+            if isinstance(res, Deferred) or self.stopping.is_set():
+                break
+        return out
 
     def _mode(self, tp: TP) -> str:
         return self.app.handlers[tp[0]].mode

@@ -66,6 +66,10 @@ class Settings(BaseSettings):
     batch_max_wait_seconds: float = Field(
         0.1, ge=0, description="Longest wait to fill a batch."
     )
+    leased_workers: int = Field(
+        4, ge=1, le=64,
+        description="Partitions processed at once in leased mode (one database connection each).",
+    )
     batch_path: bool = Field(
         True, description="Run local-mode batches on the optimistic batch path (see batch.py)."
     )
