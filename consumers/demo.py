@@ -36,10 +36,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import psycopg
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from psycopg import sql
 from rich.columns import Columns
@@ -49,6 +56,8 @@ from rich.table import Table
 from consumers.payments import CURRENCIES, encode_charge
 from kafka_idem.keys import hash_payload
 from kafka_idem.settings import Settings, load_settings
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "consumers.payments:app"
@@ -237,10 +246,27 @@ class Offsets:
         self.tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
 
     def committed(self) -> list[int]:
-        return [max(tp.offset, 0) for tp in self.consumer.committed(self.tps, timeout=10)]
+        got = self._retrying(lambda: self.consumer.committed(self.tps, timeout=10))
+        return [max(tp.offset, 0) for tp in got]
 
     def ends(self) -> list[int]:
-        return [self.consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in self.tps]
+        return self._retrying(
+            lambda: [self.consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in self.tps]
+        )
+
+    @staticmethod
+    def _retrying(ask: Callable[[], T]) -> T:
+        """A moved group coordinator or a restarting broker is a pause, not a failure."""
+        for _ in range(30):
+            try:
+                return ask()
+            except KafkaException as exc:
+                if not exc.args[0].retriable() and exc.args[0].code() not in (
+                    KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE,
+                    KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN):
+                    raise
+                time.sleep(1)
+        return ask()
 
 
 def read_dlq(bootstrap: str, topic: str) -> list[dict[str, str]]:
