@@ -109,11 +109,13 @@ def _replay_or_conflict(proc: Processor, item: _Item, stored_hash: str, result: 
 
 
 def _claim(proc: Processor, conn: Conn, items: list[_Item]) -> dict[str, Claim]:
-    """Step 3: claim the first occurrence of every remaining key."""
-    first: dict[str, _Item] = {}
+    """Step 3: claim the first occurrence of every remaining key; a key that already
+    existed is decided for *every* occurrence here (or the batch falls back)."""
+    occurrences: dict[str, list[_Item]] = {}
     for item in items:
         if item.prep is not None and item.result is None:
-            first.setdefault(item.prep.key, item)
+            occurrences.setdefault(item.prep.key, []).append(item)
+    first = {key: found[0] for key, found in occurrences.items()}
     if not first:
         return {}
     tokens = {key: uuid.uuid4() for key in first}
@@ -137,17 +139,20 @@ def _claim(proc: Processor, conn: Conn, items: list[_Item]) -> dict[str, Claim]:
         existing = [k for k in ordered if k not in inserted]
         if existing:
             cur = conn.cursor(row_factory=dict_row)
-            for rec in cur.execute(proc.store.q["batch_lock"], {"keys": existing}).fetchall():
-                item = first[rec["idempotency_key"]]
-                assert item.prep is not None
-                if rec["request_hash"] != item.prep.request_hash:
-                    item.result = _replay_or_conflict(proc, item, rec["request_hash"], None)
-                elif rec["status"] == "succeeded":  # finished by someone since step 2
-                    item.result = _replay_or_conflict(
-                        proc, item, rec["request_hash"], rec["result_json"]
-                    )
-                else:
-                    raise Fallback("a key needs the per-message protocol")
+            locked = cur.execute(proc.store.q["batch_lock"], {"keys": existing}).fetchall()
+            if len(locked) != len(existing):
+                raise Fallback("a key vanished between insert and lock (purged)")
+            for rec in locked:
+                for item in occurrences[rec["idempotency_key"]]:
+                    assert item.prep is not None
+                    if rec["request_hash"] != item.prep.request_hash:
+                        item.result = _replay_or_conflict(proc, item, rec["request_hash"], None)
+                    elif rec["status"] == "succeeded":  # finished by someone since step 2
+                        item.result = _replay_or_conflict(
+                            proc, item, rec["request_hash"], rec["result_json"]
+                        )
+                    else:
+                        raise Fallback("a key needs the per-message protocol")
     return claims
 
 
@@ -160,6 +165,8 @@ def _run_handlers(
     again: list[_Item] = []
     for item in items:
         if item.result is None and item.prep is not None:
+            if item.prep.key not in claims:
+                raise Fallback("an undecided message without a claim")  # never expected
             if item.prep.key in first:
                 again.append(item)
             else:

@@ -201,6 +201,10 @@ class Processor:
                 if isinstance(exc, StoreUnavailable) or classify_db_error(exc) is StoreUnavailable:
                     return self._all_deferred(parts, exc)
                 log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
+            except Exception:
+                # A defect of the optimisation must not take the member down: the
+                # per-message path is the reference and decides the batch.
+                log.exception("batch path failed; falling back", extra={"action": "batch_fallback"})
         return self.run_local_safe(parts)
 
     def _all_deferred(
