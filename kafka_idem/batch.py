@@ -36,7 +36,7 @@ from psycopg.types.json import Jsonb
 
 from kafka_idem.app import Context, Handler
 from kafka_idem.errors import MessageError
-from kafka_idem.processing import Finished, Prepared, Processor, Result
+from kafka_idem.processing import QUIET, Finished, Prepared, Processor, Result
 from kafka_idem.store import Claim, Conn, Outcome, translate_errors
 
 
@@ -58,8 +58,9 @@ def run_batch(
 ) -> dict[Any, list[Result]]:
     """Process ``parts`` optimistically; raise :class:`Fallback` (rolled back) when it can't."""
     conn = proc.connection()
-    items = _prepare(proc, parts)
+    quiet = QUIET.set(True)
     try:
+        items = _prepare(proc, parts)
         _replays(proc, conn, items)
         claimed = _claim(proc, conn, items)
         if claimed:
@@ -68,6 +69,11 @@ def run_batch(
     except BaseException:
         conn.rollback()
         raise
+    finally:
+        QUIET.reset(quiet)
+    for item in items:
+        assert item.result is not None
+        proc.log_finished(item.handler, item.msg, item.result)
     out: dict[Any, list[Result]] = {tp: [] for tp, _ in parts}
     for item in items:
         assert item.result is not None

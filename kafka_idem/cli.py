@@ -115,7 +115,7 @@ def run(
     s = obj.settings(app)
     runner = Runner(app)
     if s.metrics_port is not None:
-        runner.metrics.serve(s.metrics_port)
+        runner.metrics.serve(s.metrics_port, addr=s.metrics_addr)
     runner.install_signal_handlers()
     code = runner.run(max_seconds=max_seconds)
     sys.exit(code)

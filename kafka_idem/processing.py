@@ -19,6 +19,7 @@ Kafka is not touched here: the runner owns the consumer.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import time
 import uuid
@@ -74,6 +75,16 @@ class Prepared:
     model: Any
     key: str
     request_hash: str
+
+
+# Set while the batch path decides: its decisions are logged once, after its commit,
+# never for an attempt that falls back (the per-message path then logs its own).
+QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("kafka_idem_quiet", default=False)
+
+
+def _say(level: int, text: str, extra: dict[str, Any]) -> None:
+    if not QUIET.get():
+        log.log(level, text, extra=extra)
 
 
 def _fields(msg: Any) -> dict[str, Any]:
@@ -175,15 +186,26 @@ class Processor:
 
     def _undecodable(self, handler: Handler[Any], msg: Any, exc: MessageError) -> Finished:
         kind = "undecodable" if isinstance(exc, Undecodable) else "permanent"
-        log.warning(
-            "message cannot be processed",
-            extra={"action": "rejected", "kind": kind, "handler": handler.name, **_fields(msg)},
-        )
+        _say(logging.WARNING, "message cannot be processed",
+             {"action": "rejected", "kind": kind, "handler": handler.name, **_fields(msg)})
         letter = self._letter(
             handler, msg, kind=kind, exc_class=type(exc).__name__, message=str(exc),
             attempts=0, key=None,
         )
         return Finished("dead_lettered", letter)
+
+    def log_finished(self, handler: Handler[Any], msg: Any, result: Result) -> None:
+        """The log line of a decision the batch path made (after its commit)."""
+        if not isinstance(result, Finished):
+            return
+        extra = {"key": result.key, "handler": handler.name, **_fields(msg)}
+        if result.outcome == "replayed":
+            log.debug("replayed stored result", extra={"action": "replayed", **extra})
+        elif result.outcome == "conflict":
+            log.warning("payload conflict", extra={"action": "conflict", **extra})
+        elif result.letter is not None:
+            log.warning("dead-lettering", extra={"action": "dead_lettered",
+                                                 "kind": result.letter.kind, **extra})
 
     # --- local mode: one transaction per batch -----------------------------
 
@@ -352,7 +374,7 @@ class Processor:
     ) -> Result:
         extra = {"key": prep.key, "handler": handler.name, **_fields(msg)}
         if claim.outcome is Outcome.REPLAY:
-            log.debug("replayed stored result", extra={"action": "replayed", **extra})
+            _say(logging.DEBUG, "replayed stored result", {"action": "replayed", **extra})
             return Finished("replayed", key=prep.key)
         if claim.outcome is Outcome.BUSY:
             wait = claim.retry_in if claim.backoff else min(
@@ -361,7 +383,7 @@ class Processor:
             log.debug("key busy", extra={"action": "busy", "delay": wait, **extra})
             return Deferred(max(wait, 0.0), "busy")
         if claim.outcome is Outcome.CONFLICT:
-            log.warning("payload conflict", extra={"action": "conflict", **extra})
+            _say(logging.WARNING, "payload conflict", {"action": "conflict", **extra})
             letter = self._letter(
                 handler, msg, kind="payload_conflict", exc_class="PayloadConflict",
                 message=f"key {prep.key!r} was first used with a different payload "
@@ -373,7 +395,7 @@ class Processor:
         kind = claim.error_kind or "permanent"
         if claim.outcome is Outcome.EXHAUSTED:
             self.metrics.exhausted.labels(msg.topic(), handler.name).inc()
-        log.warning("dead-lettering", extra={"action": "dead_lettered", "kind": kind, **extra})
+        _say(logging.WARNING, "dead-lettering", {"action": "dead_lettered", "kind": kind, **extra})
         letter = self._letter(
             handler, msg, kind=kind, exc_class=claim.error_class or "Failed",
             message=claim.error_message or kind, attempts=claim.attempts, key=prep.key,
@@ -484,7 +506,7 @@ class Processor:
         if kind == "permanent":
             f = fail(conn, key=prep.key, token=claim.token, status="failed", kind="permanent",
                      error_class=error_class, error_message=message)
-            log.warning("permanent failure", extra={"action": "failed", "kind": kind, **extra})
+            _say(logging.WARNING, "permanent failure", {"action": "failed", "kind": kind, **extra})
             return Finished("dead_lettered", self._letter(
                 handler, msg, kind="permanent", exc_class=error_class, message=message,
                 attempts=f.attempts, key=prep.key, first=f.first_failure_at,

@@ -22,6 +22,7 @@ its own prefetch on pause and resumes after the last message it handed out.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import signal
@@ -257,7 +258,7 @@ class Runner:
         for tp, future in leased.items():
             results[tp] = future.result()
         self._dead_letter(results)
-        self._apply(results, now)
+        self._apply(results, time.monotonic())  # delays count from the decision, not the round
 
     def _workers(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -424,16 +425,29 @@ class Runner:
         if now - self._last_lag < 5.0 or self.consumer is None:
             return
         self._last_lag = now
-        for (topic, part), _st in self.parts.items():
+        for (topic, part), st in self.parts.items():
             try:
                 _low, high = self.consumer.get_watermark_offsets(
                     TopicPartition(topic, part), cached=True
                 )
-                position = self.consumer.position([TopicPartition(topic, part)])[0].offset
+                # Lag counts what is not finished: messages waiting in our queue
+                # (fetched but pending) as much as those not fetched yet.
+                done = (
+                    st.queue[0].offset()
+                    if st.queue
+                    else self.consumer.position([TopicPartition(topic, part)])[0].offset
+                )
             except KafkaException:
                 continue
-            if high >= 0 and position >= 0:
-                self.metrics.lag.labels(topic, str(part)).set(max(high - position, 0))
+            if high >= 0 and done >= 0:
+                self.metrics.lag.labels(topic, str(part)).set(max(high - done, 0))
+
+    def _forget(self, partitions: list[TopicPartition]) -> None:
+        """Drop revoked or lost partitions' state and their lag series."""
+        for tp_ in partitions:
+            self.parts.pop((tp_.topic, tp_.partition), None)
+            with contextlib.suppress(KeyError):
+                self.metrics.lag.remove(tp_.topic, str(tp_.partition))
 
     def _sample_store(self) -> dict[str, Any]:
         """Database gauges for the sampler thread (its own short-lived connection)."""
@@ -462,9 +476,10 @@ class Runner:
         log.info("revoked %s", _names(partitions), extra={"action": "revoked"})
         offsets = []
         for tp_ in partitions:
-            st = self.parts.pop((tp_.topic, tp_.partition), None)
+            st = self.parts.get((tp_.topic, tp_.partition))
             if st is not None and st.to_commit is not None:
                 offsets.append(TopicPartition(tp_.topic, tp_.partition, st.to_commit))
+        self._forget(partitions)
         if offsets:
             try:
                 consumer.commit(offsets=offsets, asynchronous=False)
@@ -474,8 +489,7 @@ class Runner:
 
     def _on_lost(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
         log.warning("lost %s", _names(partitions), extra={"action": "lost"})
-        for tp_ in partitions:
-            self.parts.pop((tp_.topic, tp_.partition), None)
+        self._forget(partitions)
 
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal():

@@ -11,6 +11,7 @@ user cannot switch them off by accident.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -98,6 +99,9 @@ class Settings(BaseSettings):
     metrics_sample_seconds: float = Field(
         15.0, gt=0, description="Interval of the database gauges' sampling."
     )
+    metrics_addr: str = Field(
+        "127.0.0.1", description="Address /metrics binds (0.0.0.0 in a container)."
+    )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="/metrics port.")
     log_format: Literal["text", "json"] = Field("text", description="Log output format.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
@@ -125,6 +129,17 @@ class Settings(BaseSettings):
         # repr() and str() show librdkafka secrets (sasl.password...) masked, like redacted().
         for name, value in super().__repr_args__():
             yield name, (_redact_options(value) if name == "kafka" else value)
+
+    @field_validator("metrics_addr")
+    @classmethod
+    def _ip_address(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(
+                f"{value!r} is not an IP address: use 127.0.0.1 (this host) or 0.0.0.0 (all)"
+            ) from None
+        return value
 
     # --- derived ---------------------------------------------------------------
 

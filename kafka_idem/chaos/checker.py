@@ -66,14 +66,14 @@ import sys
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 from psycopg import sql
 from pydantic import ValidationError
 from rich.console import Console
@@ -101,6 +101,7 @@ TITLES = {
 }
 
 Pos = tuple[int, int]  # (partition, offset)
+T = TypeVar("T")
 
 
 class CheckerError(Exception):
@@ -254,6 +255,19 @@ def _headers(raw: Any) -> tuple[tuple[str, bytes], ...]:
     return tuple(out)
 
 
+def _patiently(read: Callable[[], T], attempts: int = 6, pause: float = 5.0) -> T:
+    """``read()``, again after a pause when Kafka does not answer (e.g. a broker restart
+    by someone else): an unreadable state is an error, never a verdict."""
+    for attempt in range(attempts):
+        try:
+            return read()
+        except (KafkaException, CheckerError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(pause)
+    raise AssertionError("unreachable")
+
+
 def committed_offsets(
     bootstrap: str, group: str, topic: str, partitions: Iterable[int], *,
     kafka: Mapping[str, Any] | None = None,
@@ -375,9 +389,10 @@ def check(
     """
     dlq_topic = dlq_topic or f"{topic}.dlq"
     started = time.monotonic()
-    source, marks = read_topic(bootstrap, topic, kafka=kafka)
-    dead, _ = read_topic(bootstrap, dlq_topic, kafka=kafka)
-    committed = committed_offsets(bootstrap, group, topic, marks, kafka=kafka)
+    source, marks = _patiently(lambda: read_topic(bootstrap, topic, kafka=kafka))
+    dead, _ = _patiently(lambda: read_topic(bootstrap, dlq_topic, kafka=kafka))
+    committed = _patiently(lambda: committed_offsets(bootstrap, group, topic, marks,
+                                                     kafka=kafka))
     records, ledger_rows, balance, guard = _read_db(dsn, schema, table, ledger, balances)
 
     checks = {n: Check(n, title) for n, title in TITLES.items()}

@@ -40,6 +40,7 @@ import datetime as dt
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -208,16 +209,24 @@ class Pool:
         for t in self._waiters:
             t.join(60)
 
-    def scan_logs(self) -> dict[str, int]:
+    def scan_logs(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Counts of :data:`LOG_SIGNS` and, per exception, the tracebacks in the logs."""
         counts: Counter[str] = Counter()
+        errors: Counter[str] = Counter()
         for m in self.members:
             try:
-                text = m.log.read_text(errors="replace")
+                lines = m.log.read_text(errors="replace").splitlines()
             except OSError:
                 continue
             for name, sign in LOG_SIGNS.items():
-                counts[name] += text.count(sign)
-        return dict(counts)
+                counts[name] += sum(1 for line in lines if sign in line)
+            for i, line in enumerate(lines):
+                if not line.startswith("Traceback (most recent call last)"):
+                    continue
+                said = re.sub(r"^\S+ \S+ ", "", lines[i - 1])[:120] if i else ""
+                raised = next((ln for ln in lines[i + 1:] if ln and not ln[0].isspace()), "?")
+                errors[f"{raised[:160]} (after: {said})"] += 1
+        return dict(counts), dict(errors)
 
 
 # --- the producer ---
@@ -378,16 +387,18 @@ def _dlq_limit(admin: AdminClient, topic: str, value: str | None) -> None:
         f.result(timeout=15)
 
 
-def _create_database(admin_dsn: str, name: str, schema: str, table: str) -> str:
+def _create_database(admin_dsn: str, name: str) -> str:
     with psycopg.connect(admin_dsn, autocommit=True, application_name="chaos-run") as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    dsn = psycopg.conninfo.make_conninfo(admin_dsn, dbname=name)
+    return psycopg.conninfo.make_conninfo(admin_dsn, dbname=name)
+
+
+def _migrate(dsn: str, schema: str, table: str) -> None:
     migrate(dsn, schema, table)
     from consumers.payments import create_tables
 
     with psycopg.connect(dsn, application_name="chaos-run") as conn:
         create_tables(conn)
-    return dsn
 
 
 def _drop_database(admin_dsn: str, name: str) -> None:
@@ -634,6 +645,11 @@ def table(title: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if not (ROOT / "consumers" / "payments.py").exists():
+        console.print(f"[red]the chaos run needs a checkout: no consumers/payments.py in {ROOT}[/]")
+        return 2
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # the payments example, from any working directory
     s = load_settings()
     seed = args.seed if args.seed is not None else random.randrange(1_000_000_000)
     run_id = uuid.uuid4().hex[:8]
@@ -664,8 +680,9 @@ def main(argv: list[str] | None = None) -> int:
     created_db = created_topics = False
     try:
         # -- set-up
-        dsn = _create_database(s.dsn, dbname, s.schema_name, s.table)
+        dsn = _create_database(s.dsn, dbname)
         created_db = True
+        _migrate(dsn, s.schema_name, s.table)
         brokers = len(admin.list_topics(timeout=15).brokers)
         rf = min(3, brokers)
         for f in admin.create_topics([NewTopic(t, args.partitions, rf)
@@ -748,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
                        liveness=Liveness(healed_in, args.heal_timeout),
                        acknowledged=feed.acked, kafka=s.kafka)
         by_type = Counter(f.fault for f in injector.log)
-        evidence = pool.scan_logs()
+        evidence, tracebacks = pool.scan_logs()
         health += [
             ("every planned fault injected", len(injector.log) == args.faults,
              f"{len(injector.log)} of {args.faults}"),
@@ -774,16 +791,20 @@ def main(argv: list[str] | None = None) -> int:
                          "acknowledged": len(feed.acked), "delivery_errors": dict(feed.errors)},
             "heal": {"healed_in": healed_in, "bound": args.heal_timeout},
             "member_log_evidence": evidence,
+            "member_log_tracebacks": tracebacks,
             "members_started": len(pool.members),
             "health": [{"check": n_, "ok": ok, "detail": d} for n_, ok, d in health],
             "checker": report.to_json(),
         })
-        _print_summary(injector, feed, report, health, evidence, result)
+        _print_summary(injector, feed, report, health, evidence, tracebacks, result)
         passed = report.ok and all(ok for _, ok, _ in health)
         result["anomalies"] = report.anomalies + sum(1 for _, ok, _ in health if not ok)
         result["passed"] = passed
     except KeyboardInterrupt:
         say("[red]interrupted[/]")
+    except Exception as exc:  # set-up or the broker failed us: report, clean up, exit 1
+        console.print_exception()
+        result["error"] = repr(exc)
     finally:
         if feed is not None:
             feed.stopping.set()
@@ -810,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"python -m kafka_idem.chaos.checker --topic {topic} --group {group}",
                           markup=False)
         else:
-            _cleanup(s, admin, dbname if created_db else None,
+            _cleanup(s, dbname if created_db else None,
                      [topic, dlq_topic] if created_topics else [], group, logs)
     return 0 if passed else 1
 
@@ -850,7 +871,7 @@ def _progress(feed: Feed, offsets: Offsets, pool: Pool) -> None:
 
 def _print_summary(injector: Injector, feed: Feed, report: Report,
                    health: list[tuple[str, bool, str]], evidence: dict[str, int],
-                   result: dict[str, Any]) -> None:
+                   tracebacks: dict[str, int], result: dict[str, Any]) -> None:
     console.print(table("Fault log", ("#", "at", "fault", "pids", "detail"),
                         [(f.n, f"{f.at:.1f}s", f.fault, " ".join(map(str, f.pids)), f.detail)
                          for f in injector.log]))
@@ -860,6 +881,10 @@ def _print_summary(injector: Injector, feed: Feed, report: Report,
                         [(k, feed.sent[k], feed.acked_kinds[k]) for k in sorted(feed.sent)]))
     console.print(table("What the members' logs show", ("sign", "lines"),
                         sorted(evidence.items())))
+    if tracebacks:
+        console.print(table("Tracebacks in the members' logs (logged, not necessarily fatal)",
+                            ("exception (after: the log line before it)", "count"),
+                            sorted(tracebacks.items())))
     console.print(report.figures_table())
     console.print(report.table())
     console.print(table("Run health", ("check", "", "detail"), [
@@ -871,9 +896,14 @@ def _print_summary(injector: Injector, feed: Feed, report: Report,
                   f"{report.anomalies} anomalies")
 
 
-def _cleanup(s: Settings, admin: AdminClient, dbname: str | None, topics: list[str],
-             group: str, logs: Path) -> None:
-    """Remove the run's artefacts (best effort, each step retried a few times)."""
+def _cleanup(s: Settings, dbname: str | None, topics: list[str], group: str,
+             logs: Path) -> None:
+    """Remove the run's artefacts (best effort, each step retried a few times).
+
+    A fresh admin client: one that lived through broker restarts can keep timing out
+    on the group coordinator.
+    """
+    admin = AdminClient({**s.admin_config(), **QUIET})
     steps: list[tuple[str, Callable[[], list[Any]]]] = [
         ("group", lambda: list(admin.delete_consumer_groups(
             [group], request_timeout=15).values())),
@@ -882,7 +912,7 @@ def _cleanup(s: Settings, admin: AdminClient, dbname: str | None, topics: list[s
         steps.append(("topics", lambda: list(admin.delete_topics(
             topics, operation_timeout=15).values())))
     for what, start in steps:
-        for attempt in range(3):
+        for attempt in range(4):
             try:
                 for f in start():
                     f.result(timeout=30)
@@ -890,9 +920,9 @@ def _cleanup(s: Settings, admin: AdminClient, dbname: str | None, topics: list[s
             except Exception as exc:  # the coordinator may still be settling after a restart
                 if "GROUP_ID_NOT_FOUND" in str(exc) or "UNKNOWN_TOPIC" in str(exc):
                     break
-                if attempt == 2:
+                if attempt == 3:
                     say(f"[yellow]cleanup of the {what}: {exc}[/]")
-                time.sleep(2)
+                time.sleep(3)
     if dbname:
         try:
             _drop_database(s.dsn, dbname)
