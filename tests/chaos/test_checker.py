@@ -1,0 +1,248 @@
+"""The chaos checker must be able to fail.
+
+A small real run (an in-process runner on the payments example: valid charges,
+a re-send, a payload conflict, invalid charges, undecodable bytes) is checked
+clean; then durable data is deliberately damaged, one way per test, and the
+checker must report exactly the anomalies that damage means.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from consumers.payments import build_app, encode_charge
+from kafka_idem.chaos.checker import Liveness, PaymentsDecoder, Report, check
+from tests.conftest import (
+    BOOTSTRAP,
+    DB,
+    InProcess,
+    Topics,
+    app_settings,
+    caught_up,
+    end_offsets,
+    produce,
+    read_topic,
+    wait_for,
+)
+
+VALID = [("t1", "o1", "5.00", "EUR"), ("t1", "o2", "7.25", "USD"), ("t2", "o3", "1.00", "EUR"),
+         ("t2", "o4", "2.50", "EUR"), ("t1", "o5", "3.10", "EUR"), ("t3", "o6", "9.99", "GBP")]
+INVALID = [("t1", "o7", "0", "EUR"), ("t2", "o8", "4.00", "XXX")]
+
+
+@dataclass
+class Run:
+    topic: str
+    group: str
+    db: DB
+
+    @property
+    def dlq(self) -> str:
+        return f"{self.topic}.dlq"
+
+    def check(self, **kwargs: Any) -> Report:
+        return check(bootstrap=BOOTSTRAP, dsn=self.db.dsn, topic=self.topic, group=self.group,
+                     **kwargs)
+
+    def sql(self, statement: str, params: Any = None) -> None:
+        with psycopg.connect(self.db.dsn) as conn:
+            conn.execute(statement, params)
+
+    def sql_unguarded(self, statement: str, params: Any = None) -> None:
+        """Run ``statement`` with the transition guard off, in one transaction (never seen off)."""
+        with psycopg.connect(self.db.dsn) as conn:
+            conn.execute("ALTER TABLE kafka_idem.task_idempotency "
+                         "DISABLE TRIGGER guard_transitions")
+            conn.execute(statement, params)
+            conn.execute("ALTER TABLE kafka_idem.task_idempotency ENABLE TRIGGER guard_transitions")
+
+    def commit_offset(self, partition: int, offset: int) -> None:
+        """Commit for the (now empty) group, as a member that skipped messages would."""
+        c = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": self.group,
+                      "enable.auto.commit": False})
+        try:
+            c.commit(offsets=[TopicPartition(self.topic, partition, offset)], asynchronous=False)
+        finally:
+            c.close()
+
+
+def charge(tenant: str, order: str, amount: str, currency: str = "EUR") -> tuple[bytes, bytes]:
+    return order.encode(), encode_charge(tenant, order, amount, currency)
+
+
+@pytest.fixture
+def run(db: DB, topics: Topics, group: str) -> Run:
+    topic = topics(partitions=2)
+    msgs = [charge(*c) for c in VALID + INVALID]
+    msgs += [charge(*VALID[0]),  # a producer's re-send: same intent, new request id
+             charge("t1", "o2", "8.00", "USD"),  # same key, another amount: a conflict
+             charge(*INVALID[0]),  # a re-send of an invalid charge
+             (b"g1", b"\x00garbage"), (None, b"")]  # undecodable bytes, an empty value
+    produce(topic, msgs)
+    app = build_app(topic=topic, **app_settings(db, group_id=group))
+    with InProcess(app):
+        wait_for(lambda: caught_up(group, topic), what="the group to catch up")
+    return Run(topic, group, db)
+
+
+def test_a_clean_run_has_no_anomaly(run: Run) -> None:
+    report = run.check()
+    assert report.ok, report.to_json()
+    f = report.figures
+    assert f["source messages"] == 13
+    assert f["ledger rows"] == len(VALID)
+    assert f["records by status"] == {"failed": 2, "succeeded": len(VALID)}
+    assert f["DLQ records by kind"] == {"payload_conflict": 1, "permanent": 3, "undecodable": 2}
+    assert f["messages repeating the accepted payload"] == 2
+    assert f["messages with another payload (conflicts)"] == 1
+
+
+# --- damage ------------------------------------------------------------------------------
+
+
+def dlq_records(run: Run) -> list[Any]:
+    return read_topic(run.dlq)
+
+
+def reproduce(run: Run, msg: Any, *, value: bytes | None = None,
+              drop: str | None = None, set_headers: dict[str, str] | None = None) -> None:
+    """Produce a copy of DLQ record ``msg`` to the DLQ, altered."""
+    hdrs = [(k, v) for k, v in (msg.headers() or []) if k != drop
+            and k not in (set_headers or {})]
+    hdrs += [(k, v.encode()) for k, v in (set_headers or {}).items()]
+    p = Producer({"bootstrap.servers": BOOTSTRAP, "enable.idempotence": True})
+    p.produce(run.dlq, key=msg.key(), value=msg.value() if value is None else value,
+              headers=hdrs)
+    assert p.flush(30) == 0
+
+
+def duplicated_ledger_row(run: Run) -> str:
+    run.sql("INSERT INTO payments.ledger (tenant_id, order_id, amount, currency, idempotency_key)"
+            " SELECT tenant_id, order_id, amount, currency, idempotency_key FROM payments.ledger"
+            " WHERE idempotency_key = 't1:charge:o1'")
+    return "t1:charge:o1: 2 ledger rows"
+
+
+def balance_mismatch(run: Run) -> str:
+    run.sql("UPDATE payments.balances SET balance = balance + 0.01 "
+            "WHERE tenant_id = 't2' AND currency = 'EUR'")
+    return "balance t2/EUR: 3.51 != 3.50"
+
+
+def missing_dlq_header(run: Run) -> str:
+    reproduce(run, dlq_records(run)[0], drop="idem.attempts")
+    return "missing idem.attempts"
+
+
+def altered_dlq_value(run: Run) -> str:
+    first = dlq_records(run)[0]
+    reproduce(run, first, value=(first.value() or b"") + b"!")
+    return "value bytes differ"
+
+
+def contradictory_dead_letter(run: Run) -> str:
+    """A dead-letter record, complete and faithful, for a key that succeeded."""
+    letter = next(m for m in dlq_records(run)
+                  if dict(m.headers())["idem.error.kind"] == b"permanent")
+    hdrs = {k: v.decode() for k, v in letter.headers()}
+    source = next(m for m in read_topic(run.topic) if m.key() == b"o3")
+    p = Producer({"bootstrap.servers": BOOTSTRAP, "enable.idempotence": True})
+    hdrs.update({"idem.original.partition": str(source.partition()),
+                 "idem.original.offset": str(source.offset()), "idem.key": "t2:charge:o3"})
+    p.produce(run.dlq, key=source.key(), value=source.value(),
+              headers=[(k, v.encode()) for k, v in hdrs.items()])
+    assert p.flush(30) == 0
+    return "t2:charge:o3: succeeded and dead-lettered as permanent"
+
+
+def dropped_intent(run: Run) -> str:
+    """A message the group never processed, its offset committed anyway."""
+    [(part, off)] = produce(run.topic, [charge("t4", "o99", "3.00")])
+    run.commit_offset(part, off + 1)
+    return f"p{part}@{off} t4:charge:o99: no effect"
+
+
+def unprocessed_intent(run: Run) -> str:
+    [(part, _off)] = produce(run.topic, [charge("t4", "o98", "3.00")])
+    return f"p{part}: lag 1"
+
+
+def stuck_processing(run: Run) -> str:
+    """A claim left ``processing`` (its owner died) and its offset committed past it."""
+    key, value = charge("t4", "o97", "6.00")
+    [(part, off)] = produce(run.topic, [(key, value)])
+    intent = PaymentsDecoder(run.topic)(value)
+    assert not isinstance(intent, str)
+    run.sql("INSERT INTO kafka_idem.task_idempotency (idempotency_key, request_hash, status,"
+            " owner_token, lease_until, attempts) VALUES (%s, %s, 'processing', %s,"
+            " now() + interval '1 hour', 1)", (intent.key, intent.request_hash, uuid.uuid4()))
+    run.commit_offset(part, off + 1)
+    return "t4:charge:o97: still processing"
+
+
+def attempts_over_limit(run: Run) -> str:
+    run.sql_unguarded("UPDATE kafka_idem.task_idempotency SET attempts = 9 "
+                      "WHERE idempotency_key = 't2:charge:o8'")
+    return "t2:charge:o8: 9 attempts > 5"
+
+
+def stale_owner_commit(run: Run) -> str:
+    run.sql_unguarded("UPDATE kafka_idem.task_idempotency SET owner_token = gen_random_uuid() "
+                      "WHERE idempotency_key = 't1:charge:o5'")
+    return "t1:charge:o5: succeeded with completed_token="
+
+
+def guard_disabled(run: Run) -> str:
+    run.sql("ALTER TABLE kafka_idem.task_idempotency DISABLE TRIGGER guard_transitions")
+    return "transition guard trigger disabled"
+
+
+Damage = Callable[[Run], str]
+
+
+@pytest.mark.parametrize(("damage", "expected"), [
+    (duplicated_ledger_row, {2}),
+    (balance_mismatch, {2}),
+    (missing_dlq_header, {4}),
+    (altered_dlq_value, {4}),
+    (contradictory_dead_letter, {3}),
+    (dropped_intent, {1, 7}),
+    (unprocessed_intent, {1, 9}),
+    (stuck_processing, {1, 6, 7}),
+    (attempts_over_limit, {8}),
+    (stale_owner_commit, {5}),
+    (guard_disabled, {5}),
+], ids=lambda v: v.__name__ if callable(v) else None)
+def test_damage_is_reported(run: Run, damage: Damage, expected: set[int]) -> None:
+    assert run.check().ok
+    example = damage(run)
+    report = run.check()
+    assert report.failing() == expected, report.to_json()
+    examples = [e for n in expected for e in report.by_number(n).examples]
+    assert any(example in e for e in examples), (example, examples)
+
+
+def test_liveness_bound_is_reported(run: Run) -> None:
+    assert run.check(liveness=Liveness(healed_in=12.0, bound=60.0)).ok
+    report = run.check(liveness=Liveness(healed_in=None, bound=60.0))
+    assert report.failing() == {9}
+    assert "lag not back to 0 within 60s" in report.by_number(9).examples[0]
+    late = run.check(liveness=Liveness(healed_in=75.0, bound=60.0))
+    assert late.failing() == {9}
+
+
+def test_acknowledged_send_missing_from_the_topic_is_lost(run: Run) -> None:
+    ends = end_offsets(run.topic)
+    values = {(m.partition(), m.offset()): m.value() for m in read_topic(run.topic)}
+    assert run.check(acknowledged=values).ok
+    ghost = {**values, (0, ends[0] + 5): b"acknowledged, then gone"}
+    report = run.check(acknowledged=ghost)
+    assert report.failing() == {1}
+    assert "acknowledged send not on the topic" in report.by_number(1).examples[0]
