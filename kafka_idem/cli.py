@@ -99,18 +99,21 @@ def migrate(obj: Ctx, app_spec: str | None) -> None:
 @cli.command()
 @click.argument("app_spec", metavar="MODULE:APP")
 @click.option("--metrics-port", type=int, help="Serve /metrics on this port (0 = any).")
+@click.option("--metrics-addr", help="Address /metrics binds (default 127.0.0.1; 0.0.0.0 in "
+              "a container).")
 @click.option("--group-id", help="Consumer group id (default: the app's).")
 @click.option("--max-seconds", type=float, help="Stop after this long (tests, demos).")
 @click.pass_obj
 def run(
-    obj: Ctx, app_spec: str, metrics_port: int | None, group_id: str | None,
-    max_seconds: float | None,
+    obj: Ctx, app_spec: str, metrics_port: int | None, metrics_addr: str | None,
+    group_id: str | None, max_seconds: float | None,
 ) -> None:
     """Run one consumer group member; graceful on SIGTERM/SIGINT."""
     from kafka_idem.runner import Runner
 
     app = load_app(app_spec)
     obj.overrides.update({k: v for k, v in {"metrics_port": metrics_port,
+                                             "metrics_addr": metrics_addr,
                                              "group_id": group_id}.items() if v is not None})
     s = obj.settings(app)
     runner = Runner(app)

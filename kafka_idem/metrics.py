@@ -77,7 +77,8 @@ class Metrics:
         )
         self.lag = Gauge(
             "kafka_idem_consumer_lag_messages",
-            "High watermark minus committed offset, per assigned partition.",
+            "Messages not finished yet (high watermark minus the first unfinished offset), "
+            "per assigned partition.",
             ["topic", "partition"],
             registry=r,
         )
@@ -113,7 +114,8 @@ class Metrics:
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         bound = int(server.server_address[1])
-        log.info("metrics endpoint started", extra={"action": "metrics", "port": bound})
+        log.info("metrics endpoint started on %s:%d", addr, bound,
+                 extra={"action": "metrics", "port": bound})
         return bound
 
 
