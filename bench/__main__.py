@@ -1,20 +1,26 @@
-"""Throughput of kafka_idem against plain confluent-kafka, on one topic, in one run.
+"""kafka_idem against its limits, in one run: ``python -m bench`` (``./dev bench``).
 
-    python -m bench [--messages 20000] [--dup-ratio 0.1] [--batch-size 500] [--keep]
+    python -m bench                 # the full suite (about 6-8 minutes on 2 cores)
+    python -m bench --quick         # small sizes, same rows (about 2 minutes)
+    python -m bench --paths raw,batch --messages 50000
 
-1. Create a fresh topic (4 partitions), fresh store schemas and fresh tenant ids.
-2. Produce N payments charge requests (``consumers.payments.encode_charge``), a
-   share of them duplicates: the same intent again with a new ``request_id``.
-3. Measure, each with a fresh consumer group on that topic:
-   a. raw: ``consume(num_messages=500)`` + a synchronous commit per batch;
-   b. kafka_idem, ``mode="local"`` (the payments example as shipped);
-   c. kafka_idem, ``mode="leased"``.
-   A path's clock runs from its first fetched batch to the commit that reaches
-   the topic's end offsets (group join time is reported apart). SQL round
-   trips are counted client side (see ``bench/roundtrips.py``).
-4. Check exactly-once effects after each framework path: one ledger row per
-   distinct key, balances moved by exactly the intents' sums.
-5. Print a table, write ``bench/results.json``, drop what was created (unless ``--keep``).
+1. Produce the workloads (payments charge requests, ``bench/workload.py``) into
+   fresh 4-partition topics: the main topic (``--messages``), a smaller one for
+   the per-message paths (``--slow-messages``), one that is 90% duplicates and
+   one for the RSS run (``--rss-messages``).
+2. Measure, each in a process of its own (``bench/worker.py``), each with a
+   fresh consumer group and a fresh store schema:
+   raw confluent-kafka; pgbench with the framework's SQL, per message and
+   batched (``bench/pgbench.py``); the naive consumer (``bench/naive.py``);
+   kafka_idem leased; batch with the bulk handler; batch with the per-message
+   handler; batch on 90% duplicates; the batch path's RSS over the RSS topic.
+3. For each path: max throughput (draining a backlog), CPU seconds per 1,000
+   messages of the consumer process, PostgreSQL and the broker over the same
+   window, then end-to-end latency (p50/p99) at half that throughput, produced
+   at a fixed rate by another process.
+4. Check exactly-once effects after every framework and naive run.
+5. Print one table, the targets of issue 6 (met / not met), write
+   ``bench/results.json``; drop topics, groups, schemas and rows (unless ``--keep``).
 
 No assertions on timing anywhere: numbers are for reading, checks are on effects.
 """
@@ -23,341 +29,74 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
+import os
 import platform
 import random
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections import Counter
-from dataclasses import asdict, dataclass, field
-from decimal import Decimal
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import confluent_kafka
 import psycopg
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
 from psycopg import sql
 from rich.console import Console
 from rich.table import Table
 
-from bench import roundtrips
+from bench import pgbench, procstat
+from bench.effects import TABLE
+from bench.workload import PARTITIONS, Plan, create_topic, end_offsets, produce_backlog
 from consumers import payments
 from kafka_idem.migrate import migrate
-from kafka_idem.runner import Runner
 from kafka_idem.settings import Settings, load_settings
 
-PARTITIONS = 4
-TENANTS = 50
-TABLE = "task_idempotency"
-RESULTS = Path(__file__).resolve().parent / "results.json"
-CURRENCIES = sorted(payments.CURRENCIES)
-
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results.json"
 console = Console(stderr=True)
 
-
-# --- the workload --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Intent:
-    tenant_id: str
-    order_id: str
-    amount: Decimal
-    currency: str
-
-    @property
-    def key(self) -> str:
-        return f"{self.tenant_id}:charge:{self.order_id}"
-
-
-def plan(
-    n: int, dup_ratio: float, run_id: str, rng: random.Random
-) -> tuple[list[Intent], list[Intent]]:
-    """Distinct intents, and the N messages to send (intents plus duplicates, shuffled)."""
-    distinct = max(1, n - round(n * dup_ratio))
-    intents = [
-        Intent(
-            tenant_id=f"bench-{run_id}-t{i % TENANTS:02d}",
-            order_id=f"bench-{run_id}-o{i:07d}",
-            amount=Decimal(rng.randint(1, 100_000)) / 100,
-            currency=rng.choice(CURRENCIES),
-        )
-        for i in range(distinct)
-    ]
-    messages = intents + rng.choices(intents, k=n - distinct)
-    rng.shuffle(messages)
-    return intents, messages
-
-
-def produce(s: Settings, topic: str, messages: list[Intent]) -> None:
-    producer = Producer({**s.producer_config(), "linger.ms": 20})
-    failures: list[str] = []
-
-    def on_delivery(err: Any, _msg: Any) -> None:
-        if err is not None:
-            failures.append(str(err))
-
-    for i, m in enumerate(messages):
-        value = payments.encode_charge(m.tenant_id, m.order_id, m.amount, m.currency)
-        while True:
-            try:
-                producer.produce(
-                    topic, key=m.order_id.encode(), value=value, on_delivery=on_delivery
-                )
-                break
-            except BufferError:
-                producer.poll(0.1)
-        if i % 1000 == 0:
-            producer.poll(0)
-    left = producer.flush(60)
-    if left or failures:
-        raise SystemExit(f"bench: produce failed ({left} unacknowledged, errors: {failures[:3]})")
-
-
-def end_offsets(s: Settings, topic: str) -> dict[int, int]:
-    probe = Consumer({"bootstrap.servers": s.bootstrap_servers, "group.id": "bench-probe",
-                      **{k: v for k, v in s.kafka.items()}})
-    try:
-        return {
-            p: probe.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-            for p in range(PARTITIONS)
-        }
-    finally:
-        probe.close()
-
-
-# --- measurements ----------------------------------------------------------------
+# path -> (label, worker kind, mode, bulk handler, topic)
+PATHS: dict[str, tuple[str, str, str, bool, str]] = {
+    "raw": ("raw confluent-kafka (consume + commit)", "raw", "", False, "main"),
+    "naive": ("naive consumer (1 tx/msg, sync commit)", "naive", "", False, "slow"),
+    "leased": ("kafka_idem leased", "framework", "leased", True, "slow"),
+    "batch": ("kafka_idem batch (bulk handler)", "framework", "local", True, "main"),
+    "batch_nobulk": ("kafka_idem batch (per-message handler)", "framework", "local", False,
+                     "main"),
+    "dup90": ("kafka_idem batch, 90% duplicates", "framework", "local", True, "dup"),
+}
+ALL = ["raw", "pgbench", "naive", "leased", "batch", "batch_nobulk", "dup90", "rss"]
+BATCH_FAMILY = ("batch", "batch_nobulk", "dup90")
 
 
 @dataclass
-class PathResult:
+class Measured:
     path: str
-    messages: int
-    seconds: float = 0.0
-    join_seconds: float = 0.0
-    round_trips: dict[str, int] = field(default_factory=dict)
-    check: str = ""
-    ok: bool = False
-    outcomes: dict[str, float] = field(default_factory=dict)
+    label: str
+    throughput: dict[str, Any] = field(default_factory=dict)
+    latency: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def messages(self) -> int:
+        return int(self.throughput.get("messages", 0))
 
     @property
     def rate(self) -> float:
-        return self.messages / self.seconds if self.seconds > 0 else 0.0
+        secs = self.throughput.get("seconds") or 0.0
+        return self.messages / secs if secs and self.throughput.get("ok") else 0.0
+
+    def cpu_per_1k(self, part: str) -> float | None:
+        cpu = self.throughput.get("cpu") or {}
+        v = cpu.get(part)
+        return v / self.messages * 1000 if v is not None and self.messages else None
 
 
-def _reached(done: dict[int, int], ends: dict[int, int]) -> bool:
-    return all(done.get(p, -1) >= end for p, end in ends.items())
-
-
-def run_raw(
-    s: Settings, topic: str, group: str, ends: dict[int, int], timeout: float
-) -> PathResult:
-    total = sum(ends.values())
-    result = PathResult("raw confluent-kafka", total)
-    consumer = Consumer(s.consumer_config(group))
-    consumer.subscribe([topic])
-    started = time.perf_counter()
-    first: float | None = None
-    committed: dict[int, int] = {}
-    seen = 0
-    try:
-        while not _reached(committed, ends):
-            if time.perf_counter() - started > timeout:
-                result.check = f"timed out after {timeout:.0f}s with {seen}/{total} consumed"
-                return result
-            batch = consumer.consume(num_messages=500, timeout=1.0)
-            nxt: dict[int, int] = {}
-            for msg in batch:
-                part, offset = msg.partition(), msg.offset()
-                if msg.error() is not None or part is None or offset is None:
-                    continue
-                if first is None:
-                    first = time.perf_counter()
-                seen += 1
-                nxt[part] = offset + 1
-            if nxt:
-                consumer.commit(
-                    offsets=[TopicPartition(topic, p, o) for p, o in nxt.items()],
-                    asynchronous=False,
-                )
-                committed.update(nxt)
-        end = time.perf_counter()
-        broker = {tp.partition: tp.offset for tp in consumer.committed(
-            [TopicPartition(topic, p) for p in ends], timeout=10)}
-    finally:
-        consumer.close()
-    assert first is not None
-    result.seconds = end - first
-    result.join_seconds = first - started
-    result.ok = broker == ends and seen == total
-    result.check = (
-        f"{seen} consumed, committed = end offsets" if result.ok
-        else f"committed {broker} != ends {ends} ({seen} consumed)"
-    )
-    return result
-
-
-class TimedConsumer:
-    """Stands in for the runner's consumer: notes the first fetched batch and the
-    offsets each successful commit stored, then delegates everything."""
-
-    def __init__(self, inner: Consumer) -> None:
-        self.inner = inner
-        self.first_batch: float | None = None
-        self.committed: dict[int, int] = {}
-        self.last_commit = 0.0
-
-    def consume(self, *args: Any, **kwargs: Any) -> Any:
-        batch = self.inner.consume(*args, **kwargs)
-        if batch and self.first_batch is None:
-            self.first_batch = time.perf_counter()
-        return batch
-
-    def commit(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.inner.commit(*args, **kwargs)
-        for tp in kwargs.get("offsets") or []:
-            self.committed[tp.partition] = max(self.committed.get(tp.partition, -1), tp.offset)
-        self.last_commit = time.perf_counter()
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-def run_framework(
-    s: Settings, *, mode: str, topic: str, group: str, schema: str, batch_size: int,
-    ends: dict[int, int], intents: list[Intent], timeout: float,
-) -> PathResult:
-    total = sum(ends.values())
-    result = PathResult(f"kafka_idem {mode}", total)
-    app = payments.build_app(
-        topic=topic, mode=mode, name=f"bench-{mode}", group_id=group, schema_name=schema,
-        table=TABLE, batch_size=batch_size, bootstrap_servers=s.bootstrap_servers,
-        database_url=s.dsn, kafka=s.kafka,
-    )
-    tenants = sorted({i.tenant_id for i in intents})
-    ledger_mark, balances_before = ledger_state(s.dsn, tenants)
-    runner = Runner(app)
-    tps = [TopicPartition(topic, p) for p in ends]
-    roundtrips.install()
-    with roundtrips.counting() as counts:
-        runner.start()
-        assert runner.consumer is not None
-        timed = TimedConsumer(runner.consumer)
-        runner.consumer = timed  # type: ignore[assignment]
-        started = time.perf_counter()
-        last_check = 0.0
-        done = False
-        try:
-            while not done:
-                now = time.perf_counter()
-                if now - started > timeout:
-                    break
-                runner.step()
-                now = time.perf_counter()
-                # The broker's committed offsets are the stop condition, asked at most
-                # every 0.25 s or as soon as our own commits say the end was reached.
-                if _reached(timed.committed, ends) or now - last_check >= 0.25:
-                    last_check = now
-                    stored = timed.inner.committed(tps, timeout=10)
-                    done = _reached({tp.partition: tp.offset for tp in stored}, ends)
-        finally:
-            end = timed.last_commit
-            runner.close()
-    result.round_trips = roundtrips.summary(counts)
-    result.outcomes = {
-        outcome: sum(
-            sample.value
-            for metric in runner.metrics.messages.collect()
-            for sample in metric.samples
-            if sample.name.endswith("_total") and sample.labels.get("outcome") == outcome
-        )
-        for outcome in ("succeeded", "replayed", "busy", "conflict", "retried", "dead_lettered")
-    }
-    if not done:
-        result.check = f"timed out after {timeout:.0f}s; committed {timed.committed} of {ends}"
-        return result
-    assert timed.first_batch is not None
-    result.seconds = end - timed.first_batch
-    result.join_seconds = timed.first_batch - started
-    result.ok, result.check = check_effects(s.dsn, schema, intents, ledger_mark, balances_before)
-    return result
-
-
-# --- exactly-once checks -----------------------------------------------------------
-
-
-def ledger_state(dsn: str, tenants: list[str]) -> tuple[int, dict[tuple[str, str], Decimal]]:
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT coalesce(max(id), 0) FROM payments.ledger").fetchone()
-        balances = conn.execute(
-            "SELECT tenant_id, currency, balance FROM payments.balances WHERE tenant_id = ANY(%s)",
-            (tenants,),
-        ).fetchall()
-    assert row is not None
-    return int(row[0]), {(t, c): b for t, c, b in balances}
-
-
-def check_effects(
-    dsn: str, schema: str, intents: list[Intent], mark: int,
-    before: dict[tuple[str, str], Decimal],
-) -> tuple[bool, str]:
-    """One ledger row per distinct key (rows this run wrote), balances moved by the intents."""
-    tenants = sorted({i.tenant_id for i in intents})
-    expected_keys = {i.key for i in intents}
-    with psycopg.connect(dsn) as conn:
-        rows, keys, dup_keys = conn.execute(
-            "SELECT count(*), count(DISTINCT idempotency_key),"
-            " (SELECT count(*) FROM (SELECT 1 FROM payments.ledger WHERE tenant_id = ANY(%(t)s)"
-            "   AND id > %(mark)s GROUP BY idempotency_key HAVING count(*) > 1) d)"
-            " FROM payments.ledger WHERE tenant_id = ANY(%(t)s) AND id > %(mark)s",
-            {"t": tenants, "mark": mark},
-        ).fetchone() or (0, 0, 0)
-        written = {
-            r[0] for r in conn.execute(
-                "SELECT DISTINCT idempotency_key FROM payments.ledger"
-                " WHERE tenant_id = ANY(%s) AND id > %s", (tenants, mark)
-            )
-        }
-        succeeded = conn.execute(
-            sql.SQL("SELECT count(*) FROM {} WHERE status = 'succeeded'").format(
-                sql.Identifier(schema, TABLE)
-            )
-        ).fetchone()
-        after = {
-            (t, c): b for t, c, b in conn.execute(
-                "SELECT tenant_id, currency, balance FROM payments.balances"
-                " WHERE tenant_id = ANY(%s)", (tenants,)
-            )
-        }
-    sums: Counter[tuple[str, str]] = Counter()
-    for i in intents:
-        sums[(i.tenant_id, i.currency)] += i.amount  # type: ignore[assignment]
-    moved = {
-        k: after.get(k, Decimal(0)) - before.get(k, Decimal(0))
-        for k in after.keys() | sums.keys()
-    }
-    balances_ok = all(moved[k] == sums.get(k, Decimal(0)) for k in moved)
-    store_ok = succeeded is not None and succeeded[0] == len(expected_keys)
-    ok = rows == keys == len(expected_keys) and dup_keys == 0 and written == expected_keys
-    ok = ok and balances_ok and store_ok
-    text = (
-        f"{rows} ledger rows / {keys} keys / {len(expected_keys)} intents; "
-        f"{dup_keys} doubled; balances {'ok' if balances_ok else 'WRONG'}; "
-        f"{succeeded[0] if succeeded else 0} succeeded records"
-    )
-    return ok, ("ok: " if ok else "FAILED: ") + text
-
-
-# --- set-up and clean-up --------------------------------------------------------------
-
-
-def create_topic(admin: AdminClient, topic: str) -> None:
-    for fut in admin.create_topics([NewTopic(topic, PARTITIONS, 1)]).values():
-        fut.result(30)
+# --- set-up ----------------------------------------------------------------------------------
 
 
 def create_payments_tables(dsn: str) -> None:
@@ -372,70 +111,130 @@ def create_payments_tables(dsn: str) -> None:
             time.sleep(0.2)
 
 
-def cleanup(
-    s: Settings, admin: AdminClient, topic: str, schemas: list[str], groups: list[str],
-    tenants: list[str],
-) -> list[str]:
-    problems = []
+def machine(dsn: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"cores": os.cpu_count(), "loadavg_start": os.getloadavg()}
     try:
-        with psycopg.connect(s.dsn) as conn:
-            for schema in schemas:
-                conn.execute(
-                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
-                        sql.Identifier(schema)
-                    )
-                )
-            conn.execute("DELETE FROM payments.ledger WHERE tenant_id = ANY(%s)", (tenants,))
-            conn.execute("DELETE FROM payments.balances WHERE tenant_id = ANY(%s)", (tenants,))
-    except psycopg.Error as exc:
-        problems.append(f"database clean-up: {exc}")
-    for name, futures in (
-        ("topic", admin.delete_topics([topic, f"{topic}.dlq"])),
-        ("group", admin.delete_consumer_groups(groups) if groups else {}),
-    ):
-        for what, fut in futures.items():
-            try:
-                fut.result(30)
-            except KafkaException as exc:
-                code = exc.args[0].code() if exc.args else None
-                if code not in (confluent_kafka.KafkaError.UNKNOWN_TOPIC_OR_PART,
-                                confluent_kafka.KafkaError.GROUP_ID_NOT_FOUND):
-                    problems.append(f"{name} {what}: {exc}")
-    return problems
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        info["cpu_model"] = next(
+            (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines()
+             if ln.startswith("model name")), None)
+        mem = Path("/proc/meminfo").read_text().splitlines()[0].split()
+        info["memory_gib"] = round(int(mem[1]) / 1024 / 1024, 1)
+    except OSError:
+        pass
+    with psycopg.connect(dsn) as conn:
+        info["postgres"] = {
+            name: conn.execute(f"SHOW {name}").fetchone()[0]  # type: ignore[index]
+            for name in ("server_version", "fsync", "synchronous_commit", "wal_sync_method",
+                         "shared_buffers", "full_page_writes")
+        }
+    return info
 
 
-# --- output -----------------------------------------------------------------------------
+# --- running a worker -----------------------------------------------------------------------
 
 
-def per_message(r: PathResult, *kinds: str) -> float | None:
-    if not r.round_trips:
-        return None
-    return sum(r.round_trips[k] for k in kinds) / r.messages
+def run_worker(spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    name = f"{spec['path']}-{spec['phase']}"
+    spec_file, out_file = work / f"{name}.spec.json", work / f"{name}.out.json"
+    spec_file.write_text(json.dumps(spec))
+    load_before = os.getloadavg()
+    try:
+        subprocess.run([sys.executable, "-m", "bench.worker", str(spec_file), str(out_file)],
+                       timeout=spec["timeout"] + 180, check=False)
+        out: dict[str, Any] = json.loads(out_file.read_text())
+    except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
+        out = {"ok": False, "check": f"worker failed: {exc}"}
+    out["loadavg_before"] = load_before
+    return out
 
 
-def render(results: list[PathResult], raw_rate: float | None) -> Table:
-    table = Table(title="kafka_idem benchmark", title_justify="left")
-    for col, justify in [("path", "left"), ("messages", "right"), ("seconds", "right"),
-                         ("msgs/s", "right"), ("ratio to raw", "right"),
-                         ("SQL round trips/msg", "right"), ("transactions/msg", "right"),
-                         ("check", "left")]:
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for r in results:
-        rt = r.round_trips
-        per_msg = f"{rt['round_trips'] / r.messages:.2f}" if rt else "—"
-        txs = f"{(rt['commit'] + rt['rollback']) / r.messages:.3f}" if rt else "—"
-        ratio = f"{r.rate / raw_rate:.3f}" if raw_rate and r.rate else "—"
+# --- output -----------------------------------------------------------------------------------
+
+
+def _f(v: float | None, fmt: str = "{:.3f}") -> str:
+    return "—" if v is None else fmt.format(v)
+
+
+def _ratio(a: float, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def render(
+    rows: list[Measured], pg: list[pgbench.PgbenchResult], limits: dict[str, float | None],
+    rss: dict[str, Any] | None,
+) -> Table:
+    table = Table(title="kafka_idem benchmark (one run; CPU in seconds per 1,000 messages; "
+                  "latency = effect committed - Kafka CreateTime, at the rate shown)",
+                  title_justify="left")
+    for col in ("path", "messages", "msgs/s", "x raw", "x SQL limit", "x naive",
+                "CPU consumer", "CPU PG", "CPU broker", "p50 ms", "p99 ms", "at msgs/s",
+                "peak RSS MB", "check"):
+        table.add_column(col, justify="left" if col in ("path", "check") else "right")
+    raw, naive = limits.get("raw"), limits.get("naive")
+    by = {m.path: m for m in rows}
+    if "raw" in by:
+        _row(table, by["raw"], raw, None, naive)
+    for r in pg:
         table.add_row(
-            r.path, str(r.messages), f"{r.seconds:.2f}" if r.seconds else "—",
-            f"{r.rate:,.0f}" if r.rate else "—", ratio, per_msg, txs,
-            ("[green]" if r.ok else "[red]") + r.check,
+            f"pgbench {r.script.replace('_', '-')} -c {r.clients}",
+            f"{r.transactions * r.messages_per_tx:,}", f"{r.msgs_per_s:,.0f}" if r.tps else "—",
+            "—", "—", "—", _f(_per_1k(r.cpu.get("consumer"), r)) + " (pgbench)",
+            _f(_per_1k(r.cpu.get("postgres"), r)), _f(_per_1k(r.cpu.get("broker"), r)),
+            "—", "—", "—", "—",
+            ("[red]" + r.error) if r.error else
+            f"[green]{r.tps:,.1f} tx/s, avg {r.latency_ms or 0:.2f} ms/tx, {r.failed} failed",
+        )
+    for m in rows:
+        if m.path == "raw":
+            continue
+        limit = limits.get("sql_batched") if m.path in BATCH_FAMILY else limits.get(
+            "sql_per_message")
+        _row(table, m, raw, limit, naive)
+    if rss is not None:
+        table.add_row(
+            "kafka_idem batch, RSS run", f"{rss.get('messages', 0):,}",
+            _f(rss.get("msgs_per_s"), "{:,.0f}"), "—", "—", "—",
+            _f(rss.get("cpu_consumer_per_1k")), _f(rss.get("cpu_postgres_per_1k")),
+            _f(rss.get("cpu_broker_per_1k")), "—", "—", "—",
+            _f(rss.get("peak_mb"), "{:.0f}"),
+            ("[green]" if rss.get("ok") else "[red]")
+            + f"RSS {_f(rss.get('after_warmup_mb'), '{:.0f}')} MB after "
+            f"{rss.get('warmup_messages', 0):,} -> {_f(rss.get('end_mb'), '{:.0f}')} MB at end; "
+            + str(rss.get("check", "")),
         )
     return table
 
 
-def render_round_trips(results: list[PathResult]) -> Table | None:
-    rows = [r for r in results if r.round_trips]
-    if not rows:
+def _per_1k(v: float | None, r: pgbench.PgbenchResult) -> float | None:
+    n = r.transactions * r.messages_per_tx
+    return v / n * 1000 if v is not None and n else None
+
+
+def _row(table: Table, m: Measured, raw: float | None, limit: float | None,
+         naive: float | None) -> None:
+    lat = m.latency.get("latency_ms") or {}
+    prod = m.latency.get("producer") or {}
+    ok = m.throughput.get("ok") and (not m.latency or m.latency.get("ok"))
+    check = m.throughput.get("check", "")
+    if m.latency and not m.latency.get("ok"):
+        check += f"; latency: {m.latency.get('check')}"
+    table.add_row(
+        m.label, f"{m.messages:,}", f"{m.rate:,.0f}" if m.rate else "—",
+        _f(_ratio(m.rate, raw)), _f(_ratio(m.rate, limit), "{:.2f}"),
+        _f(_ratio(m.rate, naive) if m.path != "naive" else None, "{:.1f}"),
+        _f(m.cpu_per_1k("consumer")), _f(m.cpu_per_1k("postgres")),
+        _f(m.cpu_per_1k("broker")),
+        _f(lat.get("p50"), "{:.1f}"), _f(lat.get("p99"), "{:.1f}"),
+        _f(prod.get("rate"), "{:,.0f}"),
+        _f(m.throughput.get("peak_rss_mb"), "{:.0f}"),
+        ("[green]" if ok else "[red]") + check,
+    )
+
+
+def render_round_trips(rows: list[Measured]) -> Table | None:
+    have = [m for m in rows if m.throughput.get("round_trips")]
+    if not have:
         return None
     table = Table(title="SQL per message, by kind (round trips = waits for the server; "
                   "statements and commands sent in a pipeline share one)", title_justify="left")
@@ -447,112 +246,428 @@ def render_round_trips(results: list[PathResult]) -> Table | None:
     table.add_column("path")
     for name, _ in columns:
         table.add_column(name, justify="right")
-    for r in rows:
-        table.add_row(r.path, *(f"{r.round_trips[k] / r.messages:.3f}" for _, k in columns))
+    for m in have:
+        rt = m.throughput["round_trips"]
+        table.add_row(m.label, *(f"{rt[k] / m.messages:.3f}" for _, k in columns))
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
+def render_cpu(rows: list[Measured]) -> Table:
+    table = Table(title="CPU split over each throughput window (seconds of CPU per second of "
+                  f"wall time; {procstat.cpu_count()} cores = {procstat.cpu_count()}.0)",
+                  title_justify="left")
+    for col in ("path", "wall s", "consumer", "postgres", "broker", "other", "machine busy"):
+        table.add_column(col, justify="left" if col == "path" else "right")
+    for m in rows:
+        cpu = m.throughput.get("cpu") or {}
+        wall = cpu.get("wall") or 0.0
+        if not wall:
+            continue
+
+        def per_s(k: str, cpu: dict[str, Any] = cpu, wall: float = wall) -> str:
+            v = cpu.get(k)
+            return "—" if v is None else f"{v / wall:.2f}"
+
+        table.add_row(m.label, f"{wall:.2f}", per_s("consumer"), per_s("postgres"),
+                      per_s("broker"), per_s("other"), per_s("machine_busy"))
+    return table
+
+
+PHASES = [
+    ("runner.step", "whole loop step"),
+    ("consumer.consume", "  consume()"),
+    ("processor.run_local", "  Processor.run_local"),
+    ("batch.run_batch", "    batch.run_batch"),
+    ("batch._prepare", "      decode, validate, key, hash"),
+    ("batch._replays", "      replay fast path (1 read)"),
+    ("batch._claim", "      claim (unnest insert)"),
+    ("batch._run_handlers", "      handlers + completion"),
+    ("commit", "      COMMIT and the rest"),
+    ("runner._apply", "  _apply (offsets, metrics)"),
+    ("runner._commit_pending", "  offset commit (async)"),
+]
+
+
+def render_phases(rows: list[Measured]) -> Table | None:
+    have = [m for m in rows if m.throughput.get("phases", {}).get("batch.run_batch")]
+    if not have:
+        return None
+    table = Table(title="Where the batch path's time goes, microseconds per message: wall / "
+                  "CPU of the loop's thread (wall - CPU = waiting, mostly for PostgreSQL)",
+                  title_justify="left")
+    table.add_column("step")
+    for m in have:
+        table.add_column(m.label, justify="right")
+    cells: dict[str, list[str]] = {name: [] for name, _ in PHASES}
+    for m in have:
+        ph = dict(m.throughput["phases"])
+        rb = ph["batch.run_batch"]
+        inner = [ph.get(k, {"wall_s": 0.0, "cpu_s": 0.0}) for k in
+                 ("batch._prepare", "batch._replays", "batch._claim", "batch._run_handlers")]
+        ph["commit"] = {"wall_s": rb["wall_s"] - sum(p["wall_s"] for p in inner),
+                        "cpu_s": rb["cpu_s"] - sum(p["cpu_s"] for p in inner)}
+        for name, _ in PHASES:
+            p = ph.get(name)
+            cells[name].append("—" if p is None else
+                               f"{p['wall_s'] / m.messages * 1e6:.1f} / "
+                               f"{p['cpu_s'] / m.messages * 1e6:.1f}")
+    for name, label in PHASES:
+        table.add_row(label, *cells[name])
+    return table
+
+
+def targets(
+    by: dict[str, Measured], limits: dict[str, float | None], rss: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, goal: float, unit: str = "") -> None:
+        out.append({"target": name, "value": value, "goal": goal,
+                    "met": value is not None and value >= goal, "unit": unit})
+
+    if (b := by.get("batch")) is not None:
+        add("batch path msgs/s >= 30,000", b.rate or None, 30_000, "msgs/s")
+        add("batch path >= 0.5 x batched SQL limit", _ratio(b.rate, limits.get("sql_batched")),
+            0.5, "x")
+        add("batch path >= 10 x naive", _ratio(b.rate, limits.get("naive")), 10, "x")
+    if (le := by.get("leased")) is not None:
+        add("leased >= 0.8 x pgbench per-message", _ratio(le.rate,
+            limits.get("sql_per_message")), 0.8, "x")
+    if (d := by.get("dup90")) is not None:
+        add("90%-duplicates msgs/s >= 20,000", d.rate or None, 20_000, "msgs/s")
+    if rss is not None:
+        growth = rss.get("growth_pct")
+        out.append({"target": "RSS flat after warm-up (end <= 105% of after-warm-up)",
+                    "value": growth, "goal": 5.0, "unit": "% growth",
+                    "met": growth is not None and growth <= 5.0 and bool(rss.get("ok"))})
+    return out
+
+
+def render_targets(ts: list[dict[str, Any]]) -> Table:
+    table = Table(title="issue 6 targets", title_justify="left")
+    for col in ("target", "measured", "met"):
+        table.add_column(col, justify="left" if col == "target" else "right")
+    for t in ts:
+        v = t["value"]
+        shown = "—" if v is None else (f"{v:,.0f} {t['unit']}" if t["unit"] == "msgs/s"
+                                       else f"{v:.2f} {t['unit']}")
+        table.add_row(t["target"], shown, "[green]met" if t["met"] else "[red]not met")
+    return table
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--messages", type=int, default=20_000, help="messages to produce")
-    parser.add_argument("--dup-ratio", type=float, default=0.1, help="share of duplicates")
-    parser.add_argument("--batch-size", type=int, default=500, help="framework batch size")
-    parser.add_argument("--paths", default="raw,local,leased", help="comma-separated subset")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per path")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes: 20k/2k messages, 5 s latency and pgbench runs, "
+                        "100k-message RSS run")
+    parser.add_argument("--paths", default=",".join(ALL),
+                        help=f"comma-separated subset of {','.join(ALL)}")
+    parser.add_argument("--messages", type=int, help="main topic (raw, batch paths, 90%% dup)"
+                        " [200000; quick 20000]")
+    parser.add_argument("--slow-messages", type=int,
+                        help="topic of the per-message paths (naive, leased) [10000; quick 2000]")
+    parser.add_argument("--dup-ratio", type=float, default=0.0,
+                        help="share of duplicates in the main and slow topics [0]")
+    parser.add_argument("--batch-size", type=int, default=500, help="framework and pgbench batch")
+    parser.add_argument("--latency-seconds", type=float,
+                        help="paced production per latency run [10; quick 5]")
+    parser.add_argument("--latency-fraction", type=float, default=0.5,
+                        help="latency runs produce at this fraction of the path's max [0.5]")
+    parser.add_argument("--pgbench-seconds", type=float, help="per pgbench run [10; quick 3]")
+    parser.add_argument("--pgbench-clients", default="1,4", help="pgbench -c values [1,4]")
+    parser.add_argument("--rss-messages", type=int,
+                        help="messages of the RSS run (batch path) [1000000; quick 100000]")
+    parser.add_argument("--profile", action="store_true",
+                        help="also run the batch path (pyinstrument) and the leased path "
+                        "(cProfile of the worker threads) under a profiler -> "
+                        "bench/profile-{batch,leased}.txt")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
     parser.add_argument("--seed", type=int, default=None, help="workload seed")
-    parser.add_argument("--keep", action="store_true", help="keep topic, schemas and rows")
+    parser.add_argument("--keep", action="store_true", help="keep topics, schemas and rows")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="JSON output file")
     parser.add_argument("--verbose", action="store_true", help="kafka_idem logs at INFO")
     args = parser.parse_args(argv)
-    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    if unknown := set(paths) - {"raw", "local", "leased"}:
+    q = args.quick
+    args.messages = args.messages or (20_000 if q else 200_000)
+    args.slow_messages = args.slow_messages or (2_000 if q else 10_000)
+    args.latency_seconds = args.latency_seconds or (5.0 if q else 10.0)
+    args.pgbench_seconds = args.pgbench_seconds or (3.0 if q else 10.0)
+    args.rss_messages = args.rss_messages or (100_000 if q else 1_000_000)
+    args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if unknown := set(args.paths) - set(ALL):
         parser.error(f"unknown paths {sorted(unknown)}")
-    if not 0 <= args.dup_ratio < 1 or args.messages < 1:
-        parser.error("need --messages >= 1 and 0 <= --dup-ratio < 1")
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if not 0 <= args.dup_ratio < 1 or min(args.messages, args.slow_messages) < 1:
+        parser.error("need messages >= 1 and 0 <= --dup-ratio < 1")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     s = load_settings()
     run_id = uuid.uuid4().hex[:8]
     seed = args.seed if args.seed is not None else random.randrange(2**32)
-    topic = f"bench.{run_id}.charge-requested"
-    schemas = {mode: f"bench_{run_id}_{mode}" for mode in ("local", "leased") if mode in paths}
-    groups = {p: f"bench-{run_id}-{p}" for p in paths}
     admin = AdminClient(s.admin_config())
-    intents, messages = plan(args.messages, args.dup_ratio, run_id, random.Random(seed))
-    tenants = sorted({i.tenant_id for i in intents})
-    results: list[PathResult] = []
-    console.print(f"bench {run_id}: {len(messages)} messages, {len(intents)} intents, "
-                  f"topic {topic}, seed {seed}")
+    work = Path(tempfile.mkdtemp(prefix=f"bench-{run_id}-"))
+    wanted = [p for p in ALL if p in args.paths]
+    consumer_paths = [p for p in wanted if p in PATHS]
+    plans = {
+        "main": Plan(f"{run_id}m", args.messages, args.dup_ratio, seed),
+        "slow": Plan(f"{run_id}s", args.slow_messages, args.dup_ratio, seed),
+        "dup": Plan(f"{run_id}d", args.messages, 0.9, seed),
+        "rss": Plan(f"{run_id}r", args.rss_messages, 0.0, seed),
+    }
+    needed = {PATHS[p][4] for p in consumer_paths} | ({"rss"} if "rss" in wanted else set())
+    if args.profile:
+        needed |= {"main", "slow"}
+    topics = {k: f"bench.{run_id}.{k}" for k in needed}
+    created_topics: list[str] = []
+    schemas: list[str] = []
+    groups: list[str] = []
+    info = machine(s.dsn)
+    console.print(f"bench {run_id}: seed {seed}, paths {','.join(wanted)}; load average "
+                  f"{info['loadavg_start'][0]:.2f}; work files in {work}")
+    rows: list[Measured] = []
+    pg: list[pgbench.PgbenchResult] = []
+    rss: dict[str, Any] | None = None
+    profiles: dict[str, Any] = {}
+
+    def schema_for(path: str, phase: str) -> str:
+        name = f"bench_{run_id}_{path}_{phase[0]}"
+        migrate(s.dsn, name, TABLE)
+        schemas.append(name)
+        return name
+
+    def spec(path: str, phase: str, topic: str, plan: Plan, **extra: Any) -> dict[str, Any]:
+        _label, kind, mode, bulk, _t = PATHS.get(path, PATHS["batch"])
+        group = f"bench-{run_id}-{path}-{phase}"
+        groups.append(group)
+        return {"path": path, "phase": phase, "kind": kind, "mode": mode, "bulk": bulk,
+                "topic": topic, "group": group, "plan": plan.to_json(),
+                "schema": schema_for(path, phase) if kind != "raw" else None,
+                "batch_size": args.batch_size, "timeout": args.timeout,
+                "verbose": args.verbose, **extra}
+
     try:
-        create_topic(admin, topic)
         create_payments_tables(s.dsn)
-        for schema in schemas.values():
-            migrate(s.dsn, schema, TABLE)
-        t0 = time.perf_counter()
-        produce(s, topic, messages)
-        console.print(f"produced in {time.perf_counter() - t0:.1f}s")
-        ends = end_offsets(s, topic)
-        if sum(ends.values()) != len(messages):
-            raise SystemExit(
-                f"bench: topic holds {sum(ends.values())} messages, expected {len(messages)}"
-            )
-        for path in paths:
-            console.print(f"measuring {path} ...")
-            if path == "raw":
-                results.append(run_raw(s, topic, groups[path], ends, args.timeout))
-            else:
-                results.append(run_framework(
-                    s, mode=path, topic=topic, group=groups[path], schema=schemas[path],
-                    batch_size=args.batch_size, ends=ends, intents=intents, timeout=args.timeout,
-                ))
-            console.print(f"  {results[-1].check}")
+        ends: dict[str, dict[int, int]] = {}
+        for key in sorted(needed):
+            create_topic(admin, topics[key])
+            created_topics.append(topics[key])
+            t0 = time.perf_counter()
+            _intents, messages = plans[key].build()
+            produce_backlog(s, topics[key], messages)
+            del messages, _intents
+            ends[key] = end_offsets(s, topics[key])
+            console.print(f"produced {sum(ends[key].values()):,} messages to {topics[key]} in "
+                          f"{time.perf_counter() - t0:.1f}s")
+            if sum(ends[key].values()) != plans[key].n:
+                raise SystemExit(f"bench: {topics[key]} holds {sum(ends[key].values())} "
+                                 f"messages, expected {plans[key].n}")
+
+        for path in wanted:
+            if path == "pgbench":
+                console.print("measuring pgbench (the framework's SQL) ...")
+                pg = pgbench.run(
+                    s.dsn, run_id, clients=[int(c) for c in args.pgbench_clients.split(",")],
+                    seconds=args.pgbench_seconds, batch=args.batch_size, keep=args.keep,
+                    log=console.print,
+                )
+                continue
+            if path == "rss":
+                console.print(f"measuring the batch path's RSS over {args.rss_messages:,} "
+                              "messages ...")
+                out = run_worker(spec("rss", "rss", topics["rss"], plans["rss"],
+                                      ends=ends["rss"],
+                                      rss_every=max(args.rss_messages // 10, 1)), work)
+                rss = summarize_rss(out, args.rss_messages)
+                console.print(f"  {out.get('check')}")
+                continue
+            label, _kind, _mode, _bulk, topic_key = PATHS[path]
+            plan = plans[topic_key]
+            m = Measured(path, label)
+            console.print(f"measuring {label} ...")
+            m.throughput = run_worker(spec(path, "throughput", topics[topic_key], plan,
+                                           ends=ends[topic_key], round_trips=True), work)
+            m.throughput["messages"] = plan.n
+            console.print(f"  {m.rate:,.0f} msgs/s; {m.throughput.get('check')}")
+            if m.rate:
+                rate = max(m.rate * args.latency_fraction, 1.0)
+                n = max(int(rate * args.latency_seconds), 1)
+                lat_topic = f"bench.{run_id}.{path}.latency"
+                create_topic(admin, lat_topic)
+                created_topics.append(lat_topic)
+                lat_plan = Plan(f"{run_id}l{ALL.index(path)}", n,
+                                0.9 if path == "dup90" else args.dup_ratio, seed)
+                m.latency = run_worker(spec(path, "latency", lat_topic, lat_plan, rate=rate),
+                                       work)
+                lat = m.latency.get("latency_ms") or {}
+                console.print(f"  latency at {rate:,.0f} msgs/s: p50 "
+                              f"{_f(lat.get('p50'), '{:.1f}')} ms, p99 "
+                              f"{_f(lat.get('p99'), '{:.1f}')} ms; {m.latency.get('check')}")
+            rows.append(m)
+        if args.profile:
+            for path, key in (("batch", "main"), ("leased", "slow")):
+                if key not in topics:
+                    continue
+                target = HERE / f"profile-{path}.txt"
+                console.print(f"profiling {PATHS[path][0]} -> {target}")
+                out = run_worker(spec(path, "profile", topics[key], plans[key],
+                                      ends=ends[key], profile=str(target)), work)
+                secs = out.get("seconds") or 0
+                console.print(f"  under the profiler: {plans[key].n / secs if secs else 0:,.0f}"
+                              f" msgs/s; {out.get('check')}")
+                profiles[path] = out
     finally:
-        problems = [] if args.keep else cleanup(
-            s, admin, topic, list(schemas.values()), list(groups.values()), tenants
-        )
+        problems = [] if args.keep else cleanup(s, admin, created_topics, schemas, groups, run_id)
         for p in problems:
             console.print(f"[yellow]clean-up: {p}")
         if args.keep:
-            console.print(
-                f"kept topic {topic}, schemas {list(schemas.values())}, tenants bench-{run_id}-*"
-            )
+            console.print(f"kept topics {created_topics}, schemas {schemas}, tenants "
+                          f"bench-{run_id}*")
 
-    raw = next((r for r in results if r.path.startswith("raw") and r.ok), None)
-    raw_rate = raw.rate if raw else None
-    out = Console(width=max(Console().width, 180))
-    out.print(render(results, raw_rate))
-    if (by_kind := render_round_trips(results)) is not None:
-        out.print(by_kind)
-    joins = ", ".join(f"{r.path} {r.join_seconds:.2f}s" for r in results if r.join_seconds)
-    out.print(f"group join + first fetch (not in 'seconds'): {joins}")
-    RESULTS.write_text(json.dumps({
+    by = {m.path: m for m in rows}
+    limits = compute_limits(by, pg)
+    ts = targets(by, limits, rss)
+    out_console = Console(width=max(Console().width, 200))
+    out_console.print(render(rows, pg, limits, rss))
+    out_console.print(render_cpu(rows))
+    if (rt := render_round_trips(rows)) is not None:
+        out_console.print(rt)
+    if (ph := render_phases(rows)) is not None:
+        out_console.print(ph)
+    if ts:
+        out_console.print(render_targets(ts))
+    joins = ", ".join(f"{m.path} {m.throughput.get('join_seconds', 0):.2f}s" for m in rows
+                      if m.throughput.get("join_seconds"))
+    out_console.print(f"group join + first fetch (not in any clock): {joins}")
+    info["loadavg_end"] = os.getloadavg()
+    write_results(args, run_id, seed, info, plans, rows, pg, limits, rss, ts, profiles)
+    console.print(f"results written to {args.results}")
+    oks = [m.throughput.get("ok") for m in rows] + ([rss.get("ok")] if rss else [])
+    return 0 if all(oks) and not any(r.error for r in pg) else 1
+
+
+def summarize_rss(out: dict[str, Any], n: int) -> dict[str, Any]:
+    samples = out.get("rss_samples") or []
+    secs = out.get("seconds") or 0.0
+    cpu = out.get("cpu") or {}
+    res: dict[str, Any] = {
+        "messages": n, "ok": out.get("ok", False), "check": out.get("check", ""),
+        "samples": samples, "peak_mb": out.get("peak_rss_mb"), "end_mb": out.get("rss_mb"),
+        "msgs_per_s": n / secs if secs and out.get("ok") else None,
+    }
+    for part in ("consumer", "postgres", "broker"):
+        v = cpu.get(part)
+        res[f"cpu_{part}_per_1k"] = v / n * 1000 if v is not None else None
+    if samples:
+        warm = samples[0]
+        res["warmup_messages"] = warm["messages"]
+        res["after_warmup_mb"] = warm["rss_mb"]
+        last = samples[-1]["rss_mb"]
+        res["end_mb"] = last
+        res["growth_mb"] = last - warm["rss_mb"]
+        res["growth_pct"] = (last - warm["rss_mb"]) / warm["rss_mb"] * 100
+    return res
+
+
+def compute_limits(by: dict[str, Measured], pg: list[pgbench.PgbenchResult]) -> dict[str, Any]:
+    def best(script: str) -> float | None:
+        rates = [r.msgs_per_s for r in pg if r.script == script and not r.error]
+        return max(rates) if rates else None
+
+    def at(script: str, clients: int) -> float | None:
+        return next((r.msgs_per_s for r in pg if r.script == script and r.clients == clients
+                     and not r.error), None)
+
+    raw = by.get("raw")
+    naive = by.get("naive")
+    return {
+        "raw": raw.rate if raw and raw.rate else None,
+        "naive": naive.rate if naive and naive.rate else None,
+        "sql_batched": best("batched"),
+        "sql_batched_c1": at("batched", 1),
+        "sql_per_message": best("per_message"),
+        "sql_per_message_c1": at("per_message", 1),
+    }
+
+
+def write_results(
+    args: argparse.Namespace, run_id: str, seed: int, info: dict[str, Any],
+    plans: dict[str, Plan], rows: list[Measured], pg: list[pgbench.PgbenchResult],
+    limits: dict[str, Any], rss: dict[str, Any] | None, ts: list[dict[str, Any]],
+    profiles: dict[str, Any],
+) -> None:
+    args.results.write_text(json.dumps({
         "run_id": run_id,
         "seed": seed,
         "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "messages": len(messages),
-        "intents": len(intents),
-        "duplicates": len(messages) - len(intents),
+        "command": " ".join(["python -m bench", *(sys.argv[1:])]),
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "partitions": PARTITIONS,
-        "batch_size": args.batch_size,
+        "plans": {k: p.to_json() for k, p in plans.items()},
+        "machine": info,
         "versions": {
             "python": platform.python_version(),
             "confluent_kafka": confluent_kafka.version()[0],
             "librdkafka": confluent_kafka.libversion()[0],
             "psycopg": psycopg.__version__,
         },
+        "limits": limits,
+        "pgbench": [{**vars(r), "msgs_per_s": r.msgs_per_s} for r in pg],
         "paths": [
             {
-                **asdict(r),
-                "msgs_per_s": r.rate,
-                "ratio_to_raw": (r.rate / raw_rate) if raw_rate and r.rate else None,
-                "round_trips_per_msg": per_message(r, "round_trips"),
-                "transactions_per_msg": per_message(r, "commit", "rollback"),
+                "path": m.path, "label": m.label, "messages": m.messages, "msgs_per_s": m.rate,
+                "ratio_to_raw": _ratio(m.rate, limits.get("raw")),
+                "ratio_to_sql_limit": _ratio(m.rate, limits.get(
+                    "sql_batched" if m.path in BATCH_FAMILY else "sql_per_message")),
+                "ratio_to_naive": _ratio(m.rate, limits.get("naive")),
+                "cpu_s_per_1k": {k: m.cpu_per_1k(k) for k in ("consumer", "postgres", "broker",
+                                                               "other")},
+                "round_trips_per_msg": (m.throughput["round_trips"]["round_trips"] / m.messages
+                                        if m.throughput.get("round_trips") else None),
+                "throughput": m.throughput,
+                "latency": m.latency,
             }
-            for r in results
+            for m in rows
         ],
+        "rss": rss,
+        "profiles": profiles,
+        "targets": ts,
     }, indent=2, default=str) + "\n")
-    console.print(f"results written to {RESULTS}")
-    return 0 if results and all(r.ok for r in results) else 1
+
+
+def cleanup(
+    s: Settings, admin: AdminClient, topics: list[str], schemas: list[str], groups: list[str],
+    run_id: str,
+) -> list[str]:
+    problems = []
+    try:
+        with psycopg.connect(s.dsn, autocommit=True) as conn:
+            for schema in schemas:
+                conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                    sql.Identifier(schema)))
+            like = f"bench-{run_id}%"
+            conn.execute("DELETE FROM payments.ledger WHERE tenant_id LIKE %s", (like,))
+            conn.execute("DELETE FROM payments.balances WHERE tenant_id LIKE %s", (like,))
+    except psycopg.Error as exc:
+        problems.append(f"database clean-up: {exc}")
+    dlq = [f"{t}.dlq" for t in topics]
+    for name, futures in (
+        ("topic", admin.delete_topics(topics + dlq) if topics else {}),
+        ("group", admin.delete_consumer_groups(groups) if groups else {}),
+    ):
+        for what, fut in futures.items():
+            try:
+                fut.result(30)
+            except KafkaException as exc:
+                code = exc.args[0].code() if exc.args else None
+                if code not in (confluent_kafka.KafkaError.UNKNOWN_TOPIC_OR_PART,
+                                confluent_kafka.KafkaError.GROUP_ID_NOT_FOUND):
+                    problems.append(f"{name} {what}: {exc}")
+    return problems
 
 
 if __name__ == "__main__":
