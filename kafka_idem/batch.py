@@ -36,7 +36,7 @@ from psycopg.types.json import Jsonb
 
 from kafka_idem.app import Context, Handler
 from kafka_idem.errors import MessageError
-from kafka_idem.processing import QUIET, Finished, Prepared, Processor, Result
+from kafka_idem.processing import QUIET, Finished, Prepared, Processor, Result, make_context
 from kafka_idem.store import Claim, Conn, Outcome, translate_errors
 
 
@@ -250,20 +250,7 @@ def _run_group(
 
 def _context(conn: Conn, item: _Item, claim: Claim) -> Context:
     assert item.prep is not None
-    msg = item.msg
-    return Context(
-        tx=conn,
-        idempotency_key=item.prep.key,
-        request_hash=item.prep.request_hash,
-        attempt=claim.attempts,
-        handler=item.handler.name,
-        topic=msg.topic(),
-        partition=msg.partition(),
-        offset=msg.offset(),
-        timestamp=msg.timestamp()[1] if msg.timestamp()[0] else None,
-        kafka_key=msg.key(),
-        headers={k: v or b"" for k, v in (msg.headers() or [])},
-    )
+    return make_context(conn, item.handler, item.msg, item.prep, claim)
 
 
 def _call(proc: Processor, conn: Conn, item: _Item, claim: Claim) -> Any:

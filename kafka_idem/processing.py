@@ -91,6 +91,26 @@ def _fields(msg: Any) -> dict[str, Any]:
     return {"topic": msg.topic(), "partition": msg.partition(), "offset": msg.offset()}
 
 
+def make_context(
+    conn: Conn, handler: Handler[Any], msg: Any, prep: Prepared, claim: Claim
+) -> Context:
+    """What the handler gets for ``msg``: the open transaction and the message's facts."""
+    ts_type, ts = msg.timestamp()
+    return Context(
+        tx=conn,
+        idempotency_key=prep.key,
+        request_hash=prep.request_hash,
+        attempt=claim.attempts,
+        handler=handler.name,
+        topic=msg.topic(),
+        partition=msg.partition(),
+        offset=msg.offset(),
+        timestamp=ts if ts_type else None,
+        kafka_key=msg.key(),
+        headers={k: v or b"" for k, v in (msg.headers() or [])},
+    )
+
+
 class Processor:
     def __init__(
         self,
@@ -418,19 +438,7 @@ class Processor:
         statements and the completion together: one sync after the handler, so its
         own errors are still told apart from the completion's."""
         assert claim.token is not None
-        ctx = Context(
-            tx=conn,
-            idempotency_key=prep.key,
-            request_hash=prep.request_hash,
-            attempt=claim.attempts,
-            handler=handler.name,
-            topic=msg.topic(),
-            partition=msg.partition(),
-            offset=msg.offset(),
-            timestamp=msg.timestamp()[1] if msg.timestamp()[0] else None,
-            kafka_key=msg.key(),
-            headers={k: v or b"" for k, v in (msg.headers() or [])},
-        )
+        ctx = make_context(conn, handler, msg, prep, claim)
         if lost is not None:
             ctx._lease_lost = lost
         started = time.perf_counter()

@@ -4,7 +4,6 @@ processing path (``Processor``) on one message, released together by a barrier."
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from consumers import payments
@@ -12,39 +11,7 @@ from kafka_idem import Context
 from kafka_idem.metrics import Metrics
 from kafka_idem.processing import Deferred, Finished, Processor
 from kafka_idem.store import Store
-
-
-@dataclass
-class FakeMessage:
-    """The parts of confluent_kafka.Message the processor reads."""
-
-    topic_: str
-    partition_: int
-    offset_: int
-    key_: bytes | None
-    value_: bytes | None
-    headers_: list[tuple[str, bytes]] = field(default_factory=list)
-
-    def topic(self) -> str:
-        return self.topic_
-
-    def partition(self) -> int:
-        return self.partition_
-
-    def offset(self) -> int:
-        return self.offset_
-
-    def key(self) -> bytes | None:
-        return self.key_
-
-    def value(self) -> bytes | None:
-        return self.value_
-
-    def headers(self) -> list[tuple[str, bytes]]:
-        return self.headers_
-
-    def timestamp(self) -> tuple[int, int]:
-        return (1, 1_700_000_000_000)
+from kafka_idem.verify.workers import FakeMessage
 
 
 def describe(result: Any) -> tuple[str, str, str | None]:
