@@ -28,7 +28,7 @@ import random
 import signal
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
@@ -324,6 +324,7 @@ class Runner:
 
     def _apply(self, results: dict[TP, list[Result]], now: float) -> None:
         """Step 5: pop the finished prefix of each queue; schedule the deferred message."""
+        counts: Counter[tuple[str, str]] = Counter()  # (topic, outcome): one update per round
         for tp, rs in results.items():
             st = self.parts.get(tp)
             if st is None:
@@ -335,16 +336,16 @@ class Runner:
                     st.tokens.pop(msg.offset(), None)
                     st.framework_failures = 0
                     st.to_commit = msg.offset() + 1
-                    handler = self.app.handlers[tp[0]].name
-                    self.metrics.outcome(tp[0], handler, res.outcome)
+                    counts[(tp[0], res.outcome)] += 1
                     continue
                 st.not_before = now + self._delay(st, res)
                 if res.token is not None:
                     st.tokens[msg.offset()] = res.token
                 if res.reason in ("busy", "retry"):
-                    outcome = "busy" if res.reason == "busy" else "retried"
-                    self.metrics.outcome(tp[0], self.app.handlers[tp[0]].name, outcome)
+                    counts[(tp[0], "busy" if res.reason == "busy" else "retried")] += 1
                 break
+        for (topic, outcome), n in counts.items():
+            self.metrics.outcome(topic, self.app.handlers[topic].name, outcome, n)
 
     def _delay(self, st: PartitionState, res: Deferred) -> float:
         if res.reason in ("framework", "dlq"):
