@@ -1,6 +1,6 @@
 """The database limit: ``pgbench`` running exactly the framework's SQL, with no Kafka and no Python.
 
-Two custom scripts are generated into a temporary directory:
+Two custom scripts (and a third, ``gen_only``, below) are generated into a temporary directory:
 
 * **per-message** (the leased path's statements and transactions): the claim
   (``claim_insert``, committed on its own, as the leased path does in
