@@ -365,7 +365,7 @@ class Store:
         """``{key: (request_hash, result)}`` for the keys among ``keys`` that succeeded."""
         with translate_errors():
             rows = conn.execute(self.q["succeeded_results"], {"keys": list(keys)}).fetchall()
-        return {r[0]: (r[1], r[2]) for r in rows}
+        return {r[0]: (r[1], r[2]) for r in rows if r[3] == "succeeded"}
 
 
 def connect(

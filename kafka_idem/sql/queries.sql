@@ -91,9 +91,11 @@ WHERE idempotency_key = %(key)s;
 -- name: succeeded_results
 -- Replay fast path: which of these keys already succeeded, and with what.
 -- succeeded is terminal, so a plain snapshot read answers duplicates: no lock, no write.
-SELECT idempotency_key, request_hash, result_json
+-- Filtered by key only (primary-key probes); the status is checked by the caller, so
+-- the plan never depends on how fresh the status index's statistics are.
+SELECT idempotency_key, request_hash, result_json, status
 FROM {table}
-WHERE idempotency_key = ANY(%(keys)s) AND status = 'succeeded';
+WHERE idempotency_key = ANY(%(keys)s);
 
 -- name: exhaust
 -- Claim found the attempts or elapsed time used up: the record becomes failed.
