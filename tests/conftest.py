@@ -27,6 +27,7 @@ from psycopg.rows import dict_row
 
 from kafka_idem.migrate import migrate
 from kafka_idem.settings import DEFAULT_BOOTSTRAP, DEFAULT_DATABASE_URL
+from kafka_idem.verify.kafka import retrying
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOTSTRAP = os.environ.get("KAFKA_IDEM_BOOTSTRAP_SERVERS", DEFAULT_BOOTSTRAP)
@@ -215,10 +216,14 @@ def produce(topic: str, records: list[tuple[bytes | str | None, bytes]], *,
 
 def end_offsets(topic: str) -> dict[int, int]:
     c = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": f"probe-{uuid.uuid4().hex}"})
-    try:
+
+    def ask() -> dict[int, int]:
         md = c.list_topics(topic, timeout=10)
         return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
                 for p in md.topics[topic].partitions}
+
+    try:
+        return retrying(ask, what=f"end offsets of {topic}", timeout=30)
     finally:
         c.close()
 
@@ -226,10 +231,16 @@ def end_offsets(topic: str) -> dict[int, int]:
 def committed(group: str, topic: str) -> dict[int, int]:
     """The group's committed offset per partition (-1001 when none)."""
     c = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": group})
-    try:
+
+    def ask() -> dict[int, int]:
+        # A coordinator that is loading or moving (NOT_COORDINATOR, e.g. just after the
+        # broker started) answers again shortly: transient, not a test failure.
         md = c.list_topics(topic, timeout=10)
         tps = [TopicPartition(topic, p) for p in md.topics[topic].partitions]
         return {tp.partition: tp.offset for tp in c.committed(tps, timeout=10)}
+
+    try:
+        return retrying(ask, what=f"committed offsets of {group}", timeout=30)
     finally:
         c.close()
 
