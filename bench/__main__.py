@@ -392,6 +392,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dup-ratio", type=float, default=0.0,
                         help="share of duplicates in the main and slow topics [0]")
     parser.add_argument("--batch-size", type=int, default=500, help="framework and pgbench batch")
+    parser.add_argument("--local-workers", type=int, default=None,
+                        help="KAFKA_IDEM_LOCAL_WORKERS of the framework paths [settings default]")
     parser.add_argument("--latency-seconds", type=float,
                         help="paced production per latency run [10; quick 5]")
     parser.add_argument("--latency-fraction", type=float, default=0.5,
@@ -467,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         return {"path": path, "phase": phase, "kind": kind, "mode": mode, "bulk": bulk,
                 "topic": topic, "group": group, "plan": plan.to_json(),
                 "schema": schema_for(path, phase) if kind != "raw" else None,
-                "batch_size": args.batch_size, "timeout": args.timeout,
-                "verbose": args.verbose, **extra}
+                "batch_size": args.batch_size, "local_workers": args.local_workers,
+                "timeout": args.timeout, "verbose": args.verbose, **extra}
 
     try:
         create_payments_tables(s.dsn)

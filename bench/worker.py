@@ -56,11 +56,12 @@ class Recorder:
         self.count = 0
         self.latencies: list[tuple[float, float]] | None = None  # (CreateTime, latency) ms
         self.profiling = False
-        # name -> [wall seconds, main-thread CPU seconds, calls]
+        # name -> [wall seconds, thread CPU seconds, calls], summed over the threads
         self.phases: dict[str, list[float]] = {}
         self.rss_every = 0
         self.rss: list[dict[str, float]] = []
         self.started = time.perf_counter()
+        self.lock = threading.Lock()  # effects and phases come from several worker threads
 
     def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` with its wall and thread CPU time added to ``phases[name]``."""
@@ -71,16 +72,22 @@ class Recorder:
             try:
                 return fn(*args, **kwargs)
             finally:
-                p = phases.setdefault(name, [0.0, 0.0, 0])
-                p[0] += time.perf_counter() - w
-                p[1] += time.thread_time() - c
-                p[2] += 1
+                wall, cpu = time.perf_counter() - w, time.thread_time() - c
+                with self.lock:
+                    p = phases.setdefault(name, [0.0, 0.0, 0])
+                    p[0] += wall
+                    p[1] += cpu
+                    p[2] += 1
 
         return run
 
     def effect(self, msgs: list[Any]) -> None:
         if not msgs:
             return
+        with self.lock:
+            self._effect(msgs)
+
+    def _effect(self, msgs: list[Any]) -> None:
         if self.latencies is not None:
             now_ms = time.time() * 1000.0
             for m in msgs:
@@ -209,6 +216,7 @@ class FrameworkLoop:
             topic=spec["topic"], mode=mode, name=f"bench-{spec['path']}",
             group_id=spec["group"], schema_name=spec["schema"], table=TABLE,
             batch_size=spec["batch_size"], bootstrap_servers=s.bootstrap_servers,
+            **({"local_workers": spec["local_workers"]} if spec.get("local_workers") else {}),
             database_url=s.dsn, kafka=s.kafka,
         )
         if not spec.get("bulk", True):
@@ -216,14 +224,15 @@ class FrameworkLoop:
         self.runner = Runner(app)
         self.timed: TimedConsumer | None = None
         self.profiles: list[cProfile.Profile] = []
-        if mode == "leased":
-            original = Processor.run_leased
-            # The leased path runs on worker threads, which pyinstrument does not see:
-            # with --profile, each worker thread gets a cProfile of its run_leased calls.
-            local = threading.local()
-            profiles = self.profiles if spec.get("profile") else None
+        # Processing runs on worker threads (leased partitions, local batches), which
+        # pyinstrument does not see: with --profile, each worker thread gets a cProfile
+        # of its Processor calls. Effects are recorded as the Processor returns (its
+        # transaction has committed by then).
+        local = threading.local()
+        profiles = self.profiles if spec.get("profile") else None
 
-            def run_leased(proc: Processor, msg: Any, **kw: Any) -> Any:
+        def profiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
                 prof = None
                 if profiles is not None and rec.profiling:
                     prof = getattr(local, "prof", None)
@@ -232,17 +241,24 @@ class FrameworkLoop:
                         profiles.append(prof)
                     prof.enable()
                 try:
-                    res = original(proc, msg, **kw)
+                    return fn(*args, **kwargs)
                 finally:
                     if prof is not None:
                         prof.disable()
+            return run
+
+        if mode == "leased":
+            original = profiled(Processor.run_leased)
+
+            def run_leased(proc: Processor, msg: Any, **kw: Any) -> Any:
+                res = original(proc, msg, **kw)
                 if isinstance(res, Finished):
                     rec.effect([msg])
                 return res
 
             Processor.run_leased = run_leased  # type: ignore[method-assign,assignment]
         else:
-            # Where a batch's time goes: wall and main-thread CPU per step of batch.py
+            # Where a batch's time goes: wall and thread CPU per step of batch.py
             # (wall - CPU = waiting, mostly for PostgreSQL); the rest of run_batch is
             # the COMMIT and bookkeeping.
             import kafka_idem.batch as batch_module
@@ -254,11 +270,10 @@ class FrameworkLoop:
                 "runner._commit_pending", self.runner._commit_pending)
             self.runner._apply = rec.timed(  # type: ignore[method-assign]
                 "runner._apply", self.runner._apply)
-            proc = self.runner.processor
-            original_local = proc.run_local
+            original_local = profiled(Processor.run_local)
 
-            def run_local(parts: Any) -> Any:
-                out = original_local(parts)
+            def run_local(proc: Processor, parts: Any) -> Any:
+                out = original_local(proc, parts)
                 done = []
                 for tp, msgs in parts:
                     for msg, res in zip(msgs, out.get(tp, []), strict=False):
@@ -267,7 +282,8 @@ class FrameworkLoop:
                 rec.effect(done)
                 return out
 
-            proc.run_local = rec.timed("processor.run_local", run_local)  # type: ignore[method-assign]
+            Processor.run_local = rec.timed(  # type: ignore[method-assign]
+                "processor.run_local", run_local)
 
     @property
     def outcomes(self) -> dict[str, float]:

@@ -4,32 +4,43 @@ Each round:
 
 1. ``consume()`` a batch (rebalance callbacks run in here, PITFALLS 5) and
    append each message to its partition's in-memory queue.
-2. Take the queues whose partition is due (not waiting on a backoff).
-3. Run them through the :class:`~kafka_idem.processing.Processor`: local-mode
-   partitions together in one database transaction, leased-mode messages one
-   by one. Each partition stops at its first deferred message.
-4. Produce the round's dead-letter records and wait for their acks; a record
-   that was not acknowledged turns its message back into a deferred one.
-5. Per partition, pop the finished prefix of the queue and commit the offset
-   after it: offsets only advance over messages whose effect is durable,
-   replayed or dead-lettered, and never past a message still pending (PITFALLS 2).
-6. Pause partitions that wait (polling goes on, so ``max.poll.interval.ms``
-   is never exceeded: PITFALLS 4); resume them when drained.
+2. Harvest the work units that finished (below): produce their dead-letter
+   records and wait for the acks (a record not acknowledged turns its message
+   back into a deferred one); then, per partition, pop the finished prefix of
+   the queue and note the offset after it: offsets only advance over messages
+   whose effect is durable, replayed or dead-lettered, and never past a
+   message still pending (PITFALLS 2).
+3. Dispatch the partitions that are due (not waiting on a backoff) and not
+   already in flight to worker threads, one database connection each: local
+   mode as batches over disjoint sets of partitions (``local_workers`` at
+   once, each batch one database transaction), leased mode one partition per
+   unit (``leased_workers`` at once). A partition is in at most one unit at a
+   time, and a unit stops at the partition's first deferred message, so each
+   partition stays in order while the loop goes on consuming, and the
+   database work of several units overlaps.
+4. Commit the noted offsets (asynchronously; acknowledged in ``on_commit``).
+5. Pause partitions that wait on a backoff or whose queue is full (polling
+   goes on, so ``max.poll.interval.ms`` is never exceeded: PITFALLS 4);
+   resume them when they are due and drained.
 
-Paused partitions keep their fetched messages in our queue: librdkafka purges
-its own prefetch on pause and resumes after the last message it handed out.
+A revoke, a loss or a close first waits for the units in flight and applies
+their results, so callbacks never race with processing of the partitions they
+hand over. Paused partitions keep their fetched messages in our queue:
+librdkafka purges its own prefetch on pause and resumes after the last message
+it handed out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import random
 import signal
 import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -70,6 +81,16 @@ class PartitionState:
     last_queued: int = -1
     to_commit: int | None = None  # next offset to commit, not yet acknowledged
     committing: int | None = None  # the offset of an asynchronous commit in flight
+    busy: bool = False  # part of a unit in flight
+
+
+@dataclass
+class Unit:
+    """Work in flight on a worker thread: some partitions' queued prefixes."""
+
+    future: Future[dict[TP, list[Result]]]
+    states: dict[TP, PartitionState]  # the states it was taken from (identity checked)
+    cancel: threading.Event  # set on revoke/close: a leased unit stops between messages
 
 
 class Runner:
@@ -91,6 +112,8 @@ class Runner:
         )
         self.parts: dict[TP, PartitionState] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._local_pool: ThreadPoolExecutor | None = None
+        self.units: list[Unit] = []
         self._thread_local = threading.local()
         self._processors: list[Processor] = []
         self._processors_lock = threading.Lock()
@@ -177,6 +200,7 @@ class Runner:
         self.stopping.set()
 
     def close(self) -> None:
+        self._drain()
         if self.consumer is not None:
             self._commit_pending(sync=True)
             try:
@@ -187,9 +211,10 @@ class Runner:
         if self.producer is not None:
             self.producer.flush(10)
             self.producer = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in (self._pool, self._local_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._local_pool = None
         for proc in self._processors:
             proc.close()
         if self.leases is not None:
@@ -207,20 +232,26 @@ class Runner:
             self.consumer.resume(self.newly_assigned)
             self.newly_assigned = []
         msgs = self.consumer.consume(
-            num_messages=self.settings.batch_size, timeout=self._wait_time()
+            num_messages=self.settings.batch_size,
+            timeout=0.0 if self.units else self._wait_time(),
         )
+        if self.units and not msgs:
+            # Nothing to fetch right now: wait for a unit rather than spin.
+            wait([u.future for u in self.units], timeout=min(self._wait_time(), 0.05),
+                 return_when=FIRST_COMPLETED)
         self._ingest(msgs)
-        self._process_due()
+        self._harvest()
+        self._dispatch()
         self._commit_pending()
         self._pause_resume()
         self._observe_lag()
 
     def _wait_time(self) -> float:
-        wait = self.settings.batch_max_wait_seconds
-        pending = [st.not_before for st in self.parts.values() if st.queue]
+        wait_s = self.settings.batch_max_wait_seconds
+        pending = [st.not_before for st in self.parts.values() if st.queue and not st.busy]
         if pending:
-            wait = min(wait, max(min(pending) - time.monotonic(), 0.0))
-        return max(wait, 0.001)
+            wait_s = min(wait_s, max(min(pending) - time.monotonic(), 0.0))
+        return max(wait_s, 0.001)
 
     def _ingest(self, msgs: list[Any]) -> None:
         for msg in msgs:
@@ -239,26 +270,90 @@ class Runner:
             st.queue.append(msg)
             st.last_queued = msg.offset()
 
-    def _process_due(self) -> None:
+    # --- units of work ---------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        """Step 3: hand due partitions that are not in flight to the workers."""
         now = time.monotonic()
-        due = [(tp, st) for tp, st in self.parts.items() if st.queue and st.not_before <= now]
+        due = [
+            (tp, st) for tp, st in self.parts.items()
+            if st.queue and not st.busy and st.not_before <= now
+        ]
         if not due:
             return
+        limit = self.settings.batch_size
+        local: list[tuple[TP, PartitionState]] = []
+        for tp, st in due:
+            if self._mode(tp) == "leased":
+                # Leased partitions run on the worker pool (one connection each), so
+                # their commit waits and remote calls overlap.
+                msgs = _prefix(st.queue, limit)
+                cancel = threading.Event()
+                future = self._workers().submit(
+                    self._run_leased_partition, msgs, dict(st.tokens), cancel
+                )
+                self._start(Unit(_keyed(tp, future), {tp: st}, cancel))
+            else:
+                local.append((tp, st))
+        free = self.settings.local_workers - sum(
+            1 for u in self.units if self._mode(next(iter(u.states))) == "local"
+        )
+        if not local or free <= 0:
+            return
+        # Oldest head first; disjoint groups, one per free worker, each at most a batch.
+        local.sort(key=lambda item: item[1].queue[0].timestamp()[1])
+        groups: list[list[tuple[TP, PartitionState]]] = [[] for _ in range(min(free, len(local)))]
+        for i, item in enumerate(local):
+            groups[i % len(groups)].append(item)
+        for group in groups:
+            parts: list[tuple[TP, list[Any]]] = []
+            room = limit
+            for tp, st in group:
+                if room <= 0:
+                    break
+                msgs = _prefix(st.queue, room)
+                room -= len(msgs)
+                parts.append((tp, msgs))
+            batch = self._local_workers().submit(self._run_local_batch, parts)
+            self._start(Unit(batch, {tp: self.parts[tp] for tp, _ in parts}, threading.Event()))
+
+    def _start(self, unit: Unit) -> None:
+        for st in unit.states.values():
+            st.busy = True
+        self.units.append(unit)
+
+    def _harvest(self, *, wait_all: bool = False) -> None:
+        """Step 2: apply the results of the units that finished (all of them, waiting,
+        with ``wait_all``)."""
+        done = [u for u in self.units if wait_all or u.future.done()]
+        if not done:
+            return
         results: dict[TP, list[Result]] = {}
-        # Leased partitions run on the worker pool (one connection each), so their
-        # commit waits and remote calls overlap; each partition stays in order.
-        leased = {
-            tp: self._workers().submit(self._run_leased_partition, list(st.queue), dict(st.tokens))
-            for tp, st in due
-            if self._mode(tp) == "leased"
-        }
-        local = [(tp, list(st.queue)) for tp, st in due if self._mode(tp) == "local"]
-        if local:
-            results.update(self.processor.run_local(local))
-        for tp, future in leased.items():
-            results[tp] = future.result()
+        for unit in done:
+            self.units.remove(unit)
+            try:
+                got = unit.future.result()
+            except Exception:  # a defect, never a message's fault: retry the partitions
+                log.exception("work unit failed", extra={"action": "unit_failed"})
+                got = {tp: [Deferred(0.0, "framework")] for tp in unit.states}
+            for tp, st in unit.states.items():
+                st.busy = False
+                # A partition revoked and assigned again meanwhile has a new state.
+                if self.parts.get(tp) is st and tp in got:
+                    results[tp] = got[tp]
         self._dead_letter(results)
         self._apply(results, time.monotonic())  # delays count from the decision, not the round
+
+    def _drain(self, partitions: list[TopicPartition] | None = None) -> None:
+        """Wait for the units in flight (stopping leased units between messages when
+        their partitions are leaving) and apply their results."""
+        if not self.units:
+            return
+        leaving = None if partitions is None else {(p.topic, p.partition) for p in partitions}
+        for unit in self.units:
+            if leaving is None or leaving & unit.states.keys():
+                unit.cancel.set()
+        self._harvest(wait_all=True)
 
     def _workers(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -266,6 +361,13 @@ class Runner:
                 max_workers=self.settings.leased_workers, thread_name_prefix="kafka-idem-worker"
             )
         return self._pool
+
+    def _local_workers(self) -> ThreadPoolExecutor:
+        if self._local_pool is None:
+            self._local_pool = ThreadPoolExecutor(
+                max_workers=self.settings.local_workers, thread_name_prefix="kafka-idem-batch"
+            )
+        return self._local_pool
 
     def _worker_processor(self) -> Processor:
         proc: Processor | None = getattr(self._thread_local, "processor", None)
@@ -279,14 +381,23 @@ class Runner:
                 self._processors.append(proc)
         return proc
 
-    def _run_leased_partition(self, msgs: list[Any], tokens: dict[int, Any]) -> list[Result]:
-        """One partition's due messages, in order, stopping at the first deferred one."""
+    def _run_local_batch(self, parts: list[tuple[TP, list[Any]]]) -> dict[TP, list[Result]]:
+        """Local-mode partitions in one database transaction (on a batch worker)."""
+        return self._worker_processor().run_local(parts)
+
+    def _run_leased_partition(
+        self, msgs: list[Any], tokens: dict[int, Any], cancel: threading.Event
+    ) -> list[Result]:
+        """One partition's due messages, in order, stopping at the first deferred one
+        (or between two messages, when the partition is leaving or the member stops)."""
         proc = self._worker_processor()
         out: list[Result] = []
         for msg in msgs:
+            if cancel.is_set() or self.stopping.is_set():
+                break
             res = proc.run_leased(msg, reentrant=tokens.get(msg.offset()))
             out.append(res)
-            if isinstance(res, Deferred) or self.stopping.is_set():
+            if isinstance(res, Deferred):
                 break
         return out
 
@@ -407,13 +518,19 @@ class Runner:
             log.warning("commit failed, will retry: %s", err, extra={"action": "commit"})
 
     def _pause_resume(self) -> None:
+        """Step 5: pause a partition that waits on a backoff, or whose queue holds two
+        batches (memory stays bounded while its units run); resume it when it is due
+        and down to one batch."""
         assert self.consumer is not None
+        now = time.monotonic()
+        full = 2 * self.settings.batch_size
         pause, resume = [], []
         for (topic, part), st in self.parts.items():
-            if st.queue and not st.paused:
+            waiting = bool(st.queue) and not st.busy and st.not_before > now
+            if not st.paused and (waiting or len(st.queue) >= full):
                 pause.append(TopicPartition(topic, part))
                 st.paused = True
-            elif not st.queue and st.paused:
+            elif st.paused and not waiting and len(st.queue) <= self.settings.batch_size:
                 resume.append(TopicPartition(topic, part))
                 st.paused = False
         if pause:
@@ -475,6 +592,7 @@ class Runner:
 
     def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         log.info("revoked %s", _names(partitions), extra={"action": "revoked"})
+        self._drain(partitions)  # their work in flight finishes first, then their offsets
         offsets = []
         for tp_ in partitions:
             st = self.parts.get((tp_.topic, tp_.partition))
@@ -490,6 +608,7 @@ class Runner:
 
     def _on_lost(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
         log.warning("lost %s", _names(partitions), extra={"action": "lost"})
+        self._drain(partitions)  # fenced in the store; nothing of it is committed here
         self._forget(partitions)
 
     def _on_error(self, err: KafkaError) -> None:
@@ -497,6 +616,26 @@ class Runner:
             # e.g. a second member with our group.instance.id fenced us (PITFALLS 6).
             self._fatal = f"fatal Kafka error: {err}"
         log.warning("kafka: %s", err, extra={"action": "kafka_error"})
+
+
+def _prefix(queue: deque[Any], n: int) -> list[Any]:
+    """The first ``n`` messages of ``queue`` (they stay queued until their results apply)."""
+    return list(itertools.islice(queue, n))
+
+
+def _keyed(tp: TP, future: Future[list[Result]]) -> Future[dict[TP, list[Result]]]:
+    """``future``'s list of results as ``{tp: results}``."""
+    out: Future[dict[TP, list[Result]]] = Future()
+
+    def done(f: Future[list[Result]]) -> None:
+        exc = f.exception()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result({tp: f.result()})
+
+    future.add_done_callback(done)
+    return out
 
 
 def _names(partitions: list[TopicPartition]) -> str:

@@ -71,6 +71,11 @@ class Settings(BaseSettings):
         4, ge=1, le=64,
         description="Partitions processed at once in leased mode (one database connection each).",
     )
+    local_workers: int = Field(
+        2, ge=1, le=16,
+        description="Local-mode batches in flight at once, on disjoint partitions "
+        "(one database connection each).",
+    )
     batch_path: bool = Field(
         True, description="Run local-mode batches on the optimistic batch path (see batch.py)."
     )
