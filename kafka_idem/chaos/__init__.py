@@ -4,7 +4,12 @@
   the DLQ topic, the group's committed offsets, PostgreSQL) and counts anomalies.
 * :mod:`kafka_idem.chaos.run` drives a consumer group of ``kafka-idem run``
   members through seeded faults, heals, waits for the lag to reach 0 and runs
-  the checker: ``python -m kafka_idem.chaos.run --help``.
+  the checker: ``python -m kafka_idem.chaos.run --help``. Its parts:
+  :mod:`~kafka_idem.chaos.members` (the member processes),
+  :mod:`~kafka_idem.chaos.traffic` (the producer of charge intents),
+  :mod:`~kafka_idem.chaos.faults` (the seeded fault injector and its undoing),
+  :mod:`~kafka_idem.chaos.services` (database set-up, lag, admin operations, clean-up)
+  and :mod:`~kafka_idem.chaos.output` (progress lines and the final report).
 
 See ``docs/VERIFICATION.md``.
 """

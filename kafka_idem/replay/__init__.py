@@ -1,0 +1,61 @@
+"""Reading and replaying dead-letter topics (DESIGN §6).
+
+    sel = Selection(kind="permanent", since=dt.datetime(2024, 5, 1, tzinfo=dt.UTC))
+    for rec in scan(settings, "payments.charge-requested.dlq", sel):
+        print(rec.partition, rec.offset, rec.idempotency_key, rec.error_message)
+
+    summary = replay(settings, None, "payments.charge-requested.dlq", sel,
+                     to_topic=None, actor="ops@example")
+
+Reads are bounded: the end offsets are captured when a read starts, so a read
+never waits for records that arrive later. A replay never sends a record twice,
+even when interrupted: each batch and the replay's position commit in one Kafka
+transaction (the steps are in :mod:`kafka_idem.replay.run`).
+
+* :mod:`~kafka_idem.replay.records` — :class:`DlqRecord` (one record, its
+  ``idem.*`` headers parsed) and :class:`Selection` (which records to pick);
+* :mod:`~kafka_idem.replay.reading` — bounded reads of a DLQ topic: :func:`scan`,
+  :func:`read_one`, :func:`latest_for_key`;
+* :mod:`~kafka_idem.replay.republishing` — :func:`republish` with lineage headers,
+  the target topic, :class:`TokenBucket`;
+* :mod:`~kafka_idem.replay.run` — :func:`replay`: the resumable, transactional,
+  audited run.
+
+The names below are the API; import them from ``kafka_idem.replay``.
+"""
+
+from kafka_idem.replay.reading import (
+    BATCH_SIZE,
+    READER_GROUP,
+    STALL_SECONDS,
+    TIMEOUT,
+    latest_for_key,
+    read_one,
+    scan,
+)
+from kafka_idem.replay.records import DlqRecord, Header, Selection, display_bytes, dlq_topic_for
+from kafka_idem.replay.republishing import TokenBucket, replay_headers, republish, target_of
+from kafka_idem.replay.run import REPLAY_GROUP_PREFIX, ReplaySummary, replay, replay_group
+
+__all__ = [
+    "BATCH_SIZE",
+    "READER_GROUP",
+    "REPLAY_GROUP_PREFIX",
+    "STALL_SECONDS",
+    "TIMEOUT",
+    "DlqRecord",
+    "Header",
+    "ReplaySummary",
+    "Selection",
+    "TokenBucket",
+    "display_bytes",
+    "dlq_topic_for",
+    "latest_for_key",
+    "read_one",
+    "replay",
+    "replay_group",
+    "replay_headers",
+    "republish",
+    "scan",
+    "target_of",
+]

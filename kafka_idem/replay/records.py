@@ -1,0 +1,196 @@
+"""Dead-letter records as read back from a DLQ topic, and which of them to pick.
+
+:class:`DlqRecord` is one record with its ``idem.*`` headers parsed (the headers
+:mod:`kafka_idem.dlq` wrote); :class:`Selection` is the filter that ``dlq list``
+and ``dlq replay`` share (key, kind, handler, failure time, partition, offsets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+from kafka_idem.dlq import ERROR_KINDS, PREFIX
+from kafka_idem.errors import ConfigError
+from kafka_idem.settings import Settings
+
+Header = tuple[str, bytes | None]
+
+
+def _header_text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("utf-8", "replace")
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _when(value: str | None) -> dt.datetime | None:
+    if not value:
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class DlqRecord:
+    """One record read from a DLQ topic, with its ``idem.*`` headers parsed."""
+
+    dlq_topic: str
+    partition: int
+    offset: int
+    timestamp: dt.datetime | None
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[Header, ...]
+    idempotency_key: str | None = None
+    kind: str | None = None
+    error_class: str | None = None
+    error_message: str | None = None
+    handler: str | None = None
+    consumer_group: str | None = None
+    attempts: int | None = None
+    original_topic: str | None = None
+    original_partition: int | None = None
+    original_offset: int | None = None
+    first_failure_at: dt.datetime | None = None
+    last_failure_at: dt.datetime | None = None
+
+    @classmethod
+    def from_message(cls, msg: Any) -> DlqRecord:
+        headers = tuple((k, v) for k, v in (msg.headers() or []))
+        idem = {k: _header_text(v) for k, v in headers if k.startswith(PREFIX)}
+        ts_type, ts = msg.timestamp()
+        return cls(
+            dlq_topic=msg.topic(),
+            partition=msg.partition(),
+            offset=msg.offset(),
+            timestamp=dt.datetime.fromtimestamp(ts / 1000, dt.UTC) if ts_type else None,
+            key=msg.key(),
+            value=msg.value(),
+            headers=headers,
+            idempotency_key=idem.get("idem.key"),
+            kind=idem.get("idem.error.kind"),
+            error_class=idem.get("idem.error.class"),
+            error_message=idem.get("idem.error.message"),
+            handler=idem.get("idem.handler"),
+            consumer_group=idem.get("idem.consumer_group"),
+            attempts=_int(idem.get("idem.attempts")),
+            original_topic=idem.get("idem.original.topic"),
+            original_partition=_int(idem.get("idem.original.partition")),
+            original_offset=_int(idem.get("idem.original.offset")),
+            first_failure_at=_when(idem.get("idem.first_failure_at")),
+            last_failure_at=_when(idem.get("idem.last_failure_at")),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able view; header values as text (``base64:...`` when not UTF-8)."""
+        return {
+            "dlq_topic": self.dlq_topic,
+            "partition": self.partition,
+            "offset": self.offset,
+            "timestamp": self.timestamp.isoformat() if self.timestamp else None,
+            "idempotency_key": self.idempotency_key,
+            "kind": self.kind,
+            "error_class": self.error_class,
+            "error_message": self.error_message,
+            "handler": self.handler,
+            "consumer_group": self.consumer_group,
+            "attempts": self.attempts,
+            "original_topic": self.original_topic,
+            "original_partition": self.original_partition,
+            "original_offset": self.original_offset,
+            "first_failure_at": _iso(self.first_failure_at),
+            "last_failure_at": _iso(self.last_failure_at),
+            "kafka_key": display_bytes(self.key),
+            "value_size": len(self.value) if self.value is not None else None,
+            "headers": [[k, display_bytes(v)] for k, v in self.headers],
+        }
+
+
+def display_bytes(value: bytes | None) -> str | None:
+    """Text when the bytes are UTF-8, else ``base64:<data>``."""
+    if value is None:
+        return None
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        import base64
+
+        return "base64:" + base64.b64encode(value).decode("ascii")
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which DLQ records to list or replay. Every set field must match.
+
+    ``since`` is inclusive and ``until`` exclusive, both on ``idem.last_failure_at``;
+    ``from_offset`` and ``to_offset`` are inclusive DLQ offsets (of every partition
+    read, or of ``partition`` when it is set).
+    """
+
+    key: str | None = None
+    kind: str | None = None
+    handler: str | None = None
+    since: dt.datetime | None = None
+    until: dt.datetime | None = None
+    partition: int | None = None
+    from_offset: int | None = None
+    to_offset: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind is not None and self.kind not in ERROR_KINDS:
+            raise ConfigError(f"kind must be one of {', '.join(ERROR_KINDS)}", setting="kind")
+        for name in ("since", "until"):
+            value = getattr(self, name)
+            if value is not None and value.tzinfo is None:  # naive means UTC
+                object.__setattr__(self, name, value.replace(tzinfo=dt.UTC))
+        if (self.from_offset is not None and self.to_offset is not None
+                and self.from_offset > self.to_offset):
+            raise ConfigError("from_offset must be <= to_offset", setting="from_offset")
+
+    def matches(self, rec: DlqRecord) -> bool:
+        if self.key is not None and rec.idempotency_key != self.key:
+            return False
+        if self.kind is not None and rec.kind != self.kind:
+            return False
+        if self.handler is not None and rec.handler != self.handler:
+            return False
+        if self.since is not None or self.until is not None:
+            at = rec.last_failure_at
+            if at is None:
+                return False
+            if self.since is not None and at < self.since:
+                return False
+            if self.until is not None and at >= self.until:
+                return False
+        if self.partition is not None and rec.partition != self.partition:
+            return False
+        if self.from_offset is not None and rec.offset < self.from_offset:
+            return False
+        return self.to_offset is None or rec.offset <= self.to_offset
+
+    def to_json(self) -> dict[str, Any]:
+        """The set fields, JSON-able (for the audit trail and the replay group's name)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.name] = value.isoformat() if isinstance(value, dt.datetime) else value
+        return out
+
+
+def dlq_topic_for(settings: Settings, source_topic: str) -> str:
+    return f"{source_topic}{settings.dlq_suffix}"

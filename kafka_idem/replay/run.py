@@ -1,0 +1,386 @@
+"""A replay run: republish the selected records of a DLQ topic, resumably, with an
+audit row (DESIGN §6).
+
+A replay never sends a record twice, even when interrupted. Its position lives
+in a consumer group of its own, named from the DLQ topic, the selection and the
+target (:func:`replay_group`), and every batch runs in one Kafka transaction:
+
+1. consume a batch from the replay group's committed position;
+2. ask the store, in one query, which of the batch's keys already succeeded;
+3. produce the matching, not-yet-succeeded records with lineage headers;
+4. add the replay group's new DLQ offsets to the same transaction;
+5. commit: the records and the new position become visible together, or not at all.
+
+An interrupted replay resumes after the last committed batch; the transactional
+id (the group name) fences a zombie run of the same replay, and an uncommitted
+batch is aborted and invisible to ``read_committed`` consumers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+
+from kafka_idem import audit
+from kafka_idem.errors import ConfigError
+from kafka_idem.replay.reading import (
+    BATCH_SIZE,
+    TIMEOUT,
+    batches,
+    bounds,
+    kafka_errors,
+    partitions_of,
+    reader_config,
+)
+from kafka_idem.replay.records import DlqRecord, Selection
+from kafka_idem.replay.republishing import TokenBucket, republish, target_of
+from kafka_idem.settings import Settings
+from kafka_idem.store import Conn, Store, connect
+
+# The logger name from before kafka_idem.replay became a package, kept for log filters.
+log = logging.getLogger("kafka_idem.replay")
+
+REPLAY_GROUP_PREFIX = "kafka-idem-replay"
+
+
+def replay_group(dlq_topic: str, selection: Selection, to_topic: str | None) -> str:
+    """The replay's own consumer group (and transactional id): the same replay, run
+    again, resumes where the last one stopped; a different selection starts afresh.
+
+    >>> replay_group("p.dlq", Selection(kind="permanent"), None)  # doctest: +ELLIPSIS
+    'kafka-idem-replay.p.dlq....'
+    """
+    spec = json.dumps({"selection": selection.to_json(), "to": to_topic}, sort_keys=True)
+    digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
+    return f"{REPLAY_GROUP_PREFIX}.{dlq_topic}.{digest}"
+
+
+@dataclass
+class ReplaySummary:
+    """What a replay did. Counts cover the batches committed (all of them in a dry run)."""
+
+    dlq_topic: str
+    group: str
+    to_topic: str | None
+    dry_run: bool
+    scanned: int = 0
+    matched: int = 0
+    sent: int = 0
+    would_send: int = 0
+    skipped_succeeded: int = 0
+    limited: bool = False  # stopped by --limit with records left to read
+    completed: bool = False
+    targets: dict[str, int] = field(default_factory=dict)
+
+    def counts(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "scanned": self.scanned,
+            "matched": self.matched,
+            "skipped_succeeded": self.skipped_succeeded,
+            "limited": self.limited,
+            "completed": self.completed,
+            "targets": dict(self.targets),
+        }
+        out["would_send" if self.dry_run else "sent"] = (
+            self.would_send if self.dry_run else self.sent
+        )
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dlq_topic": self.dlq_topic, "group": self.group, "to_topic": self.to_topic,
+                "dry_run": self.dry_run, **self.counts()}
+
+
+@dataclass
+class _Batch:
+    """One batch's decisions, applied to the summary only once committed."""
+
+    scanned: int = 0
+    matched: int = 0
+    skipped: int = 0
+    send: list[tuple[DlqRecord, str]] = field(default_factory=list)
+    positions: dict[int, int] = field(default_factory=dict)
+
+
+def replay(
+    settings: Settings,
+    store: Store | None,
+    dlq_topic: str,
+    selection: Selection,
+    *,
+    to_topic: str | None = None,
+    dry_run: bool = False,
+    rate: float | None = None,
+    limit: int | None = None,
+    actor: str,
+    progress: bool = False,
+    group: str | None = None,
+    on_record: Callable[[DlqRecord, str], None] | None = None,
+) -> ReplaySummary:
+    """Republish the records of ``dlq_topic`` matching ``selection`` (see the module doc).
+
+    Records whose idempotency key already ``succeeded`` are skipped and counted.
+    ``rate`` caps records/s, ``limit`` the records sent in this run (the rest stays
+    for the next run of the same replay). ``dry_run`` produces nothing, commits no
+    position and writes no audit row; ``on_record(record, target)`` is called for
+    each record sent (or, in a dry run, that would be sent). A real run appends
+    one ``replay`` audit row with the counts, also when it is interrupted.
+    ``store`` defaults to the settings' schema and table.
+    """
+    if limit is not None and limit < 1:
+        raise ConfigError("limit must be >= 1", setting="limit")
+    if to_topic is not None and to_topic == dlq_topic:
+        raise ConfigError("the target topic cannot be the DLQ topic itself", setting="to")
+    store = store or Store(schema=settings.schema_name, table=settings.table)
+    group = group or replay_group(dlq_topic, selection, to_topic)
+    summary = ReplaySummary(dlq_topic, group, to_topic, dry_run)
+    conn = connect(settings.dsn, application_name="kafka_idem.replay")
+    try:
+        try:
+            _run(settings, conn, store, summary, selection, rate=rate, limit=limit,
+                 actor=actor, progress=progress, on_record=on_record)
+        except BaseException:
+            if not dry_run and summary.scanned:
+                _audit_quietly(conn, store, summary, selection, actor, limit, rate)
+            raise
+        if not dry_run:
+            _audit(conn, store, summary, selection, actor, limit, rate)
+    finally:
+        conn.close()
+    return summary
+
+
+def _run(
+    settings: Settings,
+    conn: Conn,
+    store: Store,
+    summary: ReplaySummary,
+    selection: Selection,
+    *,
+    rate: float | None,
+    limit: int | None,
+    actor: str,
+    progress: bool,
+    on_record: Callable[[DlqRecord, str], None] | None,
+) -> None:
+    dlq_topic, group, to_topic = summary.dlq_topic, summary.group, summary.to_topic
+    consumer = Consumer(reader_config(settings, group))
+    producer: Producer | None = None
+    try:
+        if not summary.dry_run:
+            producer = Producer({**settings.producer_config(), "transactional.id": group})
+            # Fences an older run of the same replay and settles its open transaction,
+            # so the committed position read below is final.
+            with kafka_errors("initialising the replay transaction", group=group):
+                producer.init_transactions(TIMEOUT)
+        known: set[str] = set()
+        if to_topic is not None:
+            _check_topic(consumer, to_topic)
+            known.add(to_topic)
+        resume = _committed(consumer, dlq_topic, partitions_of(consumer, dlq_topic, selection))
+        starts, ends = bounds(consumer, dlq_topic, selection, resume)
+        total = sum(ends[p] - starts[p] for p in starts)
+        bucket = TokenBucket(rate) if rate is not None and producer is not None else None
+        # Keep each transaction short (well inside transaction.timeout.ms) when rate-limited.
+        size = BATCH_SIZE if rate is None else max(1, min(BATCH_SIZE, int(rate)))
+        with _Progress(progress, total) as advance:
+            for msgs in batches(consumer, dlq_topic, starts, ends, size):
+                done = summary.sent + summary.would_send
+                remaining = None if limit is None else limit - done
+                batch = _decide(conn, store, msgs, selection, to_topic, remaining)
+                for target in {t for _r, t in batch.send} - known:
+                    _check_topic(consumer, target)
+                    known.add(target)
+                if producer is not None:
+                    _send(producer, consumer, summary, batch, actor, bucket, on_record)
+                elif on_record is not None:  # dry run
+                    for rec, target in batch.send:
+                        on_record(rec, target)
+                _apply(summary, batch)
+                advance(batch.scanned, summary.sent + summary.would_send)
+                if remaining is not None and len(batch.send) >= remaining:
+                    summary.limited = summary.scanned < total
+                    break
+        summary.completed = True
+    finally:
+        consumer.close()  # the producer has nothing in flight: each batch was committed
+
+
+def _audit(
+    conn: Conn,
+    store: Store,
+    summary: ReplaySummary,
+    selection: Selection,
+    actor: str,
+    limit: int | None,
+    rate: float | None,
+) -> None:
+    with conn.transaction():
+        audit.record(
+            conn, store, actor=actor, action="replay",
+            selection={**selection.to_json(), "dlq_topic": summary.dlq_topic,
+                       "to_topic": summary.to_topic, "group": summary.group,
+                       "limit": limit, "rate": rate},
+            counts=summary.counts(),
+        )
+
+
+def _audit_quietly(conn: Conn, store: Store, summary: ReplaySummary, selection: Selection,
+                   actor: str, limit: int | None, rate: float | None) -> None:
+    """The audit row of an interrupted replay, without hiding why it was interrupted."""
+    try:
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.rollback()
+        _audit(conn, store, summary, selection, actor, limit, rate)
+    except Exception as exc:
+        log.error("could not write the audit row of an interrupted replay: %s", exc,
+                  extra={"action": "replay_audit_failed", "counts": summary.counts()})
+
+
+def _committed(consumer: Consumer, topic: str, partitions: Sequence[int]) -> dict[int, int]:
+    with kafka_errors("reading the replay position", topic=topic):
+        tps = consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=TIMEOUT)
+    return {tp.partition: tp.offset for tp in tps if tp.offset >= 0}
+
+
+def _check_topic(consumer: Consumer, topic: str) -> None:
+    with kafka_errors("reading topic metadata", topic=topic):
+        md = consumer.list_topics(topic, timeout=TIMEOUT)
+    meta = md.topics.get(topic)
+    if meta is None or meta.error is not None or not meta.partitions:
+        raise ConfigError(f"target topic {topic!r} does not exist", setting="to")
+
+
+def _decide(
+    conn: Conn,
+    store: Store,
+    msgs: Sequence[Any],
+    selection: Selection,
+    to_topic: str | None,
+    remaining: int | None,
+) -> _Batch:
+    """Steps 1-2: which records of the batch go where, cut at the limit."""
+    records = [DlqRecord.from_message(m) for m in msgs]
+    matching = [r for r in records if selection.matches(r)]
+    keys = sorted({r.idempotency_key for r in matching if r.idempotency_key is not None})
+    with conn.transaction():
+        done = store.succeeded(conn, keys) if keys else {}
+    batch = _Batch()
+    for rec in records:
+        if remaining is not None and len(batch.send) >= remaining:
+            break  # the rest stays for the next run: its position is not committed
+        batch.scanned += 1
+        batch.positions[rec.partition] = rec.offset + 1
+        if not selection.matches(rec):
+            continue
+        batch.matched += 1
+        if rec.idempotency_key is not None and rec.idempotency_key in done:
+            batch.skipped += 1
+            continue
+        batch.send.append((rec, target_of(rec, to_topic)))
+    return batch
+
+
+def _send(
+    producer: Producer,
+    consumer: Consumer,
+    summary: ReplaySummary,
+    batch: _Batch,
+    actor: str,
+    bucket: TokenBucket | None,
+    on_record: Callable[[DlqRecord, str], None] | None,
+) -> None:
+    """Steps 3-5: the records and the new position in one transaction."""
+    dlq_topic = summary.dlq_topic
+    with kafka_errors("replaying a batch", topic=dlq_topic, group=summary.group):
+        producer.begin_transaction()
+        try:
+            for rec, target in batch.send:
+                if bucket is not None:
+                    bucket.acquire()
+                republish(producer, rec, to_topic=summary.to_topic, actor=actor)
+                if on_record is not None:
+                    on_record(rec, target)
+            offsets = [TopicPartition(dlq_topic, p, o) for p, o in batch.positions.items()]
+            producer.send_offsets_to_transaction(
+                offsets, consumer.consumer_group_metadata(), TIMEOUT
+            )
+            _commit(producer)
+        except BaseException:
+            _abort(producer)
+            raise
+
+
+def _commit(producer: Producer) -> None:
+    for _ in range(5):
+        try:
+            producer.commit_transaction(TIMEOUT)
+            return
+        except KafkaException as exc:
+            err = exc.args[0]
+            if not err.retriable() or err.txn_requires_abort():
+                raise
+            time.sleep(0.5)
+    producer.commit_transaction(TIMEOUT)
+
+
+def _abort(producer: Producer) -> None:
+    try:
+        producer.abort_transaction(TIMEOUT)
+    except KafkaException as exc:  # a fenced or fatal producer: the broker aborts it anyway
+        log.warning("could not abort the replay transaction: %s", exc,
+                    extra={"action": "replay_abort_failed"})
+
+
+def _apply(summary: ReplaySummary, batch: _Batch) -> None:
+    summary.scanned += batch.scanned
+    summary.matched += batch.matched
+    summary.skipped_succeeded += batch.skipped
+    if summary.dry_run:
+        summary.would_send += len(batch.send)
+    else:
+        summary.sent += len(batch.send)
+    for _rec, target in batch.send:
+        summary.targets[target] = summary.targets.get(target, 0) + 1
+
+
+class _Progress:
+    """A rich progress bar on stderr when asked for and stderr is a terminal."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.bar: Any = None
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("scanned, {task.fields[sent]} sent"), TimeElapsedColumn(),
+                console=Console(stderr=True),
+            )
+            self.task = self.bar.add_task("replaying", total=total, sent=0)
+
+    def __enter__(self) -> Callable[[int, int], None]:
+        if self.bar is None:
+            return lambda scanned, sent: None
+        self.bar.start()
+        return lambda scanned, sent: self.bar.update(self.task, advance=scanned, sent=sent)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.stop()
