@@ -7,11 +7,14 @@ Two custom scripts (and a third, ``gen_only``, below) are generated into a tempo
   autocommit), then ``BEGIN``; the payments handler's two statements (ledger
   row, balance upsert); the fenced ``complete``; ``COMMIT``. One pgbench
   transaction = one message.
-* **batched** (the batch path's set-based statements, ``--batch`` messages
-  per transaction): ``BEGIN``; the replay fast path's ``succeeded_results``;
-  ``batch_claim_insert`` (unnest); the bulk handler's ledger insert and
-  balance upsert (``charge_many``); ``batch_complete``; ``COMMIT``. One pgbench
-  transaction = ``--batch`` messages.
+* **batched** (the batch path's set-based statements for a batch of new keys,
+  ``--batch`` messages per transaction, in the insert-first claim order the
+  batch path uses when duplicates are few): ``BEGIN``; ``batch_claim_insert``
+  (unnest; it makes the owner tokens and returns them); the bulk handler's
+  ledger insert and balance upsert (``charge_many``); ``batch_complete``;
+  ``COMMIT``. Every key is new, so the framework reads nothing (the replay
+  fast path's ``succeeded_results`` only reads the keys the insert did not
+  take). One pgbench transaction = ``--batch`` messages.
 
 The statement texts are not copied: the store's come from
 ``kafka_idem/sql/queries.sql`` (``compile_queries``), the handler's are
@@ -25,10 +28,13 @@ need not be unique once (first transaction; pgbench keeps a client's
 variables), and its 500 new keys in one ``SELECT ... \\gset`` before each
 ``BEGIN``: one extra round trip and a read-only statement per batch, measured
 apart by the ``gen_only`` script (it slightly lowers the limit, flattering the
-framework's ratio by that much).
+framework's ratio by that much). The owner tokens the claim returns reach
+``batch_complete`` the same way: the claim runs inside ``WITH c AS (...) SELECT
+array_agg(owner_token ORDER BY idempotency_key) ... \\gset`` (the framework
+matches them to keys in Python; this aggregate of 500 rows is pgbench's extra).
 
 Tables: a fresh schema with a store built by ``kafka_idem.migrate`` (the
-same table, indexes and transition-guard trigger) and the payments tables,
+same table, indexes and transition-guard triggers) and the payments tables,
 dropped afterwards. Query mode ``prepared`` (psycopg prepares repeated
 statements too). 50 tenants x 5 currencies, as the Kafka workload.
 """
@@ -88,7 +94,7 @@ PER_MESSAGE_VARS = {
 _ORDER_BY = "ORDER BY g % 50, g::text"
 
 # Once per client (pgbench keeps a client's variables between transactions): the arrays
-# whose values need not be unique. Tokens need only match between claim and completion.
+# whose values need not be unique. (The owner tokens come from the claim: CLAIM_TOKENS.)
 GEN_STATIC = """
 WITH m AS MATERIALIZED (
     SELECT g,
@@ -103,7 +109,6 @@ WITH m AS MATERIALIZED (
 )
 SELECT
     (SELECT array_agg('v1' || ':' || 'sha256' || ':' || h || h {order}) FROM m)::text AS hashes,
-    (SELECT array_agg(h::uuid {order}) FROM m)::text AS tokens,
     (SELECT array_agg('charge'::text {order}) FROM m)::text AS handlers,
     (SELECT array_agg('bench.pgbench'::text {order}) FROM m)::text AS topics,
     (SELECT array_agg(:client_id::int % 4 {order}) FROM m)::text AS parts,
@@ -125,6 +130,13 @@ GEN_KEYS = """
 SELECT array_agg('pgb-t' || lpad((g % 50)::text, 2, '0') || ':' || 'charge' || ':' || 'pgb-o'
                  || :client_id::int || '-' || :k::bigint || '-' || g {order})::text AS keys
 FROM generate_series(1, {batch}) AS g
+"""
+
+# The claim makes the owner tokens; the completion needs them in the keys' order (the
+# keys are built in key order, the insert inserts and returns in key order).
+CLAIM_TOKENS = """
+WITH c AS ({claim})
+SELECT array_agg(owner_token ORDER BY idempotency_key)::text AS tokens FROM c
 """
 
 BATCH_VARS = {name: f"(:{name}::{cast})" for name, cast in (
@@ -249,8 +261,9 @@ def scripts(conn: psycopg.Connection[Any], schema: str, batch: int) -> dict[str,
         "-- the client's side: this batch's keys (sent as parameters below, like the rest)",
         gen_keys,
         "BEGIN;",
-        _one_line(_bind_named(q["succeeded_results"], BATCH_VARS, "succeeded_results")),
-        _one_line(_bind_named(q["batch_claim_insert"], BATCH_VARS, "batch_claim_insert")),
+        "-- the claim (insert first: every key is new, so nothing is read); its tokens",
+        _one_line(CLAIM_TOKENS.format(claim=_bind_named(
+            q["batch_claim_insert"], BATCH_VARS, "batch_claim_insert")))[:-1] + " \\gset",
         *(_one_line(s) for s in handler_bulk),
         _one_line(_bind_named(q["batch_complete"], BATCH_VARS, "batch_complete")),
         "COMMIT;",

@@ -4,13 +4,22 @@ round trips, with the same observable guarantees as the per-message path.
 Optimistic; the common case only:
 
 1. Decode every message; undecodable ones are dead-lettered as usual.
-2. Replay fast path: one snapshot read finds the keys that already succeeded
-   (``succeeded`` is terminal, so no lock is needed); their messages replay, or
-   conflict when the request hash differs, with no write at all.
-3. One ``INSERT ... SELECT FROM unnest(...) ON CONFLICT DO NOTHING`` claims
-   every new key, in key order; one ``SELECT ... FOR UPDATE`` (key order again)
-   locks the keys that already existed.
-4. Handlers run in offset order per partition, in psycopg pipeline mode, so
+2. Claim, in one of two orders (:class:`ClaimOrder` picks one per batch):
+
+   * **insert first** (the default; most keys are new): one ``INSERT ... SELECT
+     FROM unnest(...) ON CONFLICT DO NOTHING RETURNING`` claims every new key, in
+     key order, with owner tokens made by the database; then one snapshot read of
+     only the keys that were *not* inserted finds the ones that already succeeded
+     (``succeeded`` is terminal, so no lock is needed): their messages replay, or
+     conflict when the request hash differs, with no write. A batch of new keys
+     costs one statement.
+   * **read first** (after a batch that was mostly duplicates of succeeded keys):
+     the replay fast path's snapshot read of every key first, then the same
+     insert for the keys it did not answer, so the insert carries only those.
+
+   Either way one ``SELECT ... FOR UPDATE`` (key order again) then locks the keys
+   that existed and were not found succeeded.
+3. Handlers run in offset order per partition, in psycopg pipeline mode, so
    their statements travel together; one fenced ``UPDATE ... FROM unnest``
    marks every success; one commit.
 
@@ -26,7 +35,6 @@ occurrence replays the first's result (or conflicts, when its hash differs).
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +52,49 @@ class Fallback(Exception):
     """The optimistic batch met a case it leaves to the per-message path."""
 
 
+READ_FIRST_AT = 0.25
+"""The next batch reads first when at least this share of the previous batch's
+decoded messages were answered from an already-succeeded record.
+
+The two orders differ only in what the duplicates of succeeded keys cost. Insert
+first sends them in the insert (a conflicting row costs an index probe, no write)
+and reads only them afterwards; read first reads every key, new ones too, and
+inserts only the rest. Measured with ``run_batch`` itself (500-message batches, the
+bulk payments handler, a 20,000-row table, both orders alternately): insert first
+is faster by 2.9 µs per message without duplicates and by 0.6-0.9 µs at 10-20%;
+read first is faster from 25% (1.8 µs) to 90% (7.2 µs). The crossover lies
+between 20% and 25%."""
+
+
+@dataclass
+class ClaimOrder:
+    """Which claim order a :class:`Processor`'s next batch uses (one per Processor,
+    so per connection and thread; see :func:`claim_order`).
+
+    Decided from the previous batch alone, so it follows a change of workload at
+    the next batch: the share of its decoded messages answered from a succeeded
+    record (replays and conflicts). A key repeated *within* a batch does not count:
+    both orders treat it alike. A batch that falls back before its claim finished
+    (a busy key) leaves the order as it was.
+    """
+
+    read_first: bool = False
+    pinned: bool = False  # keep ``read_first`` as set (tests and benchmarks)
+
+    def observe(self, answered: int, decoded: int) -> None:
+        if not self.pinned and decoded:
+            self.read_first = answered >= READ_FIRST_AT * decoded
+
+
+def claim_order(proc: Processor) -> ClaimOrder:
+    """``proc``'s :class:`ClaimOrder`, kept on the Processor."""
+    order: ClaimOrder | None = getattr(proc, "_batch_claim_order", None)
+    if order is None:
+        order = ClaimOrder()
+        setattr(proc, "_batch_claim_order", order)  # noqa: B010 (not a Processor field)
+    return order
+
+
 @dataclass
 class _Item:
     tp: Any
@@ -58,11 +109,13 @@ def run_batch(
 ) -> dict[Any, list[Result]]:
     """Process ``parts`` optimistically; raise :class:`Fallback` (rolled back) when it can't."""
     conn = proc.connection()
+    order = claim_order(proc)
     quiet = QUIET.set(True)
     try:
         items = _prepare(proc, parts)
-        _replays(proc, conn, items)
-        claimed = _claim(proc, conn, items)
+        answered = _replays(proc, conn, items) if order.read_first else 0
+        claimed, later = _claim(proc, conn, items, read_existing=not order.read_first)
+        order.observe(answered + later, sum(1 for i in items if i.prep is not None))
         if claimed:
             _run_handlers(proc, conn, items, claimed)
         conn.commit()
@@ -93,17 +146,34 @@ def _prepare(proc: Processor, parts: Sequence[tuple[Any, Sequence[Any]]]) -> lis
     return items
 
 
-def _replays(proc: Processor, conn: Conn, items: list[_Item]) -> None:
-    """Step 2: duplicates of succeeded keys, answered by one read."""
-    keys = sorted({i.prep.key for i in items if i.prep is not None and i.result is None})
-    if not keys:
-        return
-    done = proc.store.succeeded(conn, keys)
+def _undecided(items: list[_Item]) -> dict[str, list[_Item]]:
+    """``{key: its undecided items, in batch order}``."""
+    occurrences: dict[str, list[_Item]] = {}
     for item in items:
-        if item.prep is None or item.result is not None or item.prep.key not in done:
-            continue
-        stored_hash, result = done[item.prep.key]
-        item.result = _replay_or_conflict(proc, item, stored_hash, result)
+        if item.prep is not None and item.result is None:
+            occurrences.setdefault(item.prep.key, []).append(item)
+    return occurrences
+
+
+def _replays(proc: Processor, conn: Conn, items: list[_Item]) -> int:
+    """Read first: duplicates of succeeded keys, answered by one read of every key.
+    Returns how many messages it answered."""
+    occurrences = _undecided(items)
+    if not occurrences:
+        return 0
+    return _answer(proc, occurrences, proc.store.succeeded(conn, sorted(occurrences)))
+
+
+def _answer(
+    proc: Processor, occurrences: dict[str, list[_Item]], done: dict[str, tuple[str, Any]]
+) -> int:
+    """Every occurrence of a succeeded key replays its result (or conflicts)."""
+    answered = 0
+    for key, (stored_hash, result) in done.items():
+        for item in occurrences[key]:
+            item.result = _replay_or_conflict(proc, item, stored_hash, result)
+            answered += 1
+    return answered
 
 
 def _replay_or_conflict(proc: Processor, item: _Item, stored_hash: str, result: Any) -> Result:
@@ -114,35 +184,46 @@ def _replay_or_conflict(proc: Processor, item: _Item, stored_hash: str, result: 
     )
 
 
-def _claim(proc: Processor, conn: Conn, items: list[_Item]) -> dict[str, Claim]:
-    """Step 3: claim the first occurrence of every remaining key; a key that already
-    existed is decided for *every* occurrence here (or the batch falls back)."""
-    occurrences: dict[str, list[_Item]] = {}
-    for item in items:
-        if item.prep is not None and item.result is None:
-            occurrences.setdefault(item.prep.key, []).append(item)
-    first = {key: found[0] for key, found in occurrences.items()}
-    if not first:
-        return {}
-    tokens = {key: uuid.uuid4() for key in first}
-    ordered = sorted(first)
+def _claim(
+    proc: Processor, conn: Conn, items: list[_Item], *, read_existing: bool
+) -> tuple[dict[str, Claim], int]:
+    """Claim the first occurrence of every undecided key; a key that already existed
+    is decided for *every* occurrence here (or the batch falls back).
+
+    ``read_existing`` (insert first): the keys the insert did not take are read
+    (no lock) and the succeeded ones answered before the rest is locked. Returns
+    the claims and how many messages were answered from a succeeded record."""
+    occurrences = _undecided(items)
+    if not occurrences:
+        return {}, 0
+    ordered = sorted(occurrences)
+    first: list[tuple[_Item, Prepared]] = []
+    for key in ordered:
+        item = occurrences[key][0]
+        assert item.prep is not None
+        first.append((item, item.prep))
+    answered = 0
     with translate_errors():
         rows = conn.execute(
             proc.store.q["batch_claim_insert"],
             {
                 "lease": proc.settings.lease_seconds,
                 "keys": ordered,
-                "hashes": [first[k].prep.request_hash for k in ordered],  # type: ignore[union-attr]
-                "tokens": [tokens[k] for k in ordered],
-                "handlers": [first[k].handler.name for k in ordered],
-                "topics": [first[k].msg.topic() for k in ordered],
-                "parts": [first[k].msg.partition() for k in ordered],
-                "offs": [first[k].msg.offset() for k in ordered],
+                "hashes": [prep.request_hash for _, prep in first],
+                "handlers": [item.handler.name for item, _ in first],
+                "topics": [item.msg.topic() for item, _ in first],
+                "parts": [item.msg.partition() for item, _ in first],
+                "offs": [item.msg.offset() for item, _ in first],
             },
         ).fetchall()
-        inserted = {r[0] for r in rows}
-        claims = {k: Claim(Outcome.CLAIMED, k, token=tokens[k], attempts=1) for k in inserted}
-        existing = [k for k in ordered if k not in inserted]
+        claims = {key: Claim(Outcome.CLAIMED, key, token=token, attempts=1) for key, token in rows}
+        existing = [k for k in ordered if k not in claims]
+        if existing and read_existing:
+            # Every row the insert conflicted with was committed when it did (an
+            # insert waits for a concurrent one to end), so this read sees it.
+            done = proc.store.succeeded(conn, existing)
+            answered += _answer(proc, occurrences, done)
+            existing = [k for k in existing if k not in done]
         if existing:
             cur = conn.cursor(row_factory=dict_row)
             locked = cur.execute(proc.store.q["batch_lock"], {"keys": existing}).fetchall()
@@ -153,13 +234,15 @@ def _claim(proc: Processor, conn: Conn, items: list[_Item]) -> dict[str, Claim]:
                     assert item.prep is not None
                     if rec["request_hash"] != item.prep.request_hash:
                         item.result = _replay_or_conflict(proc, item, rec["request_hash"], None)
-                    elif rec["status"] == "succeeded":  # finished by someone since step 2
+                    elif rec["status"] == "succeeded":  # finished by someone since the read
                         item.result = _replay_or_conflict(
                             proc, item, rec["request_hash"], rec["result_json"]
                         )
                     else:
                         raise Fallback("a key needs the per-message protocol")
-    return claims
+                    if rec["status"] == "succeeded":
+                        answered += 1
+    return claims, answered
 
 
 def _run_handlers(

@@ -28,6 +28,7 @@ import datetime as dt
 import enum
 import hashlib
 import json
+import re
 import string
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -49,7 +50,11 @@ def canonical_number(value: int | float | Decimal) -> str:
         if value != value or value in (float("inf"), float("-inf")):
             raise ValueError("NaN and infinity have no canonical form")
         value = Decimal(repr(value))
-    d = Decimal(value)
+    return _decimal_text(Decimal(value))
+
+
+def _decimal_text(d: Decimal) -> str:
+    """:func:`canonical_number` of a :class:`~decimal.Decimal`."""
     if not d.is_finite():
         raise ValueError("NaN and infinity have no canonical form")
     if d.is_zero():
@@ -91,8 +96,56 @@ def _canonical(value: Any) -> str:
     raise TypeError(f"no canonical form for {type(value).__name__}")
 
 
+# The fast path of the common case (below) writes a string's JSON text itself only
+# when ``json.dumps`` would add nothing but the quotes. Values are dumped with
+# ensure_ascii=False, which escapes only '"', '\\' and the control characters
+# U+0000-U+001F; keys with the default ensure_ascii=True, which also escapes
+# everything outside printable ASCII (U+0020-U+007E, DEL and non-ASCII included).
+_PLAIN_VALUE = re.compile(r'[^\x00-\x1f"\\]*')
+_PLAIN_KEY = re.compile(r'[ !#-\[\]-~]*')
+
+
+def _flat_canonical(fields: dict[Any, Any]) -> str | None:
+    """:func:`_canonical` of a flat dict of ``str`` keys and ``str`` / ``int`` /
+    ``Decimal`` / ``bool`` / ``None`` values (exact types: no subclasses, enums or
+    nesting), without the generic dispatch and with ``json.dumps`` only for the
+    strings that need escaping; ``None`` for any other dict (the caller then
+    takes the generic path). Same text, byte for byte: a property test compares both.
+    """
+    try:
+        names = sorted(fields)  # the generic path sorts (str(k), v): the same for str keys
+    except TypeError:
+        return None
+    parts = []
+    for name in names:
+        if type(name) is not str:
+            return None
+        value = fields[name]
+        kind = type(value)
+        if kind is str:
+            text = f'"{value}"' if _PLAIN_VALUE.fullmatch(value) else json.dumps(
+                value, ensure_ascii=False)
+        elif kind is Decimal:
+            text = _decimal_text(value)
+        elif value is None:
+            text = "null"
+        elif kind is bool:
+            text = "true" if value else "false"
+        elif kind is int:
+            text = canonical_number(value)
+        else:
+            return None
+        key = f'"{name}"' if _PLAIN_KEY.fullmatch(name) else json.dumps(name)
+        parts.append(f"{key}:{text}")
+    return "{" + ",".join(parts) + "}"
+
+
 def canonical_json(fields: Mapping[str, Any]) -> str:
     """The v1 canonical text of a mapping of business fields."""
+    if type(fields) is dict:
+        text = _flat_canonical(fields)
+        if text is not None:
+            return text
     return _canonical(fields)
 
 
@@ -110,7 +163,9 @@ def _field(payload: Any, name: str) -> Any:
 
 def hash_payload(payload: Any, fields: Iterable[str]) -> str:
     """Request hash of the named fields of a model or mapping (missing fields hash as null)."""
-    return request_hash({name: _field(payload, name) for name in fields})
+    if isinstance(payload, Mapping):
+        return request_hash({name: payload.get(name) for name in fields})
+    return request_hash({name: getattr(payload, name, None) for name in fields})
 
 
 class KeyTemplate:

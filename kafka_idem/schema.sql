@@ -87,9 +87,43 @@ BEGIN
 END
 $fn$;
 
+-- The function runs only for rows that need checking (migration 0003): each
+-- trigger's WHEN, evaluated without a function call, lets through the rows that
+-- are legal by construction; every other row runs {guard}(), which decides as
+-- above. NULL-safe: an unexpected NULL makes a row "not obviously legal", so the
+-- function runs (a NULL WHEN would skip it).
+--   UPDATE: legal without the function when key and request hash are unchanged,
+--           attempts do not decrease, and the transition is processing ->
+--           processing / retryable_failed / failed, processing -> succeeded with
+--           completed_token = owner_token, or retryable_failed -> processing /
+--           failed. Everything else (admin re-runs included) runs the function.
+--   INSERT: a new 'processing' row is legal; anything else runs the function.
+--   DELETE: always runs the function.
 CREATE TRIGGER guard_transitions
-    BEFORE INSERT OR UPDATE OR DELETE ON {table}
-    FOR EACH ROW EXECUTE FUNCTION {guard}();
+    BEFORE UPDATE ON {table}
+    FOR EACH ROW
+    WHEN (NOT coalesce(
+        NEW.idempotency_key = OLD.idempotency_key
+        AND NEW.request_hash = OLD.request_hash
+        AND NEW.attempts >= OLD.attempts
+        AND ((OLD.status = 'processing'
+              AND NEW.status IN ('processing', 'retryable_failed', 'failed'))
+             OR (OLD.status = 'processing' AND NEW.status = 'succeeded'
+                 AND NEW.completed_token = OLD.owner_token)
+             OR (OLD.status = 'retryable_failed' AND NEW.status IN ('processing', 'failed'))),
+        false))
+    EXECUTE FUNCTION {guard}();
+
+CREATE TRIGGER guard_transitions_insert
+    BEFORE INSERT ON {table}
+    FOR EACH ROW
+    WHEN (NEW.status IS DISTINCT FROM 'processing')
+    EXECUTE FUNCTION {guard}();
+
+CREATE TRIGGER guard_transitions_delete
+    BEFORE DELETE ON {table}
+    FOR EACH ROW
+    EXECUTE FUNCTION {guard}();
 
 -- Append-only trail of every admin action (rerun, purge, replay).
 CREATE TABLE {audit} (

@@ -8,6 +8,7 @@ missing service: they fail and say how to start it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -171,10 +172,8 @@ class Topics:
     def delete_all(self) -> None:
         if self.created:
             for f in self.admin.delete_topics(self.created, operation_timeout=30).values():
-                try:
+                with contextlib.suppress(KafkaException):
                     f.result(timeout=30)
-                except KafkaException:
-                    pass
 
 
 @pytest.fixture

@@ -39,8 +39,8 @@ The nine checks (a count of anomalies each, with a few examples):
    the token that completed (``completed_token``), not the history of claims,
    so "completed by its last claim's token" is checked through what it leaves:
    ``succeeded`` has a ``completed_token`` and no ``owner_token``/lease, and
-   the transition guard trigger (which refuses a completion whose token is not
-   the current owner's, SQLSTATE KI002) is present and enabled. A stale
+   the transition guard triggers (the update one refuses a completion whose
+   token is not the current owner's, SQLSTATE KI002) are present and enabled. A stale
    owner's business write that slipped through would also show in check 2.
 6. **illegal or stuck records**: ``processing`` or ``retryable_failed`` after
    healing; ``failed`` without a known error kind; ``succeeded`` without
@@ -327,10 +327,14 @@ class PaymentsDecoder:
 # --- reading PostgreSQL ---
 
 
+# The transition guard's triggers (migration 0003: one per event, each with its WHEN).
+GUARD_TRIGGERS = ("guard_transitions", "guard_transitions_insert", "guard_transitions_delete")
+
+
 def _read_db(
     dsn: str, schema: str, table: str, ledger: tuple[str, str], balances: tuple[str, str]
 ) -> tuple[dict[str, dict[str, Any]], dict[str, list[dict[str, Any]]],
-           dict[tuple[str, str], Decimal], str | None]:
+           dict[tuple[str, str], Decimal], dict[str, str]]:
     from psycopg.rows import dict_row
 
     with psycopg.connect(dsn, application_name="chaos-checker") as conn:
@@ -349,11 +353,11 @@ def _read_db(
             sql.SQL("SELECT tenant_id, currency, balance FROM {}").format(
                 sql.Identifier(*balances))).fetchall()}
         trig = conn.execute(
-            "SELECT t.tgenabled FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid "
+            "SELECT t.tgname, t.tgenabled FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid "
             "JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = %s AND c.relname = %s AND t.tgname = 'guard_transitions'",
-            (schema, table)).fetchone()
-    enabled = None if trig is None else str(trig[0])
+            "WHERE n.nspname = %s AND c.relname = %s AND t.tgname = ANY(%s)",
+            (schema, table, list(GUARD_TRIGGERS))).fetchall()
+    enabled = {str(name): str(state) for name, state in trig}
     return records, rows, bal, enabled
 
 
@@ -540,8 +544,10 @@ def check(
 
     # Records: stale owners (5), illegal or stuck (6), retry limits (8).
     c5, c6, c8 = checks[5], checks[6], checks[8]
-    if guard not in ("O", "A"):
-        c5.add("transition guard trigger " + ("missing" if guard is None else "disabled"))
+    for name in GUARD_TRIGGERS:
+        if guard.get(name) not in ("O", "A"):
+            c5.add("transition guard trigger "
+                   + ("missing" if name not in guard else "disabled") + f" ({name})")
     statuses: Counter[str] = Counter()
     failed_kinds: Counter[str] = Counter()
     for key, rec in sorted(records.items()):
@@ -573,7 +579,7 @@ def check(
             c6.add(f"{key}: {problem}")
         if rec["attempts"] - rec["attempt_base"] > max_attempts:
             c8.add(f"{key}: {rec['attempts'] - rec['attempt_base']} attempts > {max_attempts}")
-    c5.examined = f"{statuses['succeeded']} succeeded records, guard trigger"
+    c5.examined = f"{statuses['succeeded']} succeeded records, guard triggers"
     c6.examined = f"{len(records)} records"
     c8.examined = f"{len(records)} records, limit {max_attempts}"
 

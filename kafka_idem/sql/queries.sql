@@ -89,8 +89,10 @@ FROM {table}
 WHERE idempotency_key = %(key)s;
 
 -- name: succeeded_results
--- Replay fast path: which of these keys already succeeded, and with what.
--- succeeded is terminal, so a plain snapshot read answers duplicates: no lock, no write.
+-- Replay fast path: which of these keys already succeeded, and with what (the batch
+-- path reads either every key before its claim, or only the keys its claim did not
+-- insert). succeeded is terminal, so a plain snapshot read answers duplicates: no
+-- lock, no write.
 -- Filtered by key only (primary-key probes); the status is checked by the caller, so
 -- the plan never depends on how fresh the status index's statistics are.
 SELECT idempotency_key, request_hash, result_json, status
@@ -182,23 +184,26 @@ WHERE ctid IN (
 SELECT DISTINCT kafka_topic FROM {table} WHERE kafka_topic IS NOT NULL;
 
 -- name: batch_claim_insert
--- Batch path step 1: every new key of the batch claimed in one statement, in
--- key order (a consistent lock order between concurrent batches).
+-- Batch path: every new key of the batch claimed in one statement, in key order
+-- (a consistent lock order between concurrent batches). The owner tokens are
+-- made here (gen_random_uuid(), built in since PostgreSQL 13) and come back with
+-- the keys that were inserted; a key that already existed returns no row.
 INSERT INTO {table} AS t (
     idempotency_key, request_hash, status, owner_token, lease_until, attempts,
     handler, kafka_topic, kafka_partition, kafka_offset, created_at, updated_at)
-SELECT i.key, i.hash, 'processing', i.token,
+SELECT i.key, i.hash, 'processing', gen_random_uuid(),
        clock_timestamp() + make_interval(secs => %(lease)s), 1,
        i.handler, i.topic, i.part, i.off, clock_timestamp(), clock_timestamp()
-FROM unnest(%(keys)s::text[], %(hashes)s::text[], %(tokens)s::uuid[], %(handlers)s::text[],
+FROM unnest(%(keys)s::text[], %(hashes)s::text[], %(handlers)s::text[],
             %(topics)s::text[], %(parts)s::int[], %(offs)s::bigint[])
-     AS i(key, hash, token, handler, topic, part, off)
+     AS i(key, hash, handler, topic, part, off)
 ORDER BY i.key
 ON CONFLICT (idempotency_key) DO NOTHING
-RETURNING idempotency_key;
+RETURNING idempotency_key, owner_token;
 
 -- name: batch_lock
--- Batch path step 2: lock the keys that already existed, in key order.
+-- Batch path: lock the keys that already existed and were not found succeeded, in
+-- key order.
 SELECT idempotency_key, request_hash, status, owner_token, lease_until, attempts,
        attempt_base, next_attempt_at, result_json, error_kind, error_class, error_message,
        first_failure_at, last_failure_at, clock_timestamp() AS db_now
@@ -208,7 +213,7 @@ ORDER BY idempotency_key
 FOR UPDATE;
 
 -- name: batch_complete
--- Batch path step 4: every success of the batch in one fenced statement.
+-- Batch path: every success of the batch in one fenced statement.
 UPDATE {table} AS t
 SET status = 'succeeded',
     result_json = v.result,

@@ -28,7 +28,9 @@ VARIANTS = "tests.apps.variants:app"
 BIN = shutil.which("kafka-idem", path=str(Path(sys.executable).parent)) or "kafka-idem"
 
 
-def kafka_idem(db: DB, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def kafka_idem(
+    db: DB, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     cmd = [BIN, "--database-url", db.dsn, "--bootstrap-servers", BOOTSTRAP, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
 
@@ -38,10 +40,11 @@ def test_migrate_is_versioned_and_a_second_run_is_a_noop(db: DB) -> None:
     first = kafka_idem(db, "--schema", schema, "migrate")
     assert first.returncode == 0, first.stderr
     assert "0001_initial" in first.stdout and "0002_rerun_budget" in first.stdout
+    assert "0003_guard_when" in first.stdout
     second = kafka_idem(db, "--schema", schema, "migrate")
     assert second.returncode == 0 and "nothing to do" in second.stdout
     versions = db.rows(f'SELECT version FROM "{schema}".schema_migrations ORDER BY 1')
-    assert [r["version"] for r in versions] == [1, 2]
+    assert [r["version"] for r in versions] == [1, 2, 3]
 
 
 def test_a_name_that_would_break_sql_is_a_usage_error_naming_the_setting(db: DB) -> None:

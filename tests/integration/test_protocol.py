@@ -1,4 +1,4 @@
-"""The claim/complete protocol against the real database (seed scenarios 1–4)."""
+"""The claim/complete protocol against the real database (seed scenarios 1-4)."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import hashlib
 import json
 import re
@@ -17,6 +18,8 @@ from pydantic import BaseModel
 from kafka_idem.errors import ConfigError, MissingKeyField
 from kafka_idem.keys import (
     KeyTemplate,
+    _canonical,
+    _flat_canonical,
     canonical_json,
     canonical_number,
     hash_payload,
@@ -162,6 +165,90 @@ def test_hash_payload_ignores_fields_it_is_not_asked_for() -> None:
     assert hash_payload(a, ["amount", "currency", "note"]) != hash_payload(
         b, ["amount", "currency", "note"]
     )
+
+
+# --- the fast path of flat payloads: the generic canonical form, byte for byte -----
+
+# Everything json.dumps escapes (quotes, backslash, control characters; in keys also
+# DEL and non-ASCII), next to plain text, non-ASCII, a lone surrogate, U+2028.
+tricky_chars = st.sampled_from(
+    ['"', "\\", "\x00", "\x01", "\x08", "\t", "\n", "\x0c", "\r", "\x1f", " ", "\x7f",
+     "\x80", "\u00e9", "\u20ac", "\u2028", "\ud800", "\U0001f600", "a", "Z", "0", ":", "-",
+     "/", "~", "{", "}"]
+)
+flat_text = st.text(tricky_chars, max_size=12) | st.text(max_size=12)
+flat_scalars = (
+    st.none() | st.booleans() | st.integers() | st.integers(min_value=10**27, max_value=10**40)
+    | st.decimals(allow_nan=False, allow_infinity=False, places=None)
+    | st.decimals(min_value=-(10**9), max_value=10**9, places=2) | flat_text
+)
+flat_dicts = st.dictionaries(flat_text, flat_scalars, max_size=8)
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+class Kind(enum.StrEnum):
+    A = "a"
+
+
+class Text(str):
+    pass
+
+
+others = (
+    finite_floats | st.lists(flat_scalars, max_size=3) | st.just(Color.RED) | st.just(Kind.A)
+    | st.builds(Text, st.text(max_size=4)) | st.just({"nested": 1})
+    | st.datetimes(timezones=st.just(dt.UTC)) | st.uuids() | st.binary(max_size=4)
+)
+
+
+@settings(max_examples=1000)
+@given(flat_dicts)
+def test_the_fast_path_writes_the_generic_canonical_form(fields: dict[str, Any]) -> None:
+    assert _flat_canonical(fields) == _canonical(fields)
+    assert canonical_json(fields) == _canonical(fields)
+
+
+@settings(max_examples=300)
+@given(flat_dicts, flat_text, others)
+def test_other_values_take_the_generic_path(fields: dict[str, Any], name: str, value: Any) -> None:
+    mixed = {**fields, name: value}
+    assert _flat_canonical(mixed) is None
+    try:
+        expected = _canonical(mixed)
+    except (TypeError, ValueError) as exc:
+        with pytest.raises(type(exc)):
+            canonical_json(mixed)
+    else:
+        assert canonical_json(mixed) == expected
+
+
+@given(st.dictionaries(st.integers() | flat_text, flat_scalars, min_size=1, max_size=4))
+def test_keys_that_are_not_all_str_take_the_generic_path(fields: dict[Any, Any]) -> None:
+    assume(any(type(k) is not str for k in fields))
+    assert _flat_canonical(fields) is None
+    assert canonical_json(fields) == _canonical(fields)
+
+
+@pytest.mark.parametrize("bad", [Decimal("NaN"), Decimal("-Infinity"), Decimal("sNaN")])
+def test_the_fast_path_refuses_what_the_generic_path_refuses(bad: Decimal) -> None:
+    fields = {"amount": bad, "currency": "EUR"}
+    with pytest.raises(ValueError, match="NaN and infinity"):
+        _canonical(fields)
+    with pytest.raises(ValueError, match="NaN and infinity"):
+        canonical_json(fields)
+
+
+@given(charges)
+def test_a_payments_payload_hashes_as_before(charge: Charge) -> None:
+    fields = {"amount": charge.amount, "currency": charge.currency}
+    generic = "v1:sha256:" + hashlib.sha256(_canonical(fields).encode()).hexdigest()
+    assert hash_payload(charge, ("amount", "currency")) == generic
+    assert hash_payload(charge.model_dump(), ("amount", "currency")) == generic
+    assert hash_payload(charge, ("amount", "missing")) == "v1:sha256:" + hashlib.sha256(
+        _canonical({"amount": charge.amount, "missing": None}).encode()).hexdigest()
 
 
 # --- numbers ------------------------------------------------------------------

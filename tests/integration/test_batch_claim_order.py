@@ -1,0 +1,280 @@
+"""The batch path's two claim orders (``kafka_idem.batch.ClaimOrder``) decide every
+message alike: insert first (claim, then read only the keys the insert did not
+take) and read first (the replay fast path's read of every key, then the claim).
+
+Each test pins one order on a real :class:`Processor` and calls ``run_batch``
+directly with messages built in the test, so what the batch path decided (and
+that it did not fall back) is seen directly; outcomes are checked in the
+business tables and the idempotency table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from consumers.payments import encode_charge
+from kafka_idem.batch import READ_FIRST_AT, Fallback, claim_order, run_batch
+from kafka_idem.processing import Deferred, Finished, Processor, Result
+from kafka_idem.store import Delivery, Outcome, Store, connect
+from kafka_idem.verify.workers import FakeMessage
+from tests.apps.workers import processor
+from tests.conftest import DB
+
+TOPIC = "claim-order.charge-requested"
+TP = (TOPIC, 0)
+ORDERS = pytest.mark.parametrize("read_first", [False, True], ids=["insert-first", "read-first"])
+HANDLERS = pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "per-message"])
+
+
+def key(order: str) -> str:
+    return f"t1:charge:{order}"
+
+
+class Batches:
+    """Messages at increasing offsets of one partition, run through one Processor."""
+
+    def __init__(self, proc: Processor) -> None:
+        self.proc = proc
+        self.offset = 0
+        self.reads: list[list[str]] = []  # the keys of every succeeded_results read
+        store = proc.store
+        original = store.succeeded
+
+        def succeeded(conn: Any, keys: Any) -> Any:
+            self.reads.append(list(keys))
+            return original(conn, keys)
+
+        store.succeeded = succeeded  # type: ignore[method-assign]
+
+    def msgs(self, *charges: tuple[str, str]) -> list[FakeMessage]:
+        out = []
+        for order, amount in charges:
+            out.append(FakeMessage(TOPIC, 0, self.offset, order.encode(),
+                                   encode_charge("t1", order, amount)))
+            self.offset += 1
+        return out
+
+    def run(self, *charges: tuple[str, str]) -> list[Result]:
+        """On the batch path only: a fallback fails the test."""
+        return run_batch(self.proc, [(TP, self.msgs(*charges))])[TP]
+
+    def pin(self, read_first: bool) -> None:
+        order = claim_order(self.proc)
+        order.read_first = read_first
+        order.pinned = True
+
+
+@pytest.fixture
+def batches(db: DB) -> Iterator[Batches]:
+    proc = processor(db.dsn, TOPIC, "local")
+    yield Batches(proc)
+    proc.close()
+
+
+def outcome(result: Result) -> tuple[str, str | None]:
+    if isinstance(result, Finished):
+        return result.outcome, result.letter.kind if result.letter else None
+    assert isinstance(result, Deferred)
+    return "deferred", result.reason
+
+
+def _durable(rec: dict[str, Any] | None) -> dict[str, Any]:
+    assert rec is not None
+    return rec
+
+
+@ORDERS
+@HANDLERS
+def test_new_succeeded_conflicting_and_repeated_keys_in_one_batch(
+    db: DB, batches: Batches, read_first: bool, bulk: bool
+) -> None:
+    if not bulk:
+        batches.proc.app.handlers[TOPIC].bulk = None
+    assert [outcome(r) for r in batches.run(("oA", "10.00"), ("oB", "5.00"))] == [
+        ("succeeded", None), ("succeeded", None)]
+    before_a, before_b = _durable(db.record(key("oA"))), _durable(db.record(key("oB")))
+    batches.pin(read_first)
+    batches.reads.clear()
+
+    results = batches.run(
+        ("oC", "1.00"),    # new
+        ("oA", "10.0"),    # succeeded, same request hash (10.0 is 10.00): replay
+        ("oD", "2.00"),    # new ...
+        ("oB", "6.00"),    # succeeded, other payload: conflict, record untouched
+        ("oD", "2.00"),    # ... twice in the batch: replays the first's result
+        ("oA", "10.00"),   # the succeeded key again: replay again
+        ("oE", "3.00"),    # new
+        ("oD", "2.50"),    # the new key a third time, other payload: conflict
+    )
+    assert [outcome(r) for r in results] == [
+        ("succeeded", None), ("replayed", None), ("succeeded", None),
+        ("conflict", "payload_conflict"), ("replayed", None), ("replayed", None),
+        ("succeeded", None), ("conflict", "payload_conflict"),
+    ]
+    # One effect per key; the conflicting payloads wrote nothing.
+    assert db.ledger_counts() == {key(o): 1 for o in ("oA", "oB", "oC", "oD", "oE")}
+    amounts = {r["order_id"]: r["amount"] for r in db.ledger()}
+    assert amounts == {"oA": Decimal("10.00"), "oB": Decimal("5.00"), "oC": Decimal("1.00"),
+                       "oD": Decimal("2.00"), "oE": Decimal("3.00")}
+    assert db.balances() == {("t1", "EUR"): Decimal("21.00")}
+    # The succeeded records were only read: byte for byte what they were.
+    assert db.record(key("oA")) == before_a
+    assert db.record(key("oB")) == before_b
+    records = {r["idempotency_key"]: r for r in db.records()}
+    assert {k: r["status"] for k, r in records.items()} == {
+        key(o): "succeeded" for o in ("oA", "oB", "oC", "oD", "oE")}
+    assert {r["attempts"] for r in records.values()} == {1}
+    for o, offset in (("oC", 2), ("oD", 4), ("oE", 8)):  # the first occurrence claimed
+        rec = records[key(o)]
+        assert rec["kafka_offset"] == offset
+        assert rec["owner_token"] is None and rec["completed_token"] is not None
+        assert rec["result_json"]["order_id"] == o
+    tokens = [records[key(o)]["completed_token"] for o in ("oC", "oD", "oE")]
+    assert len(set(tokens)) == 3  # one owner token per claim, made by the database
+    # What was read: every key of the batch (read first), or only the keys that the
+    # claim did not insert, the succeeded ones (insert first).
+    if read_first:
+        assert batches.reads == [sorted(key(o) for o in ("oA", "oB", "oC", "oD", "oE"))]
+    else:
+        assert batches.reads == [[key("oA"), key("oB")]]
+
+
+@ORDERS
+def test_a_batch_of_new_keys_reads_nothing_when_inserting_first(
+    db: DB, batches: Batches, read_first: bool
+) -> None:
+    batches.pin(read_first)
+    results = batches.run(*[(f"o{i}", "1.00") for i in range(20)])
+    assert {outcome(r) for r in results} == {("succeeded", None)}
+    assert db.ledger_counts() == {key(f"o{i}"): 1 for i in range(20)}
+    assert batches.reads == ([sorted(key(f"o{i}") for i in range(20))] if read_first else [])
+
+
+@ORDERS
+def test_a_key_under_another_owners_live_lease_falls_back_and_is_not_processed_twice(
+    db: DB, batches: Batches, read_first: bool
+) -> None:
+    proc = batches.proc
+    handler = proc.app.handlers[TOPIC]
+    # Another member claimed oF (same payload) and is still working on it: live lease.
+    (busy_msg,) = batches.msgs(("oF", "4.00"))
+    prep = proc.prepare(handler, busy_msg)
+    store = Store(schema="kafka_idem", table="task_idempotency")
+    other = connect(db.dsn)
+    with other.transaction():
+        theirs = store.claim(other, key=prep.key, request_hash=prep.request_hash,
+                             delivery=Delivery(TOPIC, 0, 0, handler.name), lease_seconds=60,
+                             max_attempts=5, max_elapsed_seconds=3600)
+    assert theirs.outcome is Outcome.CLAIMED and theirs.token is not None
+    batches.pin(read_first)
+
+    msgs = batches.msgs(("oG", "1.00"), ("oF", "4.00"), ("oH", "2.00"))
+    with pytest.raises(Fallback):
+        run_batch(proc, [(TP, msgs)])
+    # Nothing of the optimistic attempt survived: not even the new keys' claims.
+    assert db.ledger_counts() == {}
+    assert {r["idempotency_key"] for r in db.records()} == {key("oF")}
+
+    # The per-message path decides: oG done, oF busy (the partition waits there).
+    results = proc.run_local([(TP, msgs)])[TP]
+    assert [outcome(r) for r in results] == [("succeeded", None), ("deferred", "busy")]
+    assert db.ledger_counts() == {key("oG"): 1}
+    rec = _durable(db.record(key("oF")))
+    assert (rec["status"], rec["owner_token"], rec["attempts"]) == (
+        "processing", theirs.token, 1)
+
+    # The other owner finishes; the redelivery of oF replays it, oH is new.
+    with other.transaction():
+        other.execute("INSERT INTO payments.ledger (tenant_id, order_id, amount, currency, "
+                      "idempotency_key) VALUES ('t1', 'oF', 4.00, 'EUR', %s)", (key("oF"),))
+        store.complete(other, key=key("oF"), token=theirs.token, result={"by": "other"})
+    other.close()
+    results = run_batch(proc, [(TP, msgs[1:])])[TP]
+    assert [outcome(r) for r in results] == [("replayed", None), ("succeeded", None)]
+    assert db.ledger_counts() == {key(o): 1 for o in ("oF", "oG", "oH")}
+    assert _durable(db.record(key("oF")))["completed_token"] == theirs.token
+
+
+@ORDERS
+def test_a_conflicting_payload_for_a_key_in_flight_elsewhere_is_a_conflict(
+    db: DB, batches: Batches, read_first: bool
+) -> None:
+    """Decided in the lock step, without the per-message path: the hash differs."""
+    proc = batches.proc
+    handler = proc.app.handlers[TOPIC]
+    (msg,) = batches.msgs(("oF", "4.00"))
+    prep = proc.prepare(handler, msg)
+    store = Store(schema="kafka_idem", table="task_idempotency")
+    other = connect(db.dsn)
+    with other.transaction():
+        store.claim(other, key=prep.key, request_hash=prep.request_hash,
+                    delivery=Delivery(TOPIC, 0, 0, handler.name), lease_seconds=60,
+                    max_attempts=5, max_elapsed_seconds=3600)
+    other.close()
+    before = db.record(key("oF"))
+    batches.pin(read_first)
+    results = batches.run(("oF", "9.00"), ("oJ", "1.00"))
+    assert [outcome(r) for r in results] == [("conflict", "payload_conflict"),
+                                             ("succeeded", None)]
+    assert db.record(key("oF")) == before
+    assert db.ledger_counts() == {key("oJ"): 1}
+
+
+def test_the_order_follows_the_previous_batchs_share_of_duplicates(
+    db: DB, batches: Batches
+) -> None:
+    order = claim_order(batches.proc)
+    assert order is claim_order(batches.proc)  # one per Processor
+    assert not order.read_first  # new keys are the common case
+    batches.run(*[(f"o{i}", "1.00") for i in range(10)])
+    assert not order.read_first
+
+    # Mostly duplicates of succeeded keys: the next batch reads first...
+    batches.run(*[(f"o{i}", "1.00") for i in range(8)], ("n1", "1.00"), ("n2", "1.00"))
+    assert order.read_first
+    batches.reads.clear()
+    batches.run(("o1", "1.00"), ("n3", "1.00"))
+    assert batches.reads == [[key("n3"), key("o1")]]
+    assert order.read_first  # half of that batch were duplicates
+
+    # ... and goes back to inserting first after a batch of (nearly) new keys.
+    batches.run(*[(f"m{i}", "1.00") for i in range(9)], ("o1", "1.00"))
+    assert not order.read_first
+    batches.reads.clear()
+    batches.run(("o2", "1.00"), *[(f"p{i}", "1.00") for i in range(9)])
+    assert batches.reads == [[key("o2")]]  # only the key the insert did not take
+    assert not order.read_first  # 1 in 10 is below the threshold
+
+    # Repeats of a key *within* a batch are not duplicates of a succeeded record.
+    batches.run(*[("q1", "1.00")] * 10)
+    assert not order.read_first
+    # A batch at the threshold reads first next time.
+    dups = int(READ_FIRST_AT * 8)
+    batches.run(*[(f"o{i}", "1.00") for i in range(dups)],
+                *[(f"r{i}", "1.00") for i in range(8 - dups)])
+    assert order.read_first
+    assert db.status_counts() == {"succeeded": len(db.ledger_counts())}
+
+
+def test_a_pinned_order_does_not_adapt(db: DB, batches: Batches) -> None:
+    batches.pin(False)
+    batches.run(("o1", "1.00"))
+    batches.run(("o1", "1.00"), ("o1", "1.00"))
+    assert not claim_order(batches.proc).read_first
+    assert db.ledger_counts() == {key("o1"): 1}
+
+
+def test_fresh_processors_start_inserting_first(db: DB) -> None:
+    procs = [processor(db.dsn, TOPIC, "local") for _ in range(2)]
+    try:
+        orders = [claim_order(p) for p in procs]
+        assert orders[0] is not orders[1]
+        assert not any(o.read_first for o in orders)
+    finally:
+        for p in procs:
+            p.close()
+
