@@ -82,6 +82,7 @@ class PartitionState:
     to_commit: int | None = None  # next offset to commit, not yet acknowledged
     committing: int | None = None  # the offset of an asynchronous commit in flight
     busy: bool = False  # part of a unit in flight
+    since: float = 0.0  # when the queued messages started to wait for a batch
 
 
 @dataclass
@@ -247,10 +248,15 @@ class Runner:
         self._observe_lag()
 
     def _wait_time(self) -> float:
-        wait_s = self.settings.batch_max_wait_seconds
-        pending = [st.not_before for st in self.parts.values() if st.queue and not st.busy]
-        if pending:
-            wait_s = min(wait_s, max(min(pending) - time.monotonic(), 0.0))
+        """Until the next backoff ends or a partly filled batch has waited long enough."""
+        max_wait = self.settings.batch_max_wait_seconds
+        deadlines = [
+            max(st.not_before, st.since + max_wait) for st in self.parts.values()
+            if st.queue and not st.busy
+        ]
+        wait_s = max_wait
+        if deadlines:
+            wait_s = min(wait_s, max(min(deadlines) - time.monotonic(), 0.0))
         return max(wait_s, 0.001)
 
     def _ingest(self, msgs: list[Any]) -> None:
@@ -267,6 +273,8 @@ class Runner:
             st = self.parts.setdefault(tp, PartitionState())
             if msg.offset() <= st.last_queued:
                 continue  # already queued (a re-fetch after a rewind)
+            if not st.queue:
+                st.since = time.monotonic()
             st.queue.append(msg)
             st.last_queued = msg.offset()
 
@@ -298,24 +306,24 @@ class Runner:
         free = self.settings.local_workers - sum(
             1 for u in self.units if self._mode(next(iter(u.states))) == "local"
         )
-        if not local or free <= 0:
-            return
-        # Oldest head first; disjoint groups, one per free worker, each at most a batch.
-        local.sort(key=lambda item: item[1].queue[0].timestamp()[1])
-        groups: list[list[tuple[TP, PartitionState]]] = [[] for _ in range(min(free, len(local)))]
-        for i, item in enumerate(local):
-            groups[i % len(groups)].append(item)
-        for group in groups:
+        # Oldest first, each batch filled up to batch_size from whole partition
+        # prefixes; a partly filled batch waits until its oldest message has waited
+        # batch_max_wait (as consume() would have waited to fill it).
+        local.sort(key=lambda item: item[1].since)
+        while local and free > 0:
             parts: list[tuple[TP, list[Any]]] = []
             room = limit
-            for tp, st in group:
-                if room <= 0:
-                    break
+            while local and room > 0:
+                tp, st = local.pop(0)
                 msgs = _prefix(st.queue, room)
                 room -= len(msgs)
                 parts.append((tp, msgs))
+            oldest = min(self.parts[tp].since for tp, _ in parts)
+            if room > 0 and now - oldest < self.settings.batch_max_wait_seconds:
+                return  # the rest are younger still
             batch = self._local_workers().submit(self._run_local_batch, parts)
             self._start(Unit(batch, {tp: self.parts[tp] for tp, _ in parts}, threading.Event()))
+            free -= 1
 
     def _start(self, unit: Unit) -> None:
         for st in unit.states.values():
@@ -440,6 +448,7 @@ class Runner:
             st = self.parts.get(tp)
             if st is None:
                 continue  # revoked meanwhile
+            st.since = now  # what is left waits anew for its batch (a deferral: below)
             for res in rs:
                 msg = st.queue[0]
                 if isinstance(res, Finished):
@@ -450,6 +459,7 @@ class Runner:
                     counts[(tp[0], res.outcome)] += 1
                     continue
                 st.not_before = now + self._delay(st, res)
+                st.since = 0.0  # due at once when its delay ends
                 if res.token is not None:
                     st.tokens[msg.offset()] = res.token
                 if res.reason in ("busy", "retry"):

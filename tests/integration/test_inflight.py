@@ -100,3 +100,26 @@ def test_a_single_local_worker_still_drains_everything_in_order(
     for p in (0, 1):
         offsets = [r["kafka_offset"] for r in rows if r["partition"] == p]
         assert offsets == sorted(offsets)
+
+
+def test_a_partition_behind_a_slow_unit_is_paused_so_its_queue_stays_bounded(
+    db: DB, topics: Topics, group: str
+) -> None:
+    topic = topics(partitions=1)
+    with_trace(db)
+    orders = [f"o{i}" for i in range(300)]
+    produce(topic, [(o.encode(), encode_charge("t1", o, "1.00")) for o in orders])
+    app = charge_app(db, topic, group, traced, local_workers=1, batch_size=10)
+    longest = 0
+    with InProcess(app) as r:
+        def drained() -> bool:
+            nonlocal longest
+            for st in list(r.runner.parts.values()):
+                longest = max(longest, len(st.queue))
+            return caught_up(group, topic)
+
+        wait_for(drained, timeout=120, interval=0.01, what="the topic to drain")
+    # Consuming went on while units ran, but never more than a consume() beyond two
+    # batches: the partition was paused, not read into memory.
+    assert 10 < longest <= 3 * 10
+    assert db.ledger_counts() == {f"t1:charge:{o}": 1 for o in orders}
