@@ -1,0 +1,62 @@
+"""Source messages decoded exactly as the payments handler decodes them.
+
+:class:`PaymentsDecoder` builds ``consumers.payments``'s handler and uses its
+codec, model, key template and hash fields, so a message decodes to the same
+:class:`Intent` (idempotency key ``{tenant_id}:charge:{order_id}``, request hash
+over amount and currency, whether the example's rule accepts the charge) as in
+the consumer, or to the reason it does not decode. :data:`ROOT` is the checkout
+the example is imported from (the chaos run starts its members there too).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from kafka_idem.codec import AvroCodec
+from kafka_idem.errors import MessageError
+from kafka_idem.keys import hash_payload
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True, slots=True)
+class Intent:
+    key: str
+    request_hash: str
+    tenant: str
+    order: str
+    amount: Decimal
+    currency: str
+    valid: bool
+
+
+class PaymentsDecoder:
+    """Decodes a source message exactly as ``consumers.payments`` does (or says why not)."""
+
+    def __init__(self, topic: str) -> None:
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
+        from consumers.payments import CURRENCIES, SCHEMAS_DIR, build_app
+
+        self.handler = build_app(topic=topic).handlers[topic]
+        self.codec = AvroCodec.from_dir(SCHEMAS_DIR)
+        self.currencies = CURRENCIES
+
+    def __call__(self, value: bytes | None) -> Intent | str:
+        h = self.handler
+        try:
+            _name, record = self.codec.decode(value, reader=h.schema)
+            model = h.model.model_validate(record)
+            key = h.key.build(model)
+        except ValidationError:
+            return "invalid payload"
+        except MessageError as exc:
+            return f"{type(exc).__name__}"
+        amount = Decimal(model.amount)
+        return Intent(key, hash_payload(model, h.hash_fields), model.tenant_id, model.order_id,
+                      amount, model.currency, amount > 0 and model.currency in self.currencies)
