@@ -11,13 +11,17 @@ Each round:
    whose effect is durable, replayed or dead-lettered, and never past a
    message still pending (PITFALLS 2).
 3. Dispatch the partitions that are due (not waiting on a backoff) and not
-   already in flight to worker threads, one database connection each: local
-   mode as batches over disjoint sets of partitions (``local_workers`` at
-   once, each batch one database transaction), leased mode one partition per
-   unit (``leased_workers`` at once). A partition is in at most one unit at a
-   time, and a unit stops at the partition's first deferred message, so each
-   partition stays in order while the loop goes on consuming, and the
-   database work of several units overlaps.
+   already in flight as units of work. Leased mode: one partition per unit,
+   on a pool of ``leased_workers`` threads (one database connection each), so
+   commit waits and remote calls overlap while the loop goes on consuming.
+   Local mode: one batch (one database transaction) of all due partitions,
+   run in the loop thread and harvested at once (``local_workers = 0``, the
+   default: consume() filled the batch, librdkafka prefetches meanwhile); or
+   up to ``local_workers`` batches over disjoint partitions on threads, each
+   dispatched when full or when its oldest message has waited
+   ``batch_max_wait_seconds``. A partition is in at most one unit at a time,
+   and a unit stops at the partition's first deferred message, so each
+   partition stays in order.
 4. Commit the noted offsets (asynchronously; acknowledged in ``on_commit``).
 5. Pause partitions that wait on a backoff or whose queue is full (polling
    goes on, so ``max.poll.interval.ms`` is never exceeded: PITFALLS 4);
@@ -243,6 +247,7 @@ class Runner:
         self._ingest(msgs)
         self._harvest()
         self._dispatch()
+        self._harvest()  # what ran in the loop thread (local_workers = 0) applies at once
         self._commit_pending()
         self._pause_resume()
         self._observe_lag()
@@ -303,6 +308,15 @@ class Runner:
                 self._start(Unit(_keyed(tp, future), {tp: st}, cancel))
             else:
                 local.append((tp, st))
+        if local and self.settings.local_workers == 0:
+            # In the loop thread, as one batch: consume() has already waited to fill it.
+            done: Future[dict[TP, list[Result]]] = Future()
+            try:
+                done.set_result(self._run_local_batch([(tp, list(st.queue)) for tp, st in local]))
+            except Exception as exc:  # a defect: _harvest defers the partitions
+                done.set_exception(exc)
+            self._start(Unit(done, dict(local), threading.Event()))
+            return
         free = self.settings.local_workers - sum(
             1 for u in self.units if self._mode(next(iter(u.states))) == "local"
         )

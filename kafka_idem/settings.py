@@ -72,9 +72,9 @@ class Settings(BaseSettings):
         description="Partitions processed at once in leased mode (one database connection each).",
     )
     local_workers: int = Field(
-        2, ge=1, le=16,
-        description="Local-mode batches in flight at once, on disjoint partitions "
-        "(one database connection each).",
+        0, ge=0, le=16,
+        description="Local-mode batches in flight at once on worker threads, over disjoint "
+        "partitions (one database connection each); 0 runs one batch at a time in the loop.",
     )
     batch_path: bool = Field(
         True, description="Run local-mode batches on the optimistic batch path (see batch.py)."
