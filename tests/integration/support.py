@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import random
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -14,6 +15,7 @@ from consumers import payments
 from kafka_idem import App, Context, RetryPolicy
 from kafka_idem.app import ErrorKind
 from kafka_idem.dlq import REQUIRED_HEADERS
+from kafka_idem.store import Delivery, Store, connect
 from tests.conftest import DB, app_settings, headers, read_topic
 
 HANDLER = "charge"
@@ -173,3 +175,21 @@ def assert_dead_letter(
         assert first == record["first_failure_at"]
         assert last == record["last_failure_at"]
     return h
+
+
+def record_in(db: DB, status: str) -> str:
+    """The key of a new record driven through legal transitions into ``status``."""
+    store = Store(schema="kafka_idem", table="task_idempotency")
+    key = f"k:{uuid.uuid4().hex}"
+    conn = connect(db.dsn)
+    with conn.transaction():
+        c = store.claim(conn, key=key, request_hash="v1:x", delivery=Delivery("t", 0, 0, "h"),
+                        lease_seconds=30, max_attempts=5, max_elapsed_seconds=3600)
+        assert c.token is not None
+        if status == "succeeded":
+            store.complete(conn, key=key, token=c.token, result=1)
+        elif status in ("failed", "retryable_failed"):
+            store.fail(conn, key=key, token=c.token, status=status, kind="permanent",
+                       error_class="E", error_message="m", delay=60)
+    conn.close()
+    return key

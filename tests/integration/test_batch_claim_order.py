@@ -154,15 +154,15 @@ def test_a_batch_of_new_keys_reads_nothing_when_inserting_first(
     assert batches.reads == ([sorted(key(f"o{i}") for i in range(20))] if read_first else [])
 
 
-@ORDERS
-def test_a_key_under_another_owners_live_lease_falls_back_and_is_not_processed_twice(
-    db: DB, batches: Batches, read_first: bool
-) -> None:
+def _claimed_elsewhere(
+    db: DB, batches: Batches, order: tuple[str, str]
+) -> tuple[Store, Any, Any]:
+    """Another member's committed claim of ``order``'s key (a live 60 s lease):
+    the store, that member's open connection and its claim."""
     proc = batches.proc
     handler = proc.app.handlers[TOPIC]
-    # Another member claimed oF (same payload) and is still working on it: live lease.
-    (busy_msg,) = batches.msgs(("oF", "4.00"))
-    prep = proc.prepare(handler, busy_msg)
+    (msg,) = batches.msgs(order)
+    prep = proc.prepare(handler, msg)
     store = Store(schema="kafka_idem", table="task_idempotency")
     other = connect(db.dsn)
     with other.transaction():
@@ -170,6 +170,16 @@ def test_a_key_under_another_owners_live_lease_falls_back_and_is_not_processed_t
                              delivery=Delivery(TOPIC, 0, 0, handler.name), lease_seconds=60,
                              max_attempts=5, max_elapsed_seconds=3600)
     assert theirs.outcome is Outcome.CLAIMED and theirs.token is not None
+    return store, other, theirs
+
+
+@ORDERS
+def test_a_key_under_another_owners_live_lease_falls_back_and_is_not_processed_twice(
+    db: DB, batches: Batches, read_first: bool
+) -> None:
+    proc = batches.proc
+    # Another member claimed oF (same payload) and is still working on it: live lease.
+    store, other, theirs = _claimed_elsewhere(db, batches, ("oF", "4.00"))
     batches.pin(read_first)
 
     msgs = batches.msgs(("oG", "1.00"), ("oF", "4.00"), ("oH", "2.00"))
@@ -204,16 +214,7 @@ def test_a_conflicting_payload_for_a_key_in_flight_elsewhere_is_a_conflict(
     db: DB, batches: Batches, read_first: bool
 ) -> None:
     """Decided in the lock step, without the per-message path: the hash differs."""
-    proc = batches.proc
-    handler = proc.app.handlers[TOPIC]
-    (msg,) = batches.msgs(("oF", "4.00"))
-    prep = proc.prepare(handler, msg)
-    store = Store(schema="kafka_idem", table="task_idempotency")
-    other = connect(db.dsn)
-    with other.transaction():
-        store.claim(other, key=prep.key, request_hash=prep.request_hash,
-                    delivery=Delivery(TOPIC, 0, 0, handler.name), lease_seconds=60,
-                    max_attempts=5, max_elapsed_seconds=3600)
+    _store, other, _theirs = _claimed_elsewhere(db, batches, ("oF", "4.00"))
     other.close()
     before = db.record(key("oF"))
     batches.pin(read_first)

@@ -4,7 +4,6 @@ plpgsql function runs only for rows that need checking."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import psycopg
@@ -14,6 +13,7 @@ from psycopg import sql
 from kafka_idem.migrate import migrations, render
 from kafka_idem.store import Delivery, Store, connect
 from tests.conftest import DB
+from tests.integration.support import record_in
 
 TABLE = "task_idempotency"
 STORE = "kafka_idem"  # the test database's store: every migration applied
@@ -208,28 +208,11 @@ ILLEGAL_UPDATES = [
 ]
 
 
-def _record_in(db: DB, status: str) -> str:
-    store = Store(schema=STORE, table=TABLE)
-    key = f"k:{uuid.uuid4().hex}"
-    conn = connect(db.dsn)
-    with conn.transaction():
-        c = store.claim(conn, key=key, request_hash="v1:x", delivery=Delivery("t", 0, 0, "h"),
-                        lease_seconds=30, max_attempts=5, max_elapsed_seconds=3600)
-        assert c.token is not None
-        if status == "succeeded":
-            store.complete(conn, key=key, token=c.token, result=1)
-        elif status in ("failed", "retryable_failed"):
-            store.fail(conn, key=key, token=c.token, status=status, kind="permanent",
-                       error_class="E", error_message="m", delay=60)
-    conn.close()
-    return key
-
-
 @pytest.mark.parametrize(("status", "change", "sqlstate", "message"), ILLEGAL_UPDATES)
 def test_every_illegal_update_is_refused_with_its_sqlstate(
     db: DB, status: str, change: str, sqlstate: str, message: str
 ) -> None:
-    key = _record_in(db, status)
+    key = record_in(db, status)
     before = db.record(key)
     with psycopg.connect(db.dsn) as conn, pytest.raises(psycopg.Error) as err:
         conn.execute(f"UPDATE kafka_idem.task_idempotency SET {change} "

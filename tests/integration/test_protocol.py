@@ -17,6 +17,7 @@ from kafka_idem.keys import request_hash
 from kafka_idem.store import Delivery, Outcome, Store, connect
 from tests.apps.workers import process_one
 from tests.conftest import DB, wait_for
+from tests.integration.support import record_in
 
 TOPIC = "protocol.charge-requested"
 KEY = "t1:charge:o1"
@@ -165,27 +166,9 @@ ILLEGAL = [
 ]
 
 
-def _row_in(db: DB, status: str) -> str:
-    """A record driven through legal transitions into ``status``."""
-    store = Store(schema="kafka_idem", table="task_idempotency")
-    key = f"k:{uuid.uuid4().hex}"
-    conn = connect(db.dsn)
-    with conn.transaction():
-        c = store.claim(conn, key=key, request_hash="v1:x", delivery=Delivery(TOPIC, 0, 0, "h"),
-                        lease_seconds=30, max_attempts=5, max_elapsed_seconds=3600)
-        assert c.token is not None
-        if status == "succeeded":
-            store.complete(conn, key=key, token=c.token, result=1)
-        elif status in ("failed", "retryable_failed"):
-            store.fail(conn, key=key, token=c.token, status=status, kind="permanent",
-                       error_class="E", error_message="m", delay=60)
-    conn.close()
-    return key
-
-
 @pytest.mark.parametrize(("old", "new"), ILLEGAL)
 def test_database_rejects_illegal_transitions(db: DB, old: str, new: str) -> None:
-    key = _row_in(db, old)
+    key = record_in(db, old)
     with psycopg.connect(db.dsn) as conn, pytest.raises(psycopg.Error) as err:
         conn.execute("UPDATE kafka_idem.task_idempotency SET status = %s, owner_token = "
                      "gen_random_uuid(), lease_until = now() + interval '1 minute' "
@@ -196,7 +179,7 @@ def test_database_rejects_illegal_transitions(db: DB, old: str, new: str) -> Non
 
 
 def test_database_rejects_silent_deletes_and_new_rows_not_processing(db: DB) -> None:
-    key = _row_in(db, "succeeded")
+    key = record_in(db, "succeeded")
     with psycopg.connect(db.dsn) as conn, pytest.raises(psycopg.Error) as err:
         conn.execute("DELETE FROM kafka_idem.task_idempotency WHERE idempotency_key = %s", (key,))
     assert err.value.sqlstate == "KI001"
@@ -209,7 +192,7 @@ def test_database_rejects_silent_deletes_and_new_rows_not_processing(db: DB) -> 
 
 def test_store_error_translation_maps_transition_refusal(db: DB) -> None:
     store = Store(schema="kafka_idem", table="task_idempotency")
-    key = _row_in(db, "failed")
+    key = record_in(db, "failed")
     conn = connect(db.dsn)
     with pytest.raises(IllegalTransition), conn.transaction():
         # failed -> processing through the store's own SQL is refused by the guard
