@@ -303,9 +303,9 @@ class Runner:
                 msgs = _prefix(st.queue, limit)
                 cancel = threading.Event()
                 future = self._workers().submit(
-                    self._run_leased_partition, msgs, dict(st.tokens), cancel
+                    self._run_leased_partition, tp, msgs, dict(st.tokens), cancel
                 )
-                self._start(Unit(_keyed(tp, future), {tp: st}, cancel))
+                self._start(Unit(future, {tp: st}, cancel))
             else:
                 local.append((tp, st))
         if local and self.settings.local_workers == 0:
@@ -408,8 +408,8 @@ class Runner:
         return self._worker_processor().run_local(parts)
 
     def _run_leased_partition(
-        self, msgs: list[Any], tokens: dict[int, Any], cancel: threading.Event
-    ) -> list[Result]:
+        self, tp: TP, msgs: list[Any], tokens: dict[int, Any], cancel: threading.Event
+    ) -> dict[TP, list[Result]]:
         """One partition's due messages, in order, stopping at the first deferred one
         (or between two messages, when the partition is leaving or the member stops)."""
         proc = self._worker_processor()
@@ -421,7 +421,7 @@ class Runner:
             out.append(res)
             if isinstance(res, Deferred):
                 break
-        return out
+        return {tp: out}
 
     def _mode(self, tp: TP) -> str:
         return self.app.handlers[tp[0]].mode
@@ -645,21 +645,6 @@ class Runner:
 def _prefix(queue: deque[Any], n: int) -> list[Any]:
     """The first ``n`` messages of ``queue`` (they stay queued until their results apply)."""
     return list(itertools.islice(queue, n))
-
-
-def _keyed(tp: TP, future: Future[list[Result]]) -> Future[dict[TP, list[Result]]]:
-    """``future``'s list of results as ``{tp: results}``."""
-    out: Future[dict[TP, list[Result]]] = Future()
-
-    def done(f: Future[list[Result]]) -> None:
-        exc = f.exception()
-        if exc is not None:
-            out.set_exception(exc)
-        else:
-            out.set_result({tp: f.result()})
-
-    future.add_done_callback(done)
-    return out
 
 
 def _names(partitions: list[TopicPartition]) -> str:
