@@ -20,6 +20,7 @@ JSON-able; it is stored and replayed, exactly, on every duplicate.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from kafka_idem.errors import (
 from kafka_idem.keys import KeySpec, KeyTemplate
 from kafka_idem.retry import RetryPolicy
 from kafka_idem.settings import Settings, load_settings
-from kafka_idem.store import TRANSIENT_SQLSTATES
+from kafka_idem.store import is_data_error
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -96,7 +97,20 @@ DEFAULT_ERRORS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (ValidationError, "permanent"),
     (psycopg.errors.IntegrityError, "permanent"),
     (psycopg.errors.DataError, "permanent"),
+    (UnicodeError, "permanent"),  # a value that cannot be encoded: psycopg refuses it
 )
+
+
+_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+
+
+def check_topic_name(name: str, *, setting: str) -> str:
+    """``name`` if Kafka accepts it as a topic name, else a :class:`ConfigError`."""
+    if not _TOPIC.fullmatch(name) or name in (".", ".."):
+        raise ConfigError(
+            f"{name!r} is not a valid Kafka topic name (1-249 ASCII letters, digits, "
+            "'.', '_', '-')", setting=setting)
+    return name
 
 
 class Handler(Generic[M]):
@@ -171,8 +185,10 @@ class Handler(Generic[M]):
         for cls, kind in self.errors:
             if isinstance(exc, cls):
                 return kind
-        if isinstance(exc, psycopg.Error) and (exc.sqlstate or "") in TRANSIENT_SQLSTATES:
-            return "retryable"
+        if is_data_error(exc):
+            # The database refused a value the message brought (e.g. an index entry
+            # over its size limit): the same message can never succeed.
+            return "permanent"
         return "retryable"
 
 
@@ -240,6 +256,9 @@ class App:
         per-message path the handler may run again after a rollback, so keep
         its effects in this database (or pass ``batch=False``).
         """
+        check_topic_name(topic, setting="topic")
+        if dlq_topic is not None:
+            check_topic_name(dlq_topic, setting="dlq_topic")
         if topic in self.handlers:
             raise ConfigError(f"topic {topic!r} already has a handler", setting="topic")
         if mode not in ("local", "leased"):
@@ -287,6 +306,15 @@ class App:
 
     def dlq_topic(self, handler: Handler[Any]) -> str:
         return handler.dlq_topic_override or f"{handler.topic}{self.settings.dlq_suffix}"
+
+    def check_topics(self) -> None:
+        """Every handler's source and dead-letter topic is a name Kafka accepts (checked
+        when a member starts: a DLQ record that can never be written would hold its
+        partition forever)."""
+        for handler in self.handlers.values():
+            check_topic_name(handler.topic, setting="topic")
+            setting = "dlq_topic" if handler.dlq_topic_override else "dlq_suffix"
+            check_topic_name(self.dlq_topic(handler), setting=setting)
 
     @property
     def topics(self) -> list[str]:

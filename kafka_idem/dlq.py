@@ -10,12 +10,13 @@ raises :class:`DeadLetterError` when it is not.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from kafka_idem.errors import DeadLetterError
 
@@ -53,6 +54,16 @@ def _iso(value: dt.datetime | None) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Record:
+    """What is produced to the DLQ."""
+
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, str | bytes | None]]
+
+
+@dataclass(frozen=True, slots=True)
 class DeadLetter:
     """One record to dead-letter, with everything its headers need."""
 
@@ -67,6 +78,33 @@ class DeadLetter:
     idempotency_key: str | None = None
     first_failure_at: dt.datetime | None = None
     last_failure_at: dt.datetime | None = None
+
+    def record(self, limit: int) -> Record:
+        """The DLQ record: the original key and value bytes and headers, plus ours."""
+        return Record(self.dlq_topic, self.source.key(), self.source.value(),
+                      self.headers(limit))
+
+    def slim(self, limit: int) -> Record:
+        """The record without what made it too large for Kafka: the value, the original
+        headers and a key over 1 KiB are left out; ``idem.truncated`` names what was
+        left out and ``idem.original.value_bytes`` / ``idem.original.value_sha256``
+        identify the value (still in the source topic at ``idem.original.*``)."""
+        value = self.source.value() or b""
+        key = self.source.key()
+        dropped = ["value"]
+        if key is not None and len(key) > 1024:
+            key = None
+            dropped.append("key")
+        every = self.headers(limit)
+        ours = [(k, v) for k, v in every if k.startswith(PREFIX)]
+        if len(ours) < len(every):
+            dropped.append("headers")
+        extra: list[tuple[str, str | bytes | None]] = [
+            ("idem.truncated", ",".join(dropped).encode()),
+            ("idem.original.value_bytes", str(len(value)).encode()),
+            ("idem.original.value_sha256", hashlib.sha256(value).hexdigest().encode()),
+        ]
+        return Record(self.dlq_topic, key, b"", ours + extra)
 
     def headers(self, limit: int) -> list[tuple[str, str | bytes | None]]:
         ts_type, ts = self.source.timestamp()
@@ -85,7 +123,9 @@ class DeadLetter:
             ("idem.handler", self.handler),
         ]
         if self.idempotency_key is not None:
-            pairs.append(("idem.key", bounded(self.idempotency_key, 1024)))
+            # Never cut: ``rerun`` and ``dlq list --key`` look keys up by their exact text
+            # (their length is bounded by key_max_bytes before they exist).
+            pairs.append(("idem.key", self.idempotency_key))
         # The original headers travel along, except our own from an earlier DLQ trip.
         original: list[tuple[str, str | bytes | None]] = [
             # replay lineage stays: a replayed message that fails again says so
@@ -105,31 +145,60 @@ class DeadLetterer:
         self.timeout = timeout
 
     def send(self, letters: Sequence[DeadLetter]) -> list[BaseException | None]:
-        """Produce all, flush, and return per letter ``None`` (acknowledged) or the error."""
-        outcome: list[BaseException | None] = [None] * len(letters)
-        pending = set(range(len(letters)))
+        """Produce all, flush, and return per letter ``None`` (acknowledged) or the error.
+
+        A letter too large for the producer or the broker (a value near the size
+        limit plus our headers) is sent again without its payload: see
+        :meth:`DeadLetter.slim`. Every message thus ends on the DLQ, and the
+        record says what it lacks."""
+        outcome = self._send([letter.record(self.header_limit) for letter in letters])
+        too_big = [i for i, err in enumerate(outcome) if _too_large(err)]
+        if too_big:
+            again = self._send([letters[i].slim(self.header_limit) for i in too_big])
+            for i, err in zip(too_big, again, strict=True):
+                outcome[i] = err
+        return [
+            None if err is None else DeadLetterError(
+                _reason(err), dlq_topic=letters[i].dlq_topic,
+                offset=letters[i].source.offset())
+            for i, err in enumerate(outcome)
+        ]
+
+    def _send(self, records: Sequence[Record]) -> list[KafkaError | BaseException | None]:
+        outcome: list[KafkaError | BaseException | None] = [None] * len(records)
+        pending = set(range(len(records)))
 
         def report(index: int) -> Any:
             def on_delivery(err: KafkaError | None, _msg: Message) -> None:
                 pending.discard(index)
-                if err is not None:
-                    outcome[index] = DeadLetterError(str(err), dlq_topic=letters[index].dlq_topic)
+                outcome[index] = err
 
             return on_delivery
 
-        for i, letter in enumerate(letters):
+        for i, rec in enumerate(records):
             try:
                 self.producer.produce(
-                    letter.dlq_topic,
-                    key=letter.source.key(),
-                    value=letter.source.value(),
-                    headers=letter.headers(self.header_limit),
+                    rec.topic, key=rec.key, value=rec.value, headers=rec.headers,
                     on_delivery=report(i),
                 )
-            except (BufferError, Exception) as exc:  # KafkaException, BufferError
+            except KafkaException as exc:  # e.g. over message.max.bytes, checked locally
                 pending.discard(i)
-                outcome[i] = DeadLetterError(str(exc), dlq_topic=letter.dlq_topic)
+                outcome[i] = exc.args[0] if exc.args else exc
+            except (BufferError, Exception) as exc:
+                pending.discard(i)
+                outcome[i] = exc
         self.producer.flush(self.timeout)
         for i in pending:
-            outcome[i] = DeadLetterError("not acknowledged in time", dlq_topic=letters[i].dlq_topic)
+            outcome[i] = TimeoutError("not acknowledged in time")
         return outcome
+
+
+def _too_large(err: KafkaError | BaseException | None) -> bool:
+    return isinstance(err, KafkaError) and err.code() == KafkaError.MSG_SIZE_TOO_LARGE
+
+
+def _reason(err: KafkaError | BaseException) -> str:
+    if isinstance(err, KafkaError):
+        kind = "permanent" if not err.retriable() else "retriable"
+        return f"{err.name()} ({kind}): {err.str()}"
+    return f"{type(err).__name__}: {err}"

@@ -74,7 +74,16 @@ class InvalidPayload(MessageError):
 
 
 class MissingKeyField(MessageError):
-    """A field of the idempotency key is missing or empty."""
+    """A field of the idempotency key is missing or blank."""
+
+
+class InvalidKey(MessageError):
+    """The idempotency key cannot be used (too long, or not valid Unicode)."""
+
+
+class DataRejected(MessageError):
+    """The database rejected data that came from the message (e.g. a NUL character,
+    an invalid byte sequence, a value over a size limit); retrying cannot help."""
 
 
 # --- the framework's surroundings --------------------------------------------

@@ -37,9 +37,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kafka_idem.errors import ConfigError, MissingKeyField
+from kafka_idem.errors import ConfigError, InvalidKey, MissingKeyField
 
 HASH_VERSION = "v1"
+MAX_EXPONENT = 4096  # decimal exponents of hashed numbers (far beyond any amount)
 
 KeySpec = str | Callable[[Any], str]
 
@@ -59,6 +60,9 @@ def _decimal_text(d: Decimal) -> str:
         raise ValueError("NaN and infinity have no canonical form")
     if d.is_zero():
         return "0"
+    if abs(d.adjusted()) > MAX_EXPONENT:
+        # Plain decimal text of 1E+999999999 is a billion characters: refuse, don't hang.
+        raise ValueError(f"a number beyond 1E+/-{MAX_EXPONENT} has no canonical form")
     text = format(d.normalize(), "f")
     if "." in text:
         text = text.rstrip("0").rstrip(".")
@@ -168,16 +172,61 @@ def hash_payload(payload: Any, fields: Iterable[str]) -> str:
     return request_hash({name: getattr(payload, name, None) for name in fields})
 
 
+# Characters never written raw into a key: control characters (C0, DEL, C1) and the
+# Unicode line/paragraph separators, so a key can't forge a log line or a terminal row.
+_CONTROL = "\x00-\x1f\x7f-\x9f\u2028\u2029"
+_HAS_CONTROL = re.compile(f"[{_CONTROL}]")
+DEFAULT_KEY_MAX_BYTES = 1024
+
+
+def _percent(match: re.Match[str]) -> str:
+    return "".join(f"%{b:02X}" for b in match.group().encode("utf-8"))
+
+
+def _separator(c: str) -> bool:
+    return not c.isalnum()
+
+
+def check_key(key: str, max_bytes: int) -> str:
+    """``key`` if it can be stored as it is; else :class:`InvalidKey`.
+
+    A key is refused, never cut or cleaned: two intents must not meet in one key.
+    """
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidKey("the key is not valid Unicode (a lone surrogate)") from None
+    if size > max_bytes:
+        raise InvalidKey(
+            f"the key is {size} bytes, over the limit of {max_bytes} (setting key_max_bytes)"
+        )
+    if _HAS_CONTROL.search(key):
+        raise InvalidKey("the key contains a control character")
+    return key
+
+
 class KeyTemplate:
     """Builds ``tenant:operation:business-id`` keys from payload fields.
 
     >>> KeyTemplate("{tenant_id}:charge:{order_id}").build({"tenant_id": "t1", "order_id": "o9"})
     't1:charge:o9'
+
+    Field values are used as they are (never stripped), except that ``%``, the
+    template's separators (the characters of its own text that are not letters or
+    digits: here ``:``) and control characters are percent-encoded (``%3A`` for
+    ``:``), so no value can imitate a separator: two different sets of values
+    always give two different keys. Two fields must have a separator between them.
+
+    >>> KeyTemplate("{tenant_id}:charge:{order_id}").build({"tenant_id": "a:b", "order_id": "7"})
+    'a%3Ab:charge:7'
+
+    A field that is missing, empty or only whitespace is a :class:`MissingKeyField`.
     """
 
     def __init__(self, spec: KeySpec) -> None:
         self.spec = spec
         self.fields: tuple[str, ...] = ()
+        self._escape: re.Pattern[str] | None = None
         if isinstance(spec, str):
             parsed = list(string.Formatter().parse(spec))
             names = [name for _, name, _, _ in parsed if name is not None]
@@ -187,24 +236,44 @@ class KeyTemplate:
                     "'{tenant_id}:charge:{order_id}'",
                     setting="key",
                 )
-            for name in names:
+            for i, (literal, name, fmt, conv) in enumerate(parsed):
+                if name is None:
+                    continue
                 if not name.isidentifier():
-                    raise ConfigError(f"key template field {name!r} is not a field name")
+                    raise ConfigError(f"key template field {name!r} is not a field name",
+                                      setting="key")
+                if fmt or conv:
+                    raise ConfigError(
+                        f"key template field {name!r} has a format or conversion; "
+                        "use a key function for that", setting="key")
+                if i > 0 and not any(_separator(c) for c in literal):
+                    raise ConfigError(
+                        f"key template {spec!r} has two fields with no separator between "
+                        "them, so their values could run into each other; put e.g. ':' "
+                        "between them", setting="key")
+            seps = sorted({c for lit, _, _, _ in parsed for c in lit if _separator(c)})
+            specials = "".join(re.escape(c) for c in ["%", *seps])
+            self._escape = re.compile(f"[{specials}{_CONTROL}]")
             self.fields = tuple(names)
         elif not callable(spec):
             raise ConfigError("key must be a template string or a callable", setting="key")
 
     def build(self, payload: Any) -> str:
-        if isinstance(self.spec, str):
+        """The key of ``payload``. Template keys are escaped (see the class docs); a key
+        function's result is used as it is."""
+        if self._escape is not None:
+            assert isinstance(self.spec, str)
+            escape = self._escape
             values: dict[str, str] = {}
             for name in self.fields:
                 value = _field(payload, name)
-                text = "" if value is None else str(value).strip()
-                if not text:
-                    raise MissingKeyField(f"key field {name!r} is missing or empty", field=name)
-                values[name] = text
+                text = "" if value is None else value if type(value) is str else str(value)
+                if not text or text.isspace():
+                    raise MissingKeyField(f"key field {name!r} is missing or blank", field=name)
+                values[name] = escape.sub(_percent, text) if escape.search(text) else text
             return self.spec.format(**values)
+        assert callable(self.spec)
         key = self.spec(payload)
-        if not isinstance(key, str) or not key.strip():
+        if not isinstance(key, str) or not key or key.isspace():
             raise MissingKeyField("the key function returned an empty key")
         return key

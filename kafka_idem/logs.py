@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from typing import Any
 
@@ -29,10 +30,27 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(data, default=str)
 
 
+# Control characters (and Unicode line separators) in a message or a field would
+# let data (an error text, a key from a key function) forge log lines.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _escape(text: str) -> str:
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
 class TextFormatter(logging.Formatter):
+    """One line per record (a traceback, with ``exc_info``, follows on its own lines)."""
+
     def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if _CONTROL.search(message):
+            record = logging.makeLogRecord({**record.__dict__, "msg": _escape(message),
+                                            "args": None})
         base = super().format(record)
-        extra = " ".join(f"{n}={getattr(record, n)}" for n in FIELDS if hasattr(record, n))
+        extra = " ".join(
+            f"{n}={_escape(str(getattr(record, n)))}" for n in FIELDS if hasattr(record, n)
+        )
         return f"{base} {extra}" if extra else base
 
 

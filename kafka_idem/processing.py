@@ -35,6 +35,7 @@ from kafka_idem.app import App, Context, Done, Handler
 from kafka_idem.codec import AvroCodec
 from kafka_idem.dlq import DeadLetter, bounded
 from kafka_idem.errors import (
+    DataRejected,
     FrameworkError,
     InvalidPayload,
     MessageError,
@@ -44,11 +45,22 @@ from kafka_idem.errors import (
     TransientStoreError,
     Undecodable,
 )
-from kafka_idem.keys import hash_payload
-from kafka_idem.lease import LeaseKeeper
+from kafka_idem.keys import check_key, hash_payload
+from kafka_idem.lease import Hold, LeaseKeeper
 from kafka_idem.metrics import Metrics
 from kafka_idem.retry import Exhausted
-from kafka_idem.store import Claim, Conn, Delivery, Outcome, Store, classify_db_error, connect
+from kafka_idem.store import (
+    Claim,
+    Conn,
+    Delivery,
+    Outcome,
+    Store,
+    classify_db_error,
+    connect,
+    data_error_text,
+    describe,
+    is_data_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +94,9 @@ class Prepared:
 QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("kafka_idem_quiet", default=False)
 
 
-def _say(level: int, text: str, extra: dict[str, Any]) -> None:
+def _say(level: int, text: str, extra: dict[str, Any], *args: Any) -> None:
     if not QUIET.get():
-        log.log(level, text, extra=extra)
+        log.log(level, text, *args, extra=extra)
 
 
 def _fields(msg: Any) -> dict[str, Any]:
@@ -109,6 +121,14 @@ def make_context(
         kafka_key=msg.key(),
         headers={k: v or b"" for k, v in (msg.headers() or [])},
     )
+
+
+def _rejected(exc: BaseException) -> MessageError:
+    """A data error of the database as the message's own error."""
+    if isinstance(exc, MessageError):
+        return exc
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    return DataRejected(f"the database rejected the message's data ({data_error_text(cause)})")
 
 
 class Processor:
@@ -174,8 +194,12 @@ class Processor:
                 f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
             )
             raise InvalidPayload(f"payload does not validate: {reasons}") from exc
-        key = handler.key.build(model)
-        return Prepared(model, key, hash_payload(model, handler.hash_fields))
+        key = check_key(handler.key.build(model), self.settings.key_max_bytes)
+        try:
+            digest = hash_payload(model, handler.hash_fields)
+        except (ValueError, TypeError, ArithmeticError) as exc:  # NaN, infinity, naive datetime
+            raise InvalidPayload(f"the request hash cannot be computed: {exc}") from exc
+        return Prepared(model, key, digest)
 
     def _letter(
         self,
@@ -204,15 +228,20 @@ class Processor:
             last_failure_at=last,
         )
 
-    def _undecodable(self, handler: Handler[Any], msg: Any, exc: MessageError) -> Finished:
+    def _undecodable(
+        self, handler: Handler[Any], msg: Any, exc: MessageError, key: str | None = None
+    ) -> Finished:
+        """A message that can never be processed (bad bytes, payload or key; data the
+        database refused before any record held it): dead-lettered, no record."""
         kind = "undecodable" if isinstance(exc, Undecodable) else "permanent"
-        _say(logging.WARNING, "message cannot be processed",
-             {"action": "rejected", "kind": kind, "handler": handler.name, **_fields(msg)})
+        _say(logging.WARNING, "message cannot be processed: %s",
+             {"action": "rejected", "kind": kind, "handler": handler.name, "key": key,
+              **_fields(msg)}, exc)
         letter = self._letter(
             handler, msg, kind=kind, exc_class=type(exc).__name__, message=str(exc),
-            attempts=0, key=None,
+            attempts=0, key=key,
         )
-        return Finished("dead_lettered", letter)
+        return Finished("dead_lettered", letter, key=key)
 
     def log_finished(self, handler: Handler[Any], msg: Any, result: Result) -> None:
         """The log line of a decision the batch path made (after its commit)."""
@@ -239,7 +268,9 @@ class Processor:
                 return run_batch(self, parts)
             except Fallback as exc:
                 log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
-            except (FrameworkError, psycopg.Error) as exc:
+            except (FrameworkError, MessageError, psycopg.Error) as exc:
+                # A message's data refused by the database (DataRejected) falls back too:
+                # the per-message path isolates the one message it belongs to.
                 if isinstance(exc, StoreUnavailable) or classify_db_error(exc) is StoreUnavailable:
                     return self._all_deferred(parts, exc)
                 log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
@@ -252,15 +283,13 @@ class Processor:
     def _all_deferred(
         self, parts: Sequence[tuple[Any, Sequence[Any]]], exc: BaseException
     ) -> dict[Any, list[Result]]:
-        cause = exc.__cause__ if isinstance(exc.__cause__, psycopg.Error) else exc
-        detail = (
-            f"{cause.sqlstate}: {cause.diag.message_primary}"
-            if isinstance(cause, psycopg.Error) and cause.sqlstate
-            else type(exc).__name__
+        where = ", ".join(
+            f"{msgs[0].topic()}[{msgs[0].partition()}]@{msgs[0].offset()}"
+            for _, msgs in parts if msgs
         )
         log.warning(
-            "batch transaction failed (%s); the batch will be retried",
-            detail,
+            "batch transaction failed (%s); will retry %s",
+            describe(exc), where,
             extra={"action": "batch_failed", "kind": type(exc).__name__},
         )
         self.metrics.framework_errors.labels(type(exc).__name__).inc()
@@ -273,7 +302,10 @@ class Processor:
 
         A partition stops at its first deferred message. If the transaction
         itself fails (connection lost, commit refused), every message is
-        deferred: nothing was committed, nothing is charged.
+        deferred: nothing was committed, nothing is charged. If the commit was
+        refused for a message's data (a deferred constraint of a business table),
+        the batch runs again one message per transaction, so only that message is
+        dead-lettered.
         """
         results: dict[Any, list[Result]] = {tp: [] for tp, _ in parts}
         try:
@@ -287,7 +319,34 @@ class Processor:
                             if isinstance(result, Deferred):
                                 break
         except (FrameworkError, psycopg.Error) as exc:
+            if is_data_error(exc) and sum(len(msgs) for _, msgs in parts) > 1:
+                return self._one_by_one(parts)
+            if is_data_error(exc):
+                tp, msgs = next((tp, msgs) for tp, msgs in parts if msgs)
+                handler = self.app.handlers[msgs[0].topic()]
+                return {tp: [self._undecodable(handler, msgs[0], _rejected(exc),
+                                               key=self._key_of(handler, msgs[0]))]}
             return self._all_deferred(parts, exc)
+        return results
+
+    def _key_of(self, handler: Handler[Any], msg: Any) -> str | None:
+        try:
+            return self.prepare(handler, msg).key
+        except (MessageError, FrameworkError):
+            return None
+
+    def _one_by_one(self, parts: Sequence[tuple[Any, Sequence[Any]]]) -> dict[Any, list[Result]]:
+        """Each message in a transaction of its own (after a commit refused for data):
+        the message whose commit is refused is dead-lettered alone."""
+        log.warning("a commit was refused for a message's data; isolating the message",
+                    extra={"action": "isolating"})
+        results: dict[Any, list[Result]] = {tp: [] for tp, _ in parts}
+        for tp, msgs in parts:
+            for msg in msgs:
+                got = self.run_local_safe([(tp, [msg])])[tp]
+                results[tp].extend(got)
+                if not got or isinstance(got[-1], Deferred):
+                    break
         return results
 
     def _local_one(self, conn: Conn, msg: Any) -> Result:
@@ -302,9 +361,12 @@ class Processor:
                 if claim.outcome is not Outcome.CLAIMED:
                     return self._not_claimed(handler, msg, prep, claim)
                 return self._execute(conn, handler, msg, prep, claim)
+        except MessageError as exc:  # the claim refused the message's data: no record
+            return self._undecodable(handler, msg, exc, key=prep.key)
         except (TransientStoreError, StaleOwner) as exc:
             self._raise_if_gone(exc)
-            log.info("transient store error", extra={"action": "deferred", **_fields(msg)})
+            log.info("transient store error (%s); will retry", describe(exc),
+                     extra={"action": "deferred", "key": prep.key, **_fields(msg)})
             return Deferred(self.settings.busy_retry_seconds, "framework")
 
     # --- leased mode: claim, then fenced completion -------------------------
@@ -317,7 +379,7 @@ class Processor:
             return self._undecodable(handler, msg, exc)
         except FrameworkError as exc:  # e.g. the schema registry is down: not the message's fault
             self.metrics.framework_errors.labels(type(exc).__name__).inc()
-            log.warning("cannot decode now; the message will be retried",
+            log.warning("cannot decode now (%s); will retry", describe(exc),
                         extra={"action": "deferred", **_fields(msg)})
             return Deferred(self.settings.busy_retry_seconds, "framework", token=reentrant)
         claim: Claim | None = None
@@ -334,20 +396,23 @@ class Processor:
                 assert claim.token is not None
                 if self.leases is None:
                     return self._execute(conn, handler, msg, prep, claim, pipelined=True)
-                with self.leases.hold(claim.key, claim.token) as lost:
+                with self.leases.hold(claim.key, claim.token) as hold:
                     return self._execute(
-                        conn, handler, msg, prep, claim, lost=lost, pipelined=True
+                        conn, handler, msg, prep, claim, hold=hold, pipelined=True
                     )
-        except (StoreUnavailable, TransientStoreError, psycopg.Error) as exc:
+        except MessageError as exc:  # the claim refused the message's data: no record
+            return self._undecodable(handler, msg, exc, key=prep.key)
+        except StaleOwner:
+            return Deferred(self.settings.busy_retry_seconds, "busy")
+        except (FrameworkError, psycopg.Error) as exc:
+            # Our surroundings failed (database down, a store error): never charged.
             self.metrics.framework_errors.labels(type(exc).__name__).inc()
             log.warning(
-                "store error; the message will be retried",
+                "store error (%s); will retry", describe(exc),
                 extra={"action": "deferred", "key": prep.key, **_fields(msg)},
             )
             token = claim.token if claim is not None else reentrant
             return Deferred(self.settings.busy_retry_seconds, "framework", token=token)
-        except StaleOwner:
-            return Deferred(self.settings.busy_retry_seconds, "busy")
 
     # --- shared steps --------------------------------------------------------
 
@@ -430,7 +495,7 @@ class Processor:
         msg: Any,
         prep: Prepared,
         claim: Claim,
-        lost: Any = None,
+        hold: Hold | None = None,
         pipelined: bool = False,
     ) -> Result:
         """Run the handler and the fenced completion in one transaction (a savepoint
@@ -439,8 +504,8 @@ class Processor:
         own errors are still told apart from the completion's."""
         assert claim.token is not None
         ctx = make_context(conn, handler, msg, prep, claim)
-        if lost is not None:
-            ctx._lease_lost = lost
+        if hold is not None:
+            ctx._lease_lost = hold.lost
         started = time.perf_counter()
         try:
             with contextlib.ExitStack() as stack:
@@ -450,9 +515,13 @@ class Processor:
                 if pipe is not None:
                     pipe.sync()  # the handler's statements answer here
                 self.store.complete(conn, key=prep.key, token=claim.token, result=result)
+                if hold is not None:
+                    hold.release()  # before the commit (see LeaseKeeper.hold)
         except (FrameworkError, StaleOwner):
             raise
         except Exception as exc:
+            if hold is not None:
+                hold.release()  # the attempt is over; its failure is recorded next
             self._raise_if_gone(exc)
             if classify_db_error(exc) is TransientStoreError:
                 # Deadlocks and serialization failures come from contention between

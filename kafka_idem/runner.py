@@ -145,6 +145,7 @@ class Runner:
 
     def start(self) -> None:
         s = self.settings
+        self.app.check_topics()
         self._check_schema()
         conf = s.consumer_config(self.app.group_id)
         conf["error_cb"] = self._on_error
@@ -446,9 +447,11 @@ class Runner:
                 continue
             self.metrics.dlq_failures.labels(letter.dlq_topic).inc()
             log.error(
-                "dead-letter produce failed; the source offset stays uncommitted",
+                "dead-letter produce to %s failed (%s); the source offset stays "
+                "uncommitted and the dead letter will be retried",
+                letter.dlq_topic, err,
                 extra={"action": "dlq_failed", "topic": tp[0], "partition": tp[1],
-                       "offset": letter.source.offset()},
+                       "offset": letter.source.offset(), "key": letter.idempotency_key},
             )
             rs = results[tp]
             if i < len(rs):

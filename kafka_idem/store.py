@@ -41,7 +41,9 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from kafka_idem.errors import (
+    DataRejected,
     IllegalTransition,
+    KafkaIdemError,
     StaleOwner,
     StoreError,
     StoreUnavailable,
@@ -66,8 +68,68 @@ ILLEGAL_TRANSITION = "KI001"
 STALE_OWNER = "KI002"
 
 
-def classify_db_error(exc: BaseException) -> type[StoreError] | None:
-    """The store error class for a psycopg error, by SQLSTATE; ``None`` if not a DB error."""
+# Errors caused by the data a message brought, not by the database's state: retrying
+# the same message can never succeed, so it is dead-lettered (DataRejected). Class 22
+# is "data exception" (invalid byte sequence, NUL in jsonb, numeric overflow, value
+# too long), class 23 "integrity constraint violation" (check, not-null, foreign key);
+# 54000 is "program limit exceeded" (an index entry over PostgreSQL's B-tree limit).
+DATA_SQLSTATE_CLASSES = ("22", "23")
+DATA_SQLSTATES = frozenset({"54000"})
+
+
+def is_data_error(exc: BaseException) -> bool:
+    """True when ``exc`` is the database (or psycopg, before sending) refusing a value.
+
+    psycopg itself refuses a NUL in text and a string it cannot encode, with no SQLSTATE.
+    """
+    if isinstance(exc, UnicodeEncodeError | DataRejected):
+        return True
+    if not isinstance(exc, psycopg.Error):
+        return False
+    state = exc.sqlstate or ""
+    if state:
+        return state[:2] in DATA_SQLSTATE_CLASSES or state in DATA_SQLSTATES
+    return isinstance(exc, psycopg.DataError)
+
+
+def data_error_text(exc: BaseException) -> str:
+    """What the database said about the value, without the value itself: the SQLSTATE
+    and primary message (never DETAIL/CONTEXT, which may quote the parameters)."""
+    if isinstance(exc, psycopg.Error):
+        primary = exc.diag.message_primary or str(exc).splitlines()[0]
+        state = exc.sqlstate or "client-side"
+        return f"SQLSTATE {state}: {primary}"
+    return f"{type(exc).__name__}: {exc.reason if isinstance(exc, UnicodeEncodeError) else exc}"
+
+
+def storable(text: str) -> str:
+    """``text`` as PostgreSQL ``text`` can hold it: NUL removed, lone surrogates
+    replaced (error messages quote handler exceptions, which may quote payloads)."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def describe(exc: BaseException) -> str:
+    """One line about ``exc`` for a log: a database error's SQLSTATE and primary
+    message (also when it is the ``__cause__`` of one of ours), else the class and
+    the first line of its text."""
+    cause = exc if isinstance(exc, psycopg.Error) else exc.__cause__
+    if isinstance(cause, psycopg.Error) and cause.sqlstate:
+        return f"{type(exc).__name__}: SQLSTATE {cause.sqlstate}: {cause.diag.message_primary}"
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def classify_db_error(exc: BaseException) -> type[KafkaIdemError] | None:
+    """The kafka_idem error class for a psycopg error, by SQLSTATE (never by message
+    text); ``None`` if not a database error."""
+    if is_data_error(exc):
+        return DataRejected
     if not isinstance(exc, psycopg.Error):
         return None
     state = exc.sqlstate or ""
@@ -89,8 +151,12 @@ def translate_errors(**context: Any) -> Iterator[None]:
     """The one place psycopg errors become kafka_idem errors (``__cause__`` kept)."""
     try:
         yield
-    except psycopg.Error as exc:
+    except (psycopg.Error, UnicodeEncodeError) as exc:
         cls = classify_db_error(exc) or StoreError
+        if cls is DataRejected:
+            raise DataRejected(
+                f"the database rejected the message's data ({data_error_text(exc)})", **context
+            ) from exc
         summary = (cls.__doc__ or "").strip().splitlines()[0]
         raise cls(f"{summary}: {exc}", **context) from exc
 
@@ -338,8 +404,8 @@ class Store:
                     "token": token,
                     "status": status,
                     "kind": kind,
-                    "error_class": error_class,
-                    "error_message": error_message,
+                    "error_class": storable(error_class),
+                    "error_message": storable(error_message),
                     "delay": delay,
                 },
             ).fetchone()

@@ -1,0 +1,46 @@
+"""The text log format keeps one record on one line, whatever the data says."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from kafka_idem import logs
+
+
+@pytest.fixture
+def captured() -> Iterator[io.StringIO]:
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+    out = io.StringIO()
+    logs.configure("text")
+    handler = root.handlers[0]
+    assert isinstance(handler, logging.StreamHandler)
+    handler.setStream(out)
+    try:
+        yield out
+    finally:
+        root.handlers[:] = saved
+        root.setLevel(level)
+
+
+@pytest.mark.parametrize("evil", ["k\nINFO forged line", "k\r\nx", "k\x1b[31mred", "k\u2028x"])
+def test_a_key_or_message_with_control_characters_cannot_forge_a_log_line(
+    captured: io.StringIO, evil: str
+) -> None:
+    log = logging.getLogger("kafka_idem.test")
+    log.warning("failed: %s", evil, extra={"action": "failed", "key": evil})
+    text = captured.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")
+    assert "\x1b" not in text and "\r" not in text and "\u2028" not in text
+    assert repr(evil)[1:-1] in text  # still readable, escaped
+
+
+def test_json_format_keeps_control_characters_as_json_escapes() -> None:
+    record = logging.makeLogRecord({"msg": "x", "key": "a\nb", "levelname": "INFO"})
+    data = json.loads(logs.JsonFormatter().format(record))
+    assert data["key"] == "a\nb"
