@@ -479,7 +479,7 @@ def build_app(
     ``timeout`` to ``$GATEWAY_TIMEOUT_SECONDS`` (2 s); ``retry`` is the handler's own
     policy (default: from the settings); ``settings`` override Settings fields."""
     settings.setdefault("schemas_dir", payments.SCHEMAS_DIR)
-    settings.setdefault("group_id", "gateway")
+    # No group_id here: KAFKA_IDEM_GROUP_ID (or run --group-id) chooses it, else the name.
     client = GatewayClient(gateway_url, timeout)
     application = App(name, **settings)
     application.migration(create_tables)

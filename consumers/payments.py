@@ -143,9 +143,12 @@ def charge_many(
 def build_app(
     *, topic: str = TOPIC, mode: str = MODE, name: str = "payments", **settings: Any
 ) -> App:
-    """The payments app on ``topic``; ``settings`` override Settings fields."""
+    """The payments app on ``topic``; ``settings`` override Settings fields.
+
+    The consumer group is ``KAFKA_IDEM_GROUP_ID`` (or ``run --group-id``), else the
+    app's name: a group id given here in code would win over the environment.
+    """
     settings.setdefault("schemas_dir", SCHEMAS_DIR)
-    settings.setdefault("group_id", "payments")
     application = App(name, **settings)
     application.migration(create_tables)
     handler = application.handler(

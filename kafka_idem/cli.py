@@ -1,7 +1,12 @@
 """The ``kafka-idem`` command line.
 
-Exit codes: 0 ok; 1 a check failed or nothing matched where something was
-required; 2 usage or configuration error.
+Exit codes: 0 ok; 1 a check failed, nothing matched where something was required,
+or an admin action was refused; 2 usage or configuration error (the message names
+the option or setting); 3 operational error (the database or Kafka unreachable or
+refusing, the metrics port in use...); 4 internal error (a bug). A failure prints
+one line ``error: ...`` on stderr, secrets masked; ``kafka-idem --debug COMMAND``
+adds the traceback. Stored and user-controlled values (keys, error texts, DLQ
+headers) are printed as plain text with control characters escaped, never as markup.
 """
 
 from __future__ import annotations
@@ -10,18 +15,22 @@ import importlib
 import json
 import logging
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from kafka_idem import admin, audit, logs
+from kafka_idem import admin, audit, cli_errors, logs
 from kafka_idem.app import App
 from kafka_idem.cli_dlq import dlq
+from kafka_idem.cli_errors import ServiceError, warn
+from kafka_idem.cli_text import cell, plain
 from kafka_idem.cli_verify import verify
-from kafka_idem.errors import ConfigError, FrameworkError
+from kafka_idem.errors import FrameworkError
 from kafka_idem.migrate import migrate as run_migrations
+from kafka_idem.migrate import migrate_app
 from kafka_idem.settings import Settings, load_settings
 from kafka_idem.store import Store, connect
 
@@ -52,8 +61,11 @@ class Ctx:
     def settings(self, app: App | None = None) -> Settings:
         if app is not None:
             app.configure(**self.overrides)
-            return app.settings
-        return load_settings(**self.overrides)
+            s = app.settings
+        else:
+            s = load_settings(**self.overrides)
+        cli_errors.add_secrets(s.secret_values())  # an app may set its own database URL
+        return s
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -62,17 +74,21 @@ class Ctx:
 @click.option("--schema", "schema_name", help="Store schema (default kafka_idem).")
 @click.option("--table", help="Idempotency table (default task_idempotency).")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default=None)
+@click.option("--debug", is_flag=True, help="Print the traceback of an error, not just its "
+              "one line.")
 @click.pass_context
-def cli(ctx: click.Context, /, log_format: str | None, **overrides: Any) -> None:
-    """kafka_idem: exactly-once effects for Kafka consumers, backed by PostgreSQL."""
+def cli(ctx: click.Context, /, log_format: str | None, debug: bool, **overrides: Any) -> None:
+    """kafka_idem: exactly-once effects for Kafka consumers, backed by PostgreSQL.
+
+    Exit codes: 0 ok; 1 a check failed, nothing matched or refused; 2 usage or
+    configuration error; 3 operational error (database or Kafka unreachable or
+    refusing, port in use); 4 internal error (run with --debug)."""
+    cli_errors.start(debug=debug, database_url=overrides.get("database_url"))
     clean = {k: v for k, v in overrides.items() if v is not None}
     if log_format:
         clean["log_format"] = log_format
     ctx.obj = Ctx(clean)
-    try:
-        s = load_settings(**clean)
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from exc
+    s = load_settings(**clean)  # a ConfigError is one line and exit 2 (main)
     logs.configure(s.log_format, s.log_level)
 
 
@@ -84,14 +100,8 @@ def migrate(obj: Ctx, app_spec: str | None) -> None:
     app = load_app(app_spec) if app_spec else None
     s = obj.settings(app)
     applied = run_migrations(s.dsn, s.schema_name, s.table)
-    if app is not None and app.migrations:
-        conn = connect(s.dsn)
-        try:
-            with conn.transaction():
-                for fn in app.migrations:
-                    fn(conn)
-        finally:
-            conn.close()
+    if app is not None:
+        migrate_app(s.dsn, s.schema_name, app.migrations)
     names = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "nothing to do"
     click.echo(f"schema {s.schema_name}: {names}")
 
@@ -118,7 +128,14 @@ def run(
     s = obj.settings(app)
     runner = Runner(app)
     if s.metrics_port is not None:
-        runner.metrics.serve(s.metrics_port, addr=s.metrics_addr)
+        try:
+            runner.metrics.serve(s.metrics_port, addr=s.metrics_addr)
+        except OSError as exc:
+            raise ServiceError(
+                f"cannot serve /metrics on {s.metrics_addr}:{s.metrics_port}: "
+                f"{exc.strerror or exc}; choose another --metrics-port "
+                "(KAFKA_IDEM_METRICS_PORT) or --metrics-addr (KAFKA_IDEM_METRICS_ADDR)"
+            ) from exc
     runner.install_signal_handlers()
     code = runner.run(max_seconds=max_seconds)
     sys.exit(code)
@@ -152,19 +169,18 @@ def status(obj: Ctx, as_json: bool, long_running: str | None) -> None:
         _print_json(st.to_json())
         return
     console = Console()
-    table = Table(title=f"kafka_idem store {s.schema_name}.{s.table}")
+    table = Table(title=cell(f"kafka_idem store {s.schema_name}.{s.table}"))
     table.add_column("what")
     table.add_column("count", justify="right")
-    for name, n in st.by_status.items():
-        table.add_row(name, str(n))
-    table.add_row("processing, live lease", str(st.processing_live))
-    table.add_row("processing, expired lease", str(st.processing_expired))
-    table.add_row(f"long-running (> {threshold:.0f}s)", str(st.long_running))
-    for kind, n in st.failed_by_kind.items():
-        table.add_row(f"failed: {kind}", str(n))
-    due = st.next_retry_at.isoformat() if st.next_retry_at else "-"
-    table.add_row("retry backlog (due now)", f"{st.retry_backlog} ({st.retry_due_now})")
-    table.add_row("next retry due", due)
+    rows: list[tuple[str, object]] = [(name, n) for name, n in st.by_status.items()]
+    rows += [("processing, live lease", st.processing_live),
+             ("processing, expired lease", st.processing_expired),
+             (f"long-running (> {threshold:.0f}s)", st.long_running)]
+    rows += [(f"failed: {kind}", n) for kind, n in st.failed_by_kind.items()]
+    rows += [("retry backlog (due now)", f"{st.retry_backlog} ({st.retry_due_now})"),
+             ("next retry due", st.next_retry_at.isoformat() if st.next_retry_at else "-")]
+    for what, value in rows:
+        table.add_row(cell(what), cell(value))
     console.print(table)
 
 
@@ -182,13 +198,13 @@ def inspect(obj: Ctx, key: str, as_json: bool) -> None:
     finally:
         conn.close()
     if rec is None:
-        click.echo(f"no record with key {key!r}", err=True)
+        click.echo(f"no record with key {plain(repr(key))}", err=True)
         sys.exit(1)
     if as_json:
         _print_json(rec)
         return
     console = Console()
-    table = Table(title=key, show_header=False)
+    table = Table(title=cell(key), show_header=False)
     table.add_column("field")
     table.add_column("value")
     for name in ("status", "request_hash", "attempts", "owner_token", "lease_until",
@@ -197,15 +213,15 @@ def inspect(obj: Ctx, key: str, as_json: bool) -> None:
                  "handler", "kafka_topic", "kafka_partition", "kafka_offset", "created_at",
                  "updated_at", "completed_at"):
         value = rec.get(name)
-        table.add_row(name, json.dumps(value, default=str) if name == "result_json" else
-                      ("" if value is None else str(value)))
+        table.add_row(name, cell(json.dumps(value, default=str) if name == "result_json"
+                                 else value))
     console.print(table)
     trail = Table(title="audit trail")
-    for col in ("at", "actor", "action", "reason", "previous_status", "previous_error"):
+    columns = ("at", "actor", "action", "reason", "previous_status", "previous_error")
+    for col in columns:
         trail.add_column(col)
     for row in rec["audit"]:
-        trail.add_row(*(str(row[c] or "") for c in
-                        ("at", "actor", "action", "reason", "previous_status", "previous_error")))
+        trail.add_row(*(cell(row[c] or "") for c in columns))
     console.print(trail)
 
 
@@ -218,7 +234,9 @@ def inspect(obj: Ctx, key: str, as_json: bool) -> None:
 @click.pass_obj
 def rerun(obj: Ctx, key: str, reason: str, actor: str | None, dlq_topic: str | None) -> None:
     """Audited admin re-run of a failed key: failed -> retryable_failed (fresh retry budget),
-    then republish its dead-lettered message so the consumer group runs it again.
+    and its dead-lettered message republished so the consumer group runs it again.
+    The state change and its audit row commit only once the broker acknowledged the
+    message: if republishing fails, nothing changes (exit 3) and a later rerun works.
     Refuses succeeded and live processing records (exit 1)."""
     from confluent_kafka import Producer
 
@@ -238,21 +256,24 @@ def rerun(obj: Ctx, key: str, reason: str, actor: str | None, dlq_topic: str | N
         if rec["status"] == "failed" and letter is None:
             raise admin.Refused(f"no dead-lettered message for this key in {topic}", key=key)
         with conn.transaction():
+            # The record stays locked until the message is acknowledged: a consumer that
+            # receives it first waits for this commit; a refused message rolls it all back.
             admin.rerun(conn, store, key=key, actor=who, reason=reason)
+            assert letter is not None
+            conf = s.producer_config()
+            try:
+                target = replay.republish_acknowledged(
+                    Producer(conf), letter, actor=who, timeout=replay.delivery_wait(conf))
+            except FrameworkError as exc:
+                raise ServiceError(f"re-run not recorded, {key} is still failed: {exc}; "
+                                   "fix the cause and run the same rerun again") from exc
     except admin.Refused as exc:
-        click.echo(f"refused: {exc}", err=True)
+        warn(f"refused: {exc}")
         sys.exit(1)
     finally:
         conn.close()
-    assert letter is not None
-    producer = Producer(s.producer_config())
-    replay.republish(producer, letter, actor=who)
-    if producer.flush(30):
-        click.echo(f"re-run recorded, but republishing failed; run: kafka-idem dlq replay "
-                   f"--dlq {topic} --key {key}", err=True)
-        sys.exit(1)
-    click.echo(f"{key}: failed -> retryable_failed by {who}; message republished to "
-               f"{letter.original_topic} from {topic}[{letter.partition}]@{letter.offset}")
+    click.echo(plain(f"{key}: failed -> retryable_failed by {who}; message republished to "
+                     f"{target} from {topic}[{letter.partition}]@{letter.offset}"))
 
 
 @cli.command()
@@ -304,7 +325,7 @@ def _warn_retention(s: Settings, topics: list[str], window: float) -> None:
     try:
         futures = client.describe_configs(resources, request_timeout=10)
     except Exception as exc:  # the warning is advisory; never block retention on it
-        click.echo(f"warning: could not read topic retention: {exc}", err=True)
+        warn(f"warning: could not read topic retention: {exc}")
         return
     for res, fut in futures.items():
         try:
@@ -314,10 +335,9 @@ def _warn_retention(s: Settings, topics: list[str], window: float) -> None:
         retention_ms = int(config["retention.ms"].value)
         if retention_ms < 0 or retention_ms / 1000 > window:
             shown = "forever" if retention_ms < 0 else f"{retention_ms / 86_400_000:.1f} days"
-            click.echo(
+            warn(
                 f"warning: topic {res.name} keeps messages for {shown}, longer than the purge "
-                f"window; a duplicate older than the window would be processed again",
-                err=True,
+                f"window; a duplicate older than the window would be processed again"
             )
 
 
@@ -325,15 +345,18 @@ cli.add_command(dlq)
 cli.add_command(verify)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """The console script: exit codes and one-line errors as in the module docstring."""
     try:
-        cli(standalone_mode=True)
-    except ConfigError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
-    except FrameworkError as exc:
-        click.echo(f"error: {exc}", err=True)
+        code = cli.main(args=argv, prog_name="kafka-idem", standalone_mode=False)
+    except click.ClickException as exc:
+        sys.exit(cli_errors.usage(exc))
+    except click.Abort:
+        click.echo("Aborted!", err=True)
         sys.exit(1)
+    except Exception as exc:
+        sys.exit(cli_errors.fail(exc))
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

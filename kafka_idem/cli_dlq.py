@@ -4,7 +4,9 @@
     kafka-idem dlq show --dlq payments.charge-requested.dlq --partition 0 --offset 42
     kafka-idem dlq replay --topic payments.charge-requested --since 2024-05-01T00:00Z --dry-run
 
-Exit codes: 0 ok; 1 nothing matched; 2 usage or configuration error.
+Exit codes: 0 ok; 1 nothing matched; 2 usage or configuration error; 3 operational
+error (Kafka or the database unreachable or refusing). Keys, error texts and headers
+are printed as plain text (never markup), control characters escaped.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from typing import Any, Protocol, TypeVar
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kafka_idem import audit, replay
+from kafka_idem.cli_text import cell, plain
 from kafka_idem.dlq import ERROR_KINDS
 from kafka_idem.settings import Settings
 
@@ -91,7 +95,7 @@ def _dlq_topic(s: Settings, dlq_topic: str | None, source_topic: str | None) -> 
 
 
 def _nothing(message: str) -> None:
-    click.echo(message, err=True)
+    click.echo(plain(message), err=True)
     click.get_current_context().exit(1)
 
 
@@ -100,7 +104,7 @@ def _echo_json(data: Any) -> None:
 
 
 def _short(text: str | None, width: int = MESSAGE_WIDTH) -> str:
-    text = " ".join((text or "").split())
+    text = plain(" ".join((text or "").split()))
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -115,7 +119,7 @@ def dlq() -> None:
     The DLQ is named with --dlq TOPIC, or --topic SOURCE for SOURCE's default DLQ.
     Filters (all optional, all must match): --key, --kind, --handler, --since/--until
     (on the last failure time), --partition, --from-offset/--to-offset (DLQ positions).
-    Exit codes: 0 ok, 1 nothing matched, 2 usage error.
+    Exit codes: 0 ok, 1 nothing matched, 2 usage error, 3 Kafka or the database failed.
     """
 
 
@@ -149,17 +153,16 @@ def list_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, limit: 
     if as_json:
         _echo_json([r.to_json() for r in records])
         return
-    table = Table(title=f"{topic}: {len(records)} record(s)" + (" (--limit reached)"
-                                                                if more else ""))
+    table = Table(title=cell(f"{topic}: {len(records)} record(s)"
+                             + (" (--limit reached)" if more else "")))
     for col in ("partition", "offset", "last failure (UTC)", "kind", "class", "key",
                 "handler", "attempts", "message"):
         table.add_column(col, overflow="fold")
     for r in records:
-        table.add_row(
-            str(r.partition), str(r.offset), _time(r.last_failure_at), r.kind or "",
-            r.error_class or "", r.idempotency_key or "", r.handler or "",
-            "" if r.attempts is None else str(r.attempts), _short(r.error_message),
-        )
+        table.add_row(*(cell(v) for v in (
+            r.partition, r.offset, _time(r.last_failure_at), r.kind, r.error_class,
+            r.idempotency_key, r.handler, r.attempts, _short(r.error_message),
+        )))
     Console(soft_wrap=False).print(table)
 
 
@@ -182,18 +185,16 @@ def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: 
         _echo_json(rec.to_json())
         return
     console = Console(soft_wrap=False)
-    console.print(f"[bold]{topic}[{partition}]@{offset}[/bold]", highlight=False)
-    console.print(f"timestamp:  {rec.timestamp.isoformat() if rec.timestamp else '-'}",
-                  highlight=False, markup=False)
-    console.print(f"kafka key:  {replay.display_bytes(rec.key)}", highlight=False,
-                  markup=False)
+    console.print(cell(f"{topic}[{partition}]@{offset}", style="bold"))
+    console.print(cell(f"timestamp:  {rec.timestamp.isoformat() if rec.timestamp else '-'}"))
+    console.print(cell(f"kafka key:  {replay.display_bytes(rec.key)}"))
     size = "null" if rec.value is None else f"{len(rec.value)} bytes"
-    console.print(f"value:      {size}", highlight=False, markup=False)
+    console.print(Text(f"value:      {size}"))
     table = Table(title="headers")
     table.add_column("name", no_wrap=True)
     table.add_column("value", overflow="fold")
     for name, value in rec.headers:
-        table.add_row(name, replay.display_bytes(value) or "")
+        table.add_row(cell(name), cell(replay.display_bytes(value)))
     console.print(table)
 
 
@@ -253,8 +254,8 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
 
 
 def _would_send(rec: replay.DlqRecord, target: str) -> None:
-    click.echo(f"would send {rec.dlq_topic}[{rec.partition}]@{rec.offset} -> {target}  "
-               f"kind={rec.kind} key={rec.idempotency_key or '-'}")
+    click.echo(plain(f"would send {rec.dlq_topic}[{rec.partition}]@{rec.offset} -> {target}  "
+                     f"kind={rec.kind} key={rec.idempotency_key or '-'}"))
 
 
 def _echo_summary(summary: replay.ReplaySummary) -> None:
@@ -266,8 +267,8 @@ def _echo_summary(summary: replay.ReplaySummary) -> None:
         f"matched {summary.matched}, {verb} {count}, "
         f"skipped (key already succeeded) {summary.skipped_succeeded}"
     )
-    click.echo(f"targets: {targets}")
-    click.echo(f"replay group: {summary.group}")
+    click.echo(plain(f"targets: {targets}"))
+    click.echo(plain(f"replay group: {summary.group}"))
     if summary.limited:
         click.echo("stopped at --limit; run the same command again to continue")
 

@@ -5,7 +5,7 @@
     kafka-idem verify --scenario 4 --scenario 5 --json report.json --keep
 
 Exit codes: 0 every scenario passed (or was skipped, with the reason); 1 a scenario
-failed; 2 usage or configuration error.
+failed; 2 usage or configuration error; 3 Kafka or PostgreSQL unreachable.
 """
 
 from __future__ import annotations
@@ -17,7 +17,11 @@ from typing import Protocol
 
 import click
 from rich.console import Console
+from rich.text import Text
 
+from kafka_idem.cli_errors import STATE
+from kafka_idem.cli_text import cell
+from kafka_idem.redact import redact
 from kafka_idem.settings import Settings
 
 
@@ -56,23 +60,28 @@ def verify(obj: _Obj, scenarios: tuple[str, ...], json_path: Path | None, keep: 
     # The progress lines and the table are the output; the library's INFO logs are noise.
     logging.getLogger("kafka_idem").setLevel(logging.WARNING)
     err = Console(stderr=True)
+
+    def line(text: str) -> Text:  # plain text (never markup), secrets masked
+        return cell(redact(text, STATE.secrets))
+
     report = verification.run(settings, chosen, keep=keep,
-                              progress=lambda line: err.print(line, highlight=False))
+                              progress=lambda text: err.print(line(text)))
+    report.secrets = tuple(dict.fromkeys(report.secrets + tuple(STATE.secrets)))
     console = Console()
     report.print(console)
     counts = report.to_json()["counts"]
     summary = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
-    console.print(f"run {report.run_id}: {summary} in {report.seconds:.1f}s", highlight=False)
+    console.print(line(f"run {report.run_id}: {summary} in {report.seconds:.1f}s"))
     if keep:
-        console.print("kept for inspection:", highlight=False)
+        console.print(line("kept for inspection:"))
         for o in report.outcomes:
             a = o.artefacts
-            console.print(f"  {o.id}: schemas {', '.join(a.get('schemas', [])) or '-'}; "
-                          f"topics {', '.join(a.get('topics', [])) or '-'}; "
-                          f"group {', '.join(a.get('groups', [])) or '-'}", highlight=False)
+            console.print(line(f"  {o.id}: schemas {', '.join(a.get('schemas', [])) or '-'}; "
+                               f"topics {', '.join(a.get('topics', [])) or '-'}; "
+                               f"group {', '.join(a.get('groups', [])) or '-'}"))
     if report.logs:
-        console.print(f"member logs: {report.logs}", highlight=False)
+        console.print(line(f"member logs: {report.logs}"))
     if json_path is not None:
         report.write_json(json_path)
-        console.print(f"report written to {json_path}", highlight=False)
+        console.print(line(f"report written to {json_path}"))
     sys.exit(0 if report.passed else 1)

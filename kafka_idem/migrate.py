@@ -5,12 +5,18 @@ in one step and records every version as applied; an existing store gets the
 missing versions in order, each in its own transaction. An advisory lock keeps
 two migrators apart; running it twice is a no-op. A test checks that
 ``schema.sql`` equals all migrations applied in order.
+
+``migrate_app()`` runs an app's own migrations (``@app.migration``) under the same
+advisory lock: concurrent ``kafka-idem migrate --app`` runs would otherwise race
+on ``CREATE ... IF NOT EXISTS`` (not safe against a concurrent create).
+Database errors leave as :mod:`kafka_idem.errors` classes (``StoreUnavailable``...).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -19,10 +25,11 @@ import psycopg
 from psycopg import sql
 
 from kafka_idem.sql import identifiers
+from kafka_idem.store import translate_errors
 
 log = logging.getLogger(__name__)
 
-_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
+_FILE = re.compile(r"(\d{4})_(\w+)\.sql")
 
 
 @dataclass(frozen=True)
@@ -35,7 +42,7 @@ class Migration:
 def migrations() -> list[Migration]:
     found = []
     for entry in resources.files("kafka_idem.migrations").iterdir():
-        match = _FILE.match(entry.name)
+        match = _FILE.fullmatch(entry.name)
         if match:
             found.append(Migration(int(match[1]), match[2], entry.read_text()))
     return sorted(found, key=lambda m: m.version)
@@ -62,6 +69,24 @@ def full_schema() -> str:
     return resources.files("kafka_idem").joinpath("schema.sql").read_text()
 
 
+def _lock(conn: psycopg.Connection[Any], schema: str) -> None:
+    """One migrator per store schema at a time (held to the end of the transaction)."""
+    conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"kafka_idem:{schema}",))
+
+
+def migrate_app(
+    dsn: str, schema: str, steps: Sequence[Callable[[psycopg.Connection[Any]], None]]
+) -> None:
+    """Run an app's own migrations in one transaction, under the store's advisory lock."""
+    if not steps:
+        return
+    with (translate_errors(), psycopg.connect(dsn, autocommit=False) as conn,
+          conn.transaction()):
+        _lock(conn, schema)
+        for step in steps:
+            step(conn)
+
+
 def migrate(
     dsn: str, schema: str, table: str, *, from_scratch: bool = True
 ) -> list[Migration]:
@@ -70,12 +95,16 @@ def migrate(
     ``from_scratch=False`` applies a new store's migrations one by one instead
     of ``schema.sql`` (the test that compares both uses it).
     """
+    with translate_errors():
+        return _migrate(dsn, schema, table, from_scratch=from_scratch)
+
+
+def _migrate(dsn: str, schema: str, table: str, *, from_scratch: bool) -> list[Migration]:
     names = identifiers(schema, table)
     done: list[Migration] = []
     with psycopg.connect(dsn, autocommit=False) as conn:
         with conn.transaction():
-            # One migrator per schema at a time.
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"kafka_idem:{schema}",))
+            _lock(conn, schema)
             conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(names["schema"]))
             conn.execute(
                 sql.SQL(
@@ -84,7 +113,7 @@ def migrate(
                 ).format(names["migrations"])
             )
         with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"kafka_idem:{schema}",))
+            _lock(conn, schema)
             if from_scratch and not applied_versions(conn, schema):
                 conn.execute(sql.SQL(full_schema()).format(**names))
                 for migration in migrations():
@@ -99,9 +128,7 @@ def migrate(
                 return done
         for migration in migrations():
             with conn.transaction():
-                conn.execute(
-                    "SELECT pg_advisory_xact_lock(hashtext(%s))", (f"kafka_idem:{schema}",)
-                )
+                _lock(conn, schema)
                 if migration.version in applied_versions(conn, schema):
                     continue
                 conn.execute(render(migration, schema, table))

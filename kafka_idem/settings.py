@@ -17,14 +17,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from kafka_idem.errors import ConfigError
+from kafka_idem.redact import option_secrets, redact, redact_options, secrets_in
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:39092"
 DEFAULT_DATABASE_URL = "postgresql://kafka_idem@127.0.0.1:55432/kafka_idem"
 
-_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,39}$")
+_TOPIC_CHARS = re.compile(r"[a-zA-Z0-9._-]+")
+# Names are matched whole (fullmatch): "$" would also accept a trailing newline.
+_IDENT = re.compile(r"[a-z_][a-z0-9_]{0,39}")
 
 # Consumer options the exactly-once-effects protocol depends on (PITFALLS 1, 2).
 _PROTECTED_CONSUMER = {
@@ -83,6 +86,11 @@ class Settings(BaseSettings):
     error_message_max: int = Field(
         1024, ge=64, le=65536, description="Bound on error text stored and put in DLQ headers."
     )
+    key_max_bytes: int = Field(
+        1024, ge=16, le=2000,
+        description="Longest idempotency key (UTF-8 bytes); a longer key dead-letters its "
+        "message as InvalidKey, never truncated (PostgreSQL cannot index much more).",
+    )
     schemas_dir: Path = Field(Path("schemas"), description="Folder of Avro schemas (.avsc).")
     schema_registry_url: str | None = Field(
         None, description="Confluent Schema Registry URL; enables Confluent wire framing."
@@ -114,10 +122,47 @@ class Settings(BaseSettings):
     @field_validator("schema_name", "table")
     @classmethod
     def _identifier(cls, value: str) -> str:
-        if not _IDENT.match(value):
+        if not _IDENT.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a plain SQL identifier: use lower-case letters, digits and "
                 "underscores, starting with a letter or underscore, at most 40 characters"
+            )
+        return value
+
+    @field_validator("group_id")
+    @classmethod
+    def _group_id(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or value != value.strip()
+                                  or not value.isprintable()):
+            raise ValueError(
+                f"{value!r} is not a usable consumer group id: it must be non-empty, without "
+                "leading or trailing spaces, newlines or other control characters"
+            )
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _conninfo(cls, value: SecretStr) -> SecretStr:
+        from psycopg.conninfo import conninfo_to_dict
+
+        dsn = value.get_secret_value()
+        try:
+            conninfo_to_dict(dsn)
+        except Exception as exc:  # psycopg.ProgrammingError: its text may echo the password
+            problem = redact(" ".join(str(exc).split()), secrets_in(dsn))
+            raise ValueError(
+                f"not a PostgreSQL URL (postgresql://user@host:port/dbname) or conninfo "
+                f"string: {problem}"
+            ) from None
+        return value
+
+    @field_validator("dlq_suffix")
+    @classmethod
+    def _topic_suffix(cls, value: str) -> str:
+        if not _TOPIC_CHARS.fullmatch(value):
+            raise ValueError(
+                f"{value!r} would make invalid topic names: Kafka topic names use only "
+                "ASCII letters, digits, '.', '_' and '-'"
             )
         return value
 
@@ -133,7 +178,11 @@ class Settings(BaseSettings):
     def __repr_args__(self) -> Any:
         # repr() and str() show librdkafka secrets (sasl.password...) masked, like redacted().
         for name, value in super().__repr_args__():
-            yield name, (_redact_options(value) if name == "kafka" else value)
+            if name == "kafka":
+                value = redact_options(value)
+            elif name == "schema_registry_url" and value is not None:
+                value = redact(value)
+            yield name, value
 
     @field_validator("metrics_addr")
     @classmethod
@@ -187,9 +236,20 @@ class Settings(BaseSettings):
     def redacted(self) -> dict[str, Any]:
         """Settings for display: secrets masked, librdkafka secrets masked."""
         data = self.model_dump(mode="json")
-        data["database_url"] = _redact_url(self.dsn)
-        data["kafka"] = _redact_options(self.kafka)
+        data["database_url"] = redact(self.dsn, self.secret_values())
+        data["kafka"] = redact_options(self.kafka)
+        if self.schema_registry_url is not None:
+            data["schema_registry_url"] = redact(self.schema_registry_url, self.secret_values())
         return data
+
+    def secret_values(self) -> list[str]:
+        """The secrets these settings hold (the database password, secret librdkafka
+        options, a registry URL's password): pass them to :func:`kafka_idem.redact.redact`
+        so an error text echoing one of them out of context is masked too."""
+        found = secrets_in(self.dsn) + option_secrets(self.kafka)
+        if self.schema_registry_url:
+            found += secrets_in(self.schema_registry_url)
+        return found
 
 
 _CONSUMER_ONLY = (
@@ -213,18 +273,6 @@ def _consumer_only(key: str) -> bool:
     return key.startswith(_CONSUMER_ONLY)
 
 
-def _is_secret_option(key: str) -> bool:
-    return any(word in key for word in ("password", "secret", "token", "key.pem", ".key"))
-
-
-def _redact_options(options: dict[str, Any]) -> dict[str, Any]:
-    return {k: ("**********" if _is_secret_option(k) else v) for k, v in options.items()}
-
-
-def _redact_url(url: str) -> str:
-    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:**********@", url)
-
-
 def load_settings(**overrides: Any) -> Settings:
     """Build settings, turning validation errors into a :class:`ConfigError` naming the setting.
 
@@ -235,6 +283,8 @@ def load_settings(**overrides: Any) -> Settings:
     clean = {k: v for k, v in overrides.items() if v is not None}
     try:
         return Settings(**clean)
+    except SettingsError as exc:  # a variable that cannot be parsed at all (invalid JSON)
+        raise ConfigError(_unparsable(exc)) from exc
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -242,3 +292,18 @@ def load_settings(**overrides: Any) -> Settings:
             env = f"KAFKA_IDEM_{name.upper()}"
             problems.append(f"invalid setting {name} ({env}): {err['msg']}")
         raise ConfigError("; ".join(problems)) from exc
+
+
+_SOURCE_FIELD = re.compile(r'field "(\w+)"')
+
+
+def _unparsable(exc: SettingsError) -> str:
+    """pydantic-settings' "error parsing value for field ..." as a message naming the
+    setting, its variable and what is accepted (the value itself is never echoed)."""
+    found = _SOURCE_FIELD.search(str(exc))
+    name = found[1] if found else "settings"
+    env = f"KAFKA_IDEM_{name.upper()}"
+    cause = exc.__cause__
+    detail = f" ({cause.__class__.__name__}: {cause})" if isinstance(cause, ValueError) else ""
+    example = "{\"linger.ms\": 5}"
+    return f"invalid setting {name} ({env}): not valid JSON{detail}; e.g. {env}='{example}'"

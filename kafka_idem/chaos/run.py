@@ -48,8 +48,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import psycopg
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from psycopg.conninfo import make_conninfo
 
 from kafka_idem.chaos.checker import ROOT, Liveness, Report, check
 from kafka_idem.chaos.faults import FAULTS, Injector
@@ -66,6 +66,7 @@ from kafka_idem.chaos.services import (
     wait_assigned,
 )
 from kafka_idem.chaos.traffic import Feed
+from kafka_idem.redact import redact
 from kafka_idem.settings import load_settings
 
 __all__ = ["FAULTS", "main", "parse"]  # FAULTS: the tests choose fault types from it
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         if keep:
             console.print(f"kept: database {dbname}, topics {topic} (+ .dlq), group {group}, "
                           f"member logs {logs}. Check again with: KAFKA_IDEM_DATABASE_URL="
-                          f"'{psycopg.conninfo.make_conninfo(s.dsn, dbname=dbname)}' "
+                          f"'{redact(make_conninfo(s.dsn, dbname=dbname), s.secret_values())}' "
                           f"python -m kafka_idem.chaos.checker --topic {topic} --group {group}",
                           markup=False)
         else:

@@ -17,7 +17,8 @@ transaction (the steps are in :mod:`kafka_idem.replay.run`).
 * :mod:`~kafka_idem.replay.reading` — bounded reads of a DLQ topic: :func:`scan`,
   :func:`read_one`, :func:`latest_for_key`;
 * :mod:`~kafka_idem.replay.republishing` — :func:`republish` with lineage headers,
-  the target topic, :class:`TokenBucket`;
+  the target topic, :class:`TokenBucket`, :class:`Deliveries` (delivery reports
+  latched) and :func:`republish_acknowledged`;
 * :mod:`~kafka_idem.replay.run` — :func:`replay`: the resumable, transactional,
   audited run.
 
@@ -34,7 +35,15 @@ from kafka_idem.replay.reading import (
     scan,
 )
 from kafka_idem.replay.records import DlqRecord, Header, Selection, display_bytes, dlq_topic_for
-from kafka_idem.replay.republishing import TokenBucket, replay_headers, republish, target_of
+from kafka_idem.replay.republishing import (
+    Deliveries,
+    TokenBucket,
+    delivery_wait,
+    replay_headers,
+    republish,
+    republish_acknowledged,
+    target_of,
+)
 from kafka_idem.replay.run import REPLAY_GROUP_PREFIX, ReplaySummary, replay, replay_group
 
 __all__ = [
@@ -43,11 +52,13 @@ __all__ = [
     "REPLAY_GROUP_PREFIX",
     "STALL_SECONDS",
     "TIMEOUT",
+    "Deliveries",
     "DlqRecord",
     "Header",
     "ReplaySummary",
     "Selection",
     "TokenBucket",
+    "delivery_wait",
     "display_bytes",
     "dlq_topic_for",
     "latest_for_key",
@@ -56,6 +67,7 @@ __all__ = [
     "replay_group",
     "replay_headers",
     "republish",
+    "republish_acknowledged",
     "scan",
     "target_of",
 ]

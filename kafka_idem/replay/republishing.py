@@ -4,6 +4,10 @@ and the pace (a token bucket for ``--rate``).
 Used by a replay run and by ``kafka-idem rerun``. Key and value bytes go out
 unchanged; the ``idem.*`` failure headers are replaced by ``idem.replay.*``
 lineage (when, by whom, from which DLQ record).
+
+``flush()`` returning 0 only says nothing is queued any more, not that the broker
+took the records: :class:`Deliveries` latches every delivery report, and
+:func:`republish_acknowledged` raises unless the one record was acknowledged.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from typing import Any
 from confluent_kafka import Producer
 
 from kafka_idem.dlq import PREFIX
-from kafka_idem.errors import ConfigError
+from kafka_idem.errors import BrokerError, ConfigError
+from kafka_idem.replay.reading import kafka_errors
 from kafka_idem.replay.records import DlqRecord, Header
 
 
@@ -72,6 +77,63 @@ def republish(
     if on_delivery is not None:
         kwargs["on_delivery"] = on_delivery
     producer.produce(target, **kwargs)
+
+
+class Deliveries:
+    """An ``on_delivery`` callback that latches each delivery report."""
+
+    def __init__(self) -> None:
+        self.acked = 0
+        self.errors: list[str] = []
+
+    def __call__(self, err: Any, msg: Any) -> None:
+        if err is None:
+            self.acked += 1
+            return
+        where = f"{msg.topic()}[{msg.partition()}]" if msg is not None else "a record"
+        reason = err.str() if hasattr(err, "str") else str(err)
+        self.errors.append(f"{where}: {reason}")
+
+    def check(self, sent: int, what: str, **context: Any) -> None:
+        """Raise :class:`BrokerError` unless all ``sent`` records were acknowledged."""
+        if self.errors:
+            raise BrokerError(
+                f"{what}: the broker refused {len(self.errors)} of {sent} record(s): "
+                f"{self.errors[0]}", **context,
+            )
+        if self.acked < sent:
+            raise BrokerError(
+                f"{what}: {sent - self.acked} of {sent} record(s) not acknowledged in time",
+                **context,
+            )
+
+
+def delivery_wait(producer_config: dict[str, Any]) -> float:
+    """Seconds within which librdkafka reports every delivery (``message.timeout.ms``,
+    or its alias ``delivery.timeout.ms``), plus a margin."""
+    ms = producer_config.get("message.timeout.ms", producer_config.get("delivery.timeout.ms",
+                                                                        300_000))
+    return float(ms) / 1000 + 10
+
+
+def republish_acknowledged(
+    producer: Producer, record: DlqRecord, *, actor: str, timeout: float,
+    to_topic: str | None = None,
+) -> str:
+    """:func:`republish` one record and wait for its delivery report; return the target.
+
+    Raises :class:`BrokerError` when the broker refused the record or did not
+    acknowledge it within ``timeout`` seconds (see :func:`delivery_wait`).
+    """
+    target = target_of(record, to_topic)
+    what = (f"republishing {record.dlq_topic}[{record.partition}]@{record.offset} "
+            f"to {target}")
+    deliveries = Deliveries()
+    with kafka_errors(what):
+        republish(producer, record, to_topic=to_topic, actor=actor, on_delivery=deliveries)
+        producer.flush(timeout)
+    deliveries.check(1, what)
+    return target
 
 
 class TokenBucket:

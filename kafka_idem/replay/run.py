@@ -42,7 +42,13 @@ from kafka_idem.replay.reading import (
     reader_config,
 )
 from kafka_idem.replay.records import DlqRecord, Selection
-from kafka_idem.replay.republishing import TokenBucket, republish, target_of
+from kafka_idem.replay.republishing import (
+    Deliveries,
+    TokenBucket,
+    delivery_wait,
+    republish,
+    target_of,
+)
 from kafka_idem.settings import Settings
 from kafka_idem.store import Conn, Store, connect
 
@@ -175,6 +181,7 @@ def _run(
     dlq_topic, group, to_topic = summary.dlq_topic, summary.group, summary.to_topic
     consumer = Consumer(reader_config(settings, group))
     producer: Producer | None = None
+    wait = delivery_wait(settings.producer_config())
     try:
         if not summary.dry_run:
             producer = Producer({**settings.producer_config(), "transactional.id": group})
@@ -201,7 +208,7 @@ def _run(
                     _check_topic(consumer, target)
                     known.add(target)
                 if producer is not None:
-                    _send(producer, consumer, summary, batch, actor, bucket, on_record)
+                    _send(producer, consumer, summary, batch, actor, bucket, on_record, wait)
                 elif on_record is not None:  # dry run
                     for rec, target in batch.send:
                         on_record(rec, target)
@@ -298,18 +305,27 @@ def _send(
     actor: str,
     bucket: TokenBucket | None,
     on_record: Callable[[DlqRecord, str], None] | None,
+    wait: float,
 ) -> None:
-    """Steps 3-5: the records and the new position in one transaction."""
+    """Steps 3-5: the records and the new position in one transaction. Every record's
+    delivery report is checked before the position is added: a refused record aborts
+    the batch (nothing of it becomes visible) with the broker's reason."""
     dlq_topic = summary.dlq_topic
+    deliveries = Deliveries()
     with kafka_errors("replaying a batch", topic=dlq_topic, group=summary.group):
         producer.begin_transaction()
         try:
             for rec, target in batch.send:
                 if bucket is not None:
                     bucket.acquire()
-                republish(producer, rec, to_topic=summary.to_topic, actor=actor)
+                republish(producer, rec, to_topic=summary.to_topic, actor=actor,
+                          on_delivery=deliveries)
                 if on_record is not None:
                     on_record(rec, target)
+            if batch.send:
+                producer.flush(wait)
+                deliveries.check(len(batch.send), "replaying a batch", topic=dlq_topic,
+                                 group=summary.group)
             offsets = [TopicPartition(dlq_topic, p, o) for p, o in batch.positions.items()]
             producer.send_offsets_to_transaction(
                 offsets, consumer.consumer_group_metadata(), TIMEOUT

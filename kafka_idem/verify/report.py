@@ -13,6 +13,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kafka_idem.cli_text import cell, cell_lines
+from kafka_idem.redact import redact
+
 PASS, FAIL, SKIPPED = "PASS", "FAIL", "SKIPPED"
 
 
@@ -77,6 +80,8 @@ class Report:
     outcomes: list[Outcome] = field(default_factory=list)
     seconds: float = 0.0
     logs: str | None = None
+    # Masked wherever they occur in the report (an error text may echo the database URL).
+    secrets: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def passed(self) -> bool:
@@ -86,7 +91,7 @@ class Report:
         counts: dict[str, int] = {}
         for o in self.outcomes:
             counts[o.status] = counts.get(o.status, 0) + 1
-        return {
+        data: dict[str, Any] = _redacted({
             "run_id": self.run_id,
             "passed": self.passed,
             "counts": counts,
@@ -97,13 +102,19 @@ class Report:
             "kept": self.kept,
             "logs": self.logs,
             "scenarios": [o.to_json() for o in self.outcomes],
-        }
+        }, self.secrets)
+        return data
 
     def write_json(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json(), indent=2, default=str) + "\n")
 
     def print(self, console: Console) -> None:
-        table = Table(title=f"kafka-idem verify  run {self.run_id}", show_lines=True)
+        """The table; every text plain (never markup), control characters escaped,
+        secrets masked."""
+        def text(value: str) -> str:
+            return redact(value, self.secrets)
+
+        table = Table(title=cell(f"kafka-idem verify  run {self.run_id}"), show_lines=True)
         table.add_column("scenario", no_wrap=False, max_width=24)
         table.add_column("what was checked")
         table.add_column("durable figures read")
@@ -117,8 +128,10 @@ class Report:
             if o.skipped:
                 checks.append(f"skipped: {o.skipped}")
             style = {PASS: "bold green", FAIL: "bold red"}.get(o.status, "bold yellow")
-            table.add_row(f"{o.id}. {o.title}\n({o.seconds:.1f}s)", "\n".join(checks),
-                          format_figures(o.figures), f"[{style}]{o.status}[/]")
+            table.add_row(cell_lines([f"{o.id}. {o.title}", f"({o.seconds:.1f}s)"]),
+                          cell_lines(text(c) for c in checks),
+                          cell_lines(text(format_figures(o.figures)).split("\n")),
+                          cell(o.status, style=style))
         console.print(table)
 
 
@@ -139,3 +152,14 @@ def format_figures(figures: dict[str, Any]) -> str:
             value = ", ".join(str(v) for v in value) or "-"
         lines.append(_TIME.sub(r"\1", _UUID.sub(r"\1", f"{name}: {value}")))
     return "\n".join(lines)
+
+
+def _redacted(value: Any, secrets: tuple[str, ...]) -> Any:
+    """``value`` (JSON-able) with every string redacted."""
+    if isinstance(value, str):
+        return redact(value, secrets)
+    if isinstance(value, dict):
+        return {k: _redacted(v, secrets) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redacted(v, secrets) for v in value]
+    return value

@@ -84,6 +84,7 @@ def run(settings: Settings, scenarios: list[Scenario], *, keep: bool = False,
     logdir = Path(tempfile.mkdtemp(prefix=f"kafka-idem-verify-{run_id}-"))
     report = Report(run_id=run_id, bootstrap_servers=settings.bootstrap_servers,
                     database=settings.redacted()["database_url"], kept=keep,
+                    secrets=tuple(settings.secret_values()),
                     started_at=dt.datetime.now(dt.UTC))
     started = time.monotonic()
     try:

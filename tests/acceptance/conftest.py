@@ -23,7 +23,13 @@ from typing import Any
 import psycopg
 import pytest
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    ConfigSource,
+)
 from psycopg import sql
 
 from consumers.payments import SCHEMA, ChargeRequested, build_app, charge, encode_charge
@@ -101,6 +107,26 @@ def read_all(topic: str, *, timeout: float = 20.0) -> list[Any]:
 
 def headers_of(msg: Any) -> dict[str, str]:
     return {k: (v or b"").decode("utf-8", "replace") for k, v in (msg.headers() or [])}
+
+
+def set_topic_config(admin: AdminClient, topic: str, name: str, value: str | None) -> None:
+    """Set (or, with ``None``, reset) a topic config and wait until the broker reports it,
+    e.g. ``max.message.bytes`` to make the broker refuse larger record batches."""
+    op = AlterConfigOpType.DELETE if value is None else AlterConfigOpType.SET
+    entry = ConfigEntry(name, "" if value is None else value, incremental_operation=op)
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[entry])
+    for fut in admin.incremental_alter_configs([resource]).values():
+        fut.result(timeout=30)
+
+    def applied() -> bool:
+        probe = ConfigResource(ConfigResource.Type.TOPIC, topic)
+        config = next(iter(admin.describe_configs([probe]).values())).result(timeout=30)
+        entry = config[name]
+        if value is None:
+            return bool(entry.source != ConfigSource.DYNAMIC_TOPIC_CONFIG)
+        return bool(entry.value == value)
+
+    wait_for(applied, timeout=30, what=f"{topic}: {name}={value}")
 
 
 # --- the mixed run ---------------------------------------------------------------------

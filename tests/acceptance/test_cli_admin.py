@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
+import pytest
+from confluent_kafka.admin import AdminClient
+from psycopg import sql
+
 from consumers.payments import encode_charge
 from kafka_idem.store import Delivery, Store, connect
+from tests.acceptance.conftest import set_topic_config
 from tests.conftest import (
+    ADMIN_DSN,
     BOOTSTRAP,
     DB,
+    ROOT,
     Members,
     Topics,
     caught_up,
@@ -45,6 +55,35 @@ def test_migrate_is_versioned_and_a_second_run_is_a_noop(db: DB) -> None:
     assert second.returncode == 0 and "nothing to do" in second.stdout
     versions = db.rows(f'SELECT version FROM "{schema}".schema_migrations ORDER BY 1')
     assert [r["version"] for r in versions] == [1, 2, 3]
+
+
+@pytest.fixture
+def empty_db() -> Iterator[DB]:
+    """A fresh database with nothing in it (no store, no example tables)."""
+    name = f"kafka_idem_e_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    yield DB(name)
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(name)))
+
+
+def test_concurrent_migrate_app_runs_on_a_fresh_database_all_succeed(empty_db: DB) -> None:
+    cmd = [BIN, "--database-url", empty_db.dsn, "migrate", "--app",
+           "tests.apps.migrations:app"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 6, [err for _out, err in outs]
+    assert sum("0001_initial" in out for out, _err in outs) == 1, "one run created the store"
+    versions = empty_db.rows('SELECT version FROM "kafka_idem".schema_migrations ORDER BY 1')
+    assert [r["version"] for r in versions] == [1, 2, 3]
+    tables = empty_db.rows("SELECT schemaname || '.' || tablename AS t FROM pg_tables "
+                           "WHERE schemaname IN ('payments', 'payments_audit') ORDER BY 1")
+    assert [r["t"] for r in tables] == ["payments.balances", "payments.ledger",
+                                        "payments_audit.events"]
 
 
 def test_a_name_that_would_break_sql_is_a_usage_error_naming_the_setting(db: DB) -> None:
@@ -199,3 +238,41 @@ def test_purge_warns_when_the_window_is_shorter_than_topic_retention(db: DB,
 def test_bad_duration_is_a_usage_error(db: DB) -> None:
     out = kafka_idem(db, "purge", "--older-than", "soon")
     assert out.returncode == 2 and "duration" in out.stderr
+
+
+def test_a_rerun_whose_message_the_broker_refuses_changes_nothing_and_can_be_run_again(
+    db: DB, topics: Topics, members: Members, group: str, admin: AdminClient
+) -> None:
+    topic = _mixed_run(db, topics, members, group, PERMANENT_ORDERS="o4")
+    key = "t1:charge:o4"
+    before = db.record(key)
+    assert before is not None and before["status"] == "failed"
+    # The source topic now refuses record batches over 200 bytes: the republished message
+    # (its original bytes plus the lineage headers) fails in its delivery report.
+    set_topic_config(admin, topic, "max.message.bytes", "200")
+
+    out = kafka_idem(db, "rerun", key, "--reason", "INC-7", "--actor", "alice")
+    assert out.returncode == 3, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"error: re-run not recorded, {key} is still failed")
+    assert "Message size too large" in lines[0]
+    after = db.record(key)
+    assert after == before, "not stranded: still failed, budget and times untouched"
+    assert db.rows("SELECT * FROM kafka_idem.admin_audit") == []
+    assert len([m for m in read_topic(topic) if m.key() == b"o4"]) == 1
+
+    # The topic is fixed and the cause too: the same rerun now works, once.
+    set_topic_config(admin, topic, "max.message.bytes", None)
+    member = members.start(VARIANTS, member_env(db, topic), group=group)
+    again = kafka_idem(db, "rerun", key, "--reason", "INC-7", "--actor", "alice")
+    assert again.returncode == 0, again.stderr
+    wait_for(lambda: (db.record(key) or {}).get("status") == "succeeded",
+             what="the re-run to succeed")
+    wait_for(lambda: caught_up(group, topic), what="the republished message to be committed")
+    assert db.ledger_counts()[key] == 1
+    trail = db.rows("SELECT * FROM kafka_idem.admin_audit WHERE idempotency_key = %s", (key,))
+    assert [(a["actor"], a["action"], a["reason"]) for a in trail] == [
+        ("alice", "rerun", "INC-7")]
+    member.terminate()
+    assert member.wait(timeout=30) == 0

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from confluent_kafka.admin import AdminClient
 
 from kafka_idem.dlq import REQUIRED_HEADERS
 from tests.acceptance.conftest import (
@@ -27,6 +28,7 @@ from tests.acceptance.conftest import (
     headers_of,
     kafka_idem,
     read_all,
+    set_topic_config,
 )
 from tests.conftest import BOOTSTRAP, DB, ROOT, Topics, committed, end_offsets, wait_for
 
@@ -314,6 +316,32 @@ def test_rate_limited_replay_completes_with_the_right_counts(
     chosen = [m for m in mixed.dlq_records if kind(m) == "permanent"]
     assert (summary["matched"], summary["sent"]) == (len(chosen), len(chosen))
     assert_replayed(mixed, target, chosen)
+
+
+def test_a_replay_the_broker_refuses_exits_3_sends_nothing_and_resumes_after_the_fix(
+    mixed: MixedRun, mixed_db: DB, topics: Topics, admin: AdminClient
+) -> None:
+    target = topics(dlq=False)
+    # The target refuses record batches over 200 bytes: each republished record (its
+    # original bytes plus the lineage headers) fails in its delivery report.
+    set_topic_config(admin, target, "max.message.bytes", "200")
+    r = kafka_idem("dlq", "replay", "--dlq", mixed.dlq, "--to", target, "--no-progress",
+                   db=mixed_db)
+    assert r.code == 3, (r.out, r.err)
+    assert "Traceback" not in r.err
+    # librdkafka may log the failed transaction itself (a "%3|...|TXNERR|" line) first.
+    [line] = [ln for ln in r.err.strip().splitlines() if not ln.startswith("%")]
+    assert line.startswith("error: replaying a batch: the broker refused ")
+    assert "Message size too large" in line
+    assert read_all(target) == []  # the batch's transaction was aborted
+    group = replay_json(mixed, mixed_db, "--to", target, "--dry-run")["group"]
+    assert all(offset < 0 for offset in committed(group, mixed.dlq).values())
+    assert audit_rows(mixed_db) == []  # nothing was committed, so nothing to audit
+
+    set_topic_config(admin, target, "max.message.bytes", None)
+    summary = replay_json(mixed, mixed_db, "--to", target)
+    assert summary["sent"] == len(should_send(mixed.dlq_records))
+    assert_replayed(mixed, target, should_send(mixed.dlq_records))
 
 
 # --- exit codes and help ---------------------------------------------------------------

@@ -205,3 +205,71 @@ def test_kafka_secrets_never_appear_in_repr_or_str() -> None:
     s = secret_settings()
     assert "kafka-pw-123" not in repr(s)
     assert "kafka-pw-123" not in str(s)
+
+
+@pytest.mark.parametrize("url", [
+    f"postgresql://app@127.0.0.1:55432/kafka_idem?sslmode=prefer&password={SECRET}",
+    f"postgresql://app@127.0.0.1:55432/kafka_idem?sslpassword={SECRET}",
+    f"host=127.0.0.1 port=55432 user=app password={SECRET} dbname=kafka_idem",
+    f"host=127.0.0.1 user=app password='{SECRET} with spaces' dbname=kafka_idem",
+])
+def test_redacted_masks_query_string_and_keyword_passwords(url: str) -> None:
+    s = Settings(database_url=url)
+    shown = s.redacted()
+    assert SECRET not in str(shown)
+    assert "**********" in shown["database_url"]
+    assert "127.0.0.1" in shown["database_url"]
+    assert SECRET in " ".join(s.secret_values())  # what callers pass to redact()
+
+
+def test_a_registry_url_password_is_masked_everywhere() -> None:
+    s = Settings(schema_registry_url=f"https://svc:{SECRET}@registry:8081")
+    assert SECRET not in str(s.redacted()) and SECRET not in repr(s)
+    assert s.redacted()["schema_registry_url"] == "https://svc:**********@registry:8081"
+
+
+@pytest.mark.parametrize("url", [
+    f"postgresql//app:{SECRET}@127.0.0.1:55432/kafka_idem",  # libpq echoes it back
+    f"postgresql://app:{SECRET} x@127.0.0.1:55432/kafka_idem",
+    f"host=127.0.0.1 password='{SECRET}",
+])
+def test_a_malformed_database_url_is_a_config_error_that_hides_the_password(url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(database_url=url)
+    text = str(info.value)
+    assert "invalid setting database_url (KAFKA_IDEM_DATABASE_URL)" in text
+    assert SECRET not in text
+
+
+# --- names are matched whole -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("setting", "value"), [
+    ("schema_name", "payments\n"), ("table", "task_idempotency\n"), ("schema_name", "\nx"),
+    ("group_id", "payments\n"), ("group_id", ""), ("group_id", " payments"),
+    ("group_id", "pay\x1bments"), ("dlq_suffix", ".dlq\n"), ("metrics_addr", "127.0.0.1\n"),
+])
+def test_a_name_with_a_trailing_newline_or_control_character_is_refused(
+    setting: str, value: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"invalid setting {setting} "):
+        load_settings(**{setting: value})
+
+
+def test_a_schema_name_from_the_environment_with_a_trailing_newline_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KAFKA_IDEM_SCHEMA_NAME", "billing\n")
+    with pytest.raises(ConfigError, match="KAFKA_IDEM_SCHEMA_NAME"):
+        load_settings()
+
+
+def test_invalid_json_in_kafka_is_a_config_error_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KAFKA_IDEM_KAFKA", '{"sasl.password": "kafka-pw-123", oops}')
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    text = str(info.value)
+    assert "invalid setting kafka (KAFKA_IDEM_KAFKA): not valid JSON" in text
+    assert "kafka-pw-123" not in text

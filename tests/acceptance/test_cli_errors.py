@@ -1,0 +1,159 @@
+"""How the installed ``kafka-idem`` fails: one line ``error: ...`` on stderr with a
+documented exit code (2 usage or configuration, 3 a service unreachable or refusing),
+the traceback only with ``--debug``, and never a password."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.acceptance.conftest import KAFKA_IDEM, Result, kafka_idem
+from tests.conftest import BOOTSTRAP, DB, ROOT, Topics
+
+SECRET = "Hunter2-not-for-logs"
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def one_error_line(r: Result) -> str:
+    assert "Traceback" not in r.err, r.err
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1, r.err
+    assert lines[0].startswith("error: "), r.err
+    return lines[0]
+
+
+def no_secret(r: Result) -> None:
+    assert SECRET not in r.out and SECRET not in r.err, (r.out, r.err)
+
+
+# --- the database down ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [("migrate",), ("migrate", "--app", "consumers.payments:app"),
+                                  ("status",), ("inspect", "t1:charge:o1"),
+                                  ("purge", "--older-than", "30d")])
+def test_the_database_down_is_one_line_and_exit_3(args: tuple[str, ...]) -> None:
+    url = f"postgresql://app:{SECRET}@127.0.0.1:{closed_port()}/kafka_idem"
+    r = kafka_idem("--database-url", url, *args)
+    assert r.code == 3, (r.out, r.err)
+    line = one_error_line(r)
+    assert line.startswith("error: database unreachable: ") and "Connection refused" in line
+    no_secret(r)
+
+
+def test_debug_adds_the_traceback_still_without_the_password() -> None:
+    url = f"postgresql://app:{SECRET}@127.0.0.1:{closed_port()}/kafka_idem"
+    r = kafka_idem("--debug", "--database-url", url, "migrate")
+    assert r.code == 3
+    assert "Traceback (most recent call last)" in r.err
+    assert r.err.strip().splitlines()[-1].startswith("error: database unreachable: ")
+    no_secret(r)
+
+
+# --- configuration errors ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url", [
+    f"postgresql//app:{SECRET}@127.0.0.1:55432/kafka_idem",  # libpq echoes the whole URL
+    f"postgresql://app:{SECRET} 2@127.0.0.1:55432/kafka_idem",  # libpq echoes the password
+    f"postgresql://app:{SECRET}%@127.0.0.1:55432/kafka_idem",  # libpq echoes the password
+    f"host=127.0.0.1 port=55432 password='{SECRET}",  # unterminated quote
+    f"postgresql://app@127.0.0.1:55432/kafka_idem?password={SECRET}&bogus=1",
+])
+@pytest.mark.parametrize("args", [("status",), ("inspect", "k"), ("migrate",),
+                                  ("run", "consumers.payments:app"),
+                                  ("rerun", "k", "--reason", "r"), ("verify",)])
+def test_a_malformed_database_url_never_shows_its_password(
+    url: str, args: tuple[str, ...]
+) -> None:
+    r = kafka_idem("--database-url", url, *args)
+    assert r.code == 2, (r.out, r.err)
+    line = one_error_line(r)
+    assert "invalid setting database_url (KAFKA_IDEM_DATABASE_URL)" in line
+    no_secret(r)
+
+
+def test_a_malformed_database_url_in_the_environment_never_shows_its_password() -> None:
+    env = {**os.environ, "KAFKA_IDEM_BOOTSTRAP_SERVERS": BOOTSTRAP,
+           "KAFKA_IDEM_DATABASE_URL": f"postgresql//app:{SECRET}@127.0.0.1:55432/kafka_idem"}
+    proc = subprocess.run([*KAFKA_IDEM, "status"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    r = Result(proc.returncode, proc.stdout, proc.stderr)
+    assert r.code == 2, (r.out, r.err)
+    assert "invalid setting database_url (KAFKA_IDEM_DATABASE_URL)" in one_error_line(r)
+    no_secret(r)
+
+
+def test_invalid_json_in_kafka_is_one_line_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, db: DB
+) -> None:
+    monkeypatch.setenv("KAFKA_IDEM_KAFKA", f'{{"sasl.password": "{SECRET}", oops}}')
+    r = kafka_idem("status", db=db)
+    assert r.code == 2, (r.out, r.err)
+    line = one_error_line(r)
+    assert "invalid setting kafka (KAFKA_IDEM_KAFKA): not valid JSON" in line
+    no_secret(r)
+
+
+def test_a_bad_setting_in_the_environment_is_one_line_naming_it(
+    monkeypatch: pytest.MonkeyPatch, db: DB
+) -> None:
+    monkeypatch.setenv("KAFKA_IDEM_SCHEMA_NAME", "kafka_idem\n")
+    r = kafka_idem("status", db=db)
+    assert r.code == 2
+    assert "invalid setting schema_name (KAFKA_IDEM_SCHEMA_NAME)" in one_error_line(r)
+
+
+# --- a port in use -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_a_metrics_port_in_use_is_one_line_naming_the_setting(
+    monkeypatch: pytest.MonkeyPatch, db: DB, topics: Topics, taken_port: int
+) -> None:
+    monkeypatch.setenv("PAYMENTS_TOPIC", topics(partitions=1))
+    r = kafka_idem("run", "consumers.payments:app", "--metrics-port", str(taken_port),
+                   "--max-seconds", "30", db=db)
+    assert r.code == 3, (r.out, r.err)
+    line = one_error_line(r)
+    assert f"cannot serve /metrics on 127.0.0.1:{taken_port}" in line
+    assert "KAFKA_IDEM_METRICS_PORT" in line
+
+
+# --- reports ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url", [
+    f"postgresql://kafka_idem@127.0.0.1:55432/kafka_idem?password={SECRET}",
+    f"host=127.0.0.1 port=55432 user=kafka_idem dbname=kafka_idem password='{SECRET}'",
+])
+def test_verify_json_and_text_never_show_the_password(url: str, tmp_path: Path) -> None:
+    # The local server trusts 127.0.0.1, so the password is accepted and ignored.
+    path = tmp_path / "report.json"
+    r = kafka_idem("--database-url", url, "verify", "--scenario", "3", "--json", str(path),
+                   timeout=300)
+    assert r.code == 0, (r.out, r.err)
+    no_secret(r)
+    text = path.read_text()
+    assert SECRET not in text
+    assert "**********" in json.loads(text)["database"]
