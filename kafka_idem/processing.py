@@ -614,6 +614,7 @@ class Processor:
         fail(conn, key=prep.key, token=claim.token, status="retryable_failed", kind=kind,
              error_class=error_class, error_message=message, delay=decision.delay)
         self.metrics.retries.labels(topic, handler.name).inc()
-        log.info("will retry", extra={"action": "retry_scheduled", "kind": kind,
-                                       "delay": round(decision.delay, 3), **extra})
+        log.info("will retry (%s: %s)", error_class, message,
+                 extra={"action": "retry_scheduled", "kind": kind,
+                        "delay": round(decision.delay, 3), **extra})
         return Deferred(decision.delay, "retry")

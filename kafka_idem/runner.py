@@ -357,7 +357,12 @@ class Runner:
             try:
                 got = unit.future.result()
             except Exception:  # a defect, never a message's fault: retry the partitions
-                log.exception("work unit failed", extra={"action": "unit_failed"})
+                log.exception(
+                    "work unit failed; will retry %s",
+                    ", ".join(f"{t}[{p}]@{st.queue[0].offset() if st.queue else '?'}"
+                              for (t, p), st in unit.states.items()),
+                    extra={"action": "unit_failed"},
+                )
                 got = {tp: [Deferred(0.0, "framework")] for tp in unit.states}
             for tp, st in unit.states.items():
                 st.busy = False
