@@ -575,7 +575,13 @@ class Processor:
         assert claim.token is not None
         kind = handler.classify(exc)
         error_class = type(exc).__name__
-        message = bounded(str(exc) or error_class, self.settings.error_message_max)
+        text = str(exc) or error_class
+        if is_data_error(exc) and not isinstance(exc, MessageError):
+            # The database refused a value of the message (in the handler's own SQL): say
+            # so by SQLSTATE, without psycopg's DETAIL/CONTEXT, which quote the values.
+            error_class = DataRejected.__name__
+            text = f"the database rejected the message's data ({data_error_text(exc)})"
+        message = bounded(text, self.settings.error_message_max)
         extra = {"key": prep.key, "handler": handler.name, "attempts": claim.attempts,
                  **_fields(msg)}
         topic = msg.topic()
