@@ -255,6 +255,12 @@ def rerun(obj: Ctx, key: str, reason: str, actor: str | None, dlq_topic: str | N
         letter = replay.latest_for_key(s, topic, key) if rec["status"] == "failed" else None
         if rec["status"] == "failed" and letter is None:
             raise admin.Refused(f"no dead-lettered message for this key in {topic}", key=key)
+        if letter is not None and letter.truncated is not None:
+            raise admin.Refused(
+                f"its dead letter {topic}[{letter.partition}]@{letter.offset} was written without "
+                f"its {letter.truncated} (too large for the DLQ); the original message is "
+                f"{letter.original_topic}[{letter.original_partition}]@{letter.original_offset}",
+                key=key)
         with conn.transaction():
             # The record stays locked until the message is acknowledged: a consumer that
             # receives it first waits for this commit; a refused message rolls it all back.

@@ -266,6 +266,8 @@ def _echo_summary(summary: replay.ReplaySummary) -> None:
         f"{'dry run: ' if summary.dry_run else ''}scanned {summary.scanned}, "
         f"matched {summary.matched}, {verb} {count}, "
         f"skipped (key already succeeded) {summary.skipped_succeeded}"
+        + (f", skipped (dead-lettered without its value) {summary.skipped_truncated}"
+           if summary.skipped_truncated else "")
     )
     click.echo(plain(f"targets: {targets}"))
     click.echo(plain(f"replay group: {summary.group}"))

@@ -63,6 +63,7 @@ class DlqRecord:
     original_offset: int | None = None
     first_failure_at: dt.datetime | None = None
     last_failure_at: dt.datetime | None = None
+    truncated: str | None = None  # what the DLQ copy lacks ("value", ...): see dlq.slim
 
     @classmethod
     def from_message(cls, msg: Any) -> DlqRecord:
@@ -89,6 +90,7 @@ class DlqRecord:
             original_offset=_int(idem.get("idem.original.offset")),
             first_failure_at=_when(idem.get("idem.first_failure_at")),
             last_failure_at=_when(idem.get("idem.last_failure_at")),
+            truncated=idem.get("idem.truncated"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -108,6 +110,7 @@ class DlqRecord:
             "original_topic": self.original_topic,
             "original_partition": self.original_partition,
             "original_offset": self.original_offset,
+            "truncated": self.truncated,
             "first_failure_at": _iso(self.first_failure_at),
             "last_failure_at": _iso(self.last_failure_at),
             "kafka_key": display_bytes(self.key),

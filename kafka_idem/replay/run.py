@@ -83,6 +83,7 @@ class ReplaySummary:
     sent: int = 0
     would_send: int = 0
     skipped_succeeded: int = 0
+    skipped_truncated: int = 0  # DLQ copies without their value: nothing to send
     limited: bool = False  # stopped by --limit with records left to read
     completed: bool = False
     targets: dict[str, int] = field(default_factory=dict)
@@ -92,6 +93,7 @@ class ReplaySummary:
             "scanned": self.scanned,
             "matched": self.matched,
             "skipped_succeeded": self.skipped_succeeded,
+            "skipped_truncated": self.skipped_truncated,
             "limited": self.limited,
             "completed": self.completed,
             "targets": dict(self.targets),
@@ -113,6 +115,7 @@ class _Batch:
     scanned: int = 0
     matched: int = 0
     skipped: int = 0
+    truncated: int = 0
     send: list[tuple[DlqRecord, str]] = field(default_factory=list)
     positions: dict[int, int] = field(default_factory=dict)
 
@@ -278,7 +281,10 @@ def _decide(
     """Steps 1-2: which records of the batch go where, cut at the limit."""
     records = [DlqRecord.from_message(m) for m in msgs]
     matching = [r for r in records if selection.matches(r)]
-    keys = sorted({r.idempotency_key for r in matching if r.idempotency_key is not None})
+    # A key PostgreSQL cannot hold (a NUL, from a DLQ record written by an older version)
+    # has no record: nothing to look up.
+    keys = sorted({r.idempotency_key for r in matching
+                   if r.idempotency_key is not None and "\x00" not in r.idempotency_key})
     with conn.transaction():
         done = store.succeeded(conn, keys) if keys else {}
     batch = _Batch()
@@ -292,6 +298,17 @@ def _decide(
         batch.matched += 1
         if rec.idempotency_key is not None and rec.idempotency_key in done:
             batch.skipped += 1
+            continue
+        if rec.truncated is not None:
+            # Sent without its value (too large for the DLQ): replaying an empty value
+            # would only dead-letter it again. Its value is still in the source topic.
+            log.warning(
+                "not replayed: %s[%s]@%s was dead-lettered without its %s; the original is "
+                "%s[%s]@%s", rec.dlq_topic, rec.partition, rec.offset, rec.truncated,
+                rec.original_topic, rec.original_partition, rec.original_offset,
+                extra={"action": "replay_skipped", "key": rec.idempotency_key},
+            )
+            batch.truncated += 1
             continue
         batch.send.append((rec, target_of(rec, to_topic)))
     return batch
@@ -361,6 +378,7 @@ def _apply(summary: ReplaySummary, batch: _Batch) -> None:
     summary.scanned += batch.scanned
     summary.matched += batch.matched
     summary.skipped_succeeded += batch.skipped
+    summary.skipped_truncated += batch.truncated
     if summary.dry_run:
         summary.would_send += len(batch.send)
     else:

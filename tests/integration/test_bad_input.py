@@ -25,6 +25,7 @@ import io
 import json
 import random
 import subprocess
+import sys
 import time
 import uuid
 import zlib
@@ -421,6 +422,25 @@ def test_a_dead_letter_too_large_for_kafka_goes_without_its_value(
     assert rec is not None and (rec["status"], rec["error_class"]) == ("failed", "Permanent")
     assert sorted(r["order_id"] for r in db.ledger()) == ["o1", "o2"]
     assert committed(group, topic) == {0: 3}
+
+    # Operators can't re-drive an empty copy: replay skips it and says so, rerun refuses
+    # and points at the original; neither sends anything.
+    env = member_env(db, topic)
+    replayed = subprocess.run(
+        [sys.executable, "-m", "kafka_idem.cli", "dlq", "replay", "--topic", topic, "--json"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert replayed.returncode == 0, replayed.stderr
+    summary = json.loads(replayed.stdout)
+    assert (summary["sent"], summary["skipped_truncated"]) == (0, 1)
+    rerun = subprocess.run(
+        [sys.executable, "-m", "kafka_idem.cli", "rerun", h["idem.key"],
+         "--reason", "retry the big one"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == 1, rerun.stdout + rerun.stderr
+    assert f"{topic}[0]@1" in rerun.stdout + rerun.stderr
+    assert len(read_topic(topic)) == 3  # nothing republished
+    rec = record_at(db, 1)
+    assert rec is not None and rec["status"] == "failed"
 
 
 @pytest.mark.parametrize("suffix", [".dl q", "/dlq", ".dlq\n", ".dlq:x"])
