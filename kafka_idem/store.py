@@ -49,6 +49,7 @@ from kafka_idem.errors import (
     StoreUnavailable,
     TransientStoreError,
 )
+from kafka_idem.redact import redact
 from kafka_idem.sql import compile_queries
 
 Conn = psycopg.Connection[Any]
@@ -122,7 +123,8 @@ def describe(exc: BaseException) -> str:
     if isinstance(cause, psycopg.Error) and cause.sqlstate:
         return f"{type(exc).__name__}: SQLSTATE {cause.sqlstate}: {cause.diag.message_primary}"
     lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    # A connection error can quote its connection string.
+    return redact(f"{type(exc).__name__}: {lines[0]}") if lines else type(exc).__name__
 
 
 def classify_db_error(exc: BaseException) -> type[KafkaIdemError] | None:
@@ -158,7 +160,7 @@ def translate_errors(**context: Any) -> Iterator[None]:
                 f"the database rejected the message's data ({data_error_text(exc)})", **context
             ) from exc
         summary = (cls.__doc__ or "").strip().splitlines()[0]
-        raise cls(f"{summary}: {exc}", **context) from exc
+        raise cls(redact(f"{summary}: {exc}"), **context) from exc
 
 
 class Outcome(enum.StrEnum):
