@@ -43,9 +43,11 @@ REQUIRED_HEADERS = (
 
 def bounded(text: str, limit: int) -> str:
     """At most ``limit`` UTF-8 bytes, cut on a character boundary, marked when cut."""
-    data = text.encode("utf-8")
+    # A lone surrogate (an exception text made from undecodable bytes) has no UTF-8 form:
+    # it is written as its escape, never allowed to fail the dead-lettering.
+    data = text.encode("utf-8", "backslashreplace")
     if len(data) <= limit:
-        return text
+        return data.decode("utf-8") if len(data) != len(text) else text
     return data[: max(limit - 3, 0)].decode("utf-8", "ignore") + "..."
 
 

@@ -19,6 +19,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from kafka_idem.store import describe
+
 log = logging.getLogger(__name__)
 
 OUTCOMES = ("succeeded", "replayed", "busy", "conflict", "retried", "dead_lettered")
@@ -137,6 +139,8 @@ class Sampler(threading.Thread):
                     self.metrics.records.labels(status).set(count)
                 self.metrics.expired_leases.set(figures["expired_leases"])
                 self.metrics.long_running.set(figures["long_running"])
-            except Exception:  # a sampling failure must never stop the consumer
-                log.warning("metrics sampling failed", exc_info=True, extra={"action": "sample"})
+            except Exception as exc:  # a sampling failure must never stop the consumer
+                # One line: during a database outage this repeats every interval.
+                log.warning("metrics sampling failed (%s)", describe(exc),
+                            extra={"action": "sample"})
             self.stopped.wait(self.interval)

@@ -123,6 +123,14 @@ def make_context(
     )
 
 
+def _text_of(exc: BaseException) -> str:
+    """``str(exc)``, which is the handler's code and may itself fail."""
+    try:
+        return str(exc)
+    except Exception as err:
+        return f"(the exception's text could not be made: {type(err).__name__})"
+
+
 def _rejected(exc: BaseException) -> MessageError:
     """A data error of the database as the message's own error."""
     if isinstance(exc, MessageError):
@@ -575,7 +583,7 @@ class Processor:
         assert claim.token is not None
         kind = handler.classify(exc)
         error_class = type(exc).__name__
-        text = str(exc) or error_class
+        text = _text_of(exc) or error_class
         if is_data_error(exc) and not isinstance(exc, MessageError):
             # The database refused a value of the message (in the handler's own SQL): say
             # so by SQLSTATE, without psycopg's DETAIL/CONTEXT, which quote the values.

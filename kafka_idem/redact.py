@@ -107,8 +107,13 @@ def secrets_in(text: str) -> list[str]:
     values: list[str] = []
     for value in found:
         for form in (value, _unquote(value), unquote(value)):
-            if form and form != MASK and form not in values:
-                values.append(form)
+            # A raw '@' or ':' in a password splits it when libpq parses the URL (an
+            # error then quotes a piece, e.g. the host 'PW@db'): mask the pieces too.
+            parts = re.split(r"[@:/]", form)
+            pieces = [p for p in parts if len(p) >= 2] if len(parts) > 1 else []
+            for item in (form, *pieces):
+                if item and item != MASK and item not in values:
+                    values.append(item)
     return values
 
 

@@ -46,7 +46,8 @@ class Settings(BaseSettings):
     """Configuration of one kafka_idem process. Environment prefix ``KAFKA_IDEM_``."""
 
     model_config = SettingsConfigDict(
-        env_prefix="KAFKA_IDEM_", frozen=True, extra="forbid", populate_by_name=True
+        env_prefix="KAFKA_IDEM_", frozen=True, extra="forbid", populate_by_name=True,
+        hide_input_in_errors=True,  # a rejected database_url would be echoed, password and all
     )
 
     bootstrap_servers: str = Field(DEFAULT_BOOTSTRAP, description="Kafka bootstrap servers.")
@@ -149,7 +150,9 @@ class Settings(BaseSettings):
         try:
             conninfo_to_dict(dsn)
         except Exception as exc:  # psycopg.ProgrammingError: its text may echo the password
-            problem = redact(" ".join(str(exc).split()), secrets_in(dsn))
+            # libpq quotes the string it could not parse, password and all: mask the
+            # whole string and every secret (and piece of one) found in it.
+            problem = redact(" ".join(str(exc).split()), [dsn, *secrets_in(dsn)])
             raise ValueError(
                 f"not a PostgreSQL URL (postgresql://user@host:port/dbname) or conninfo "
                 f"string: {problem}"

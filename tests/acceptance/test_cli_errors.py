@@ -86,6 +86,32 @@ def test_a_malformed_database_url_never_shows_its_password(
     no_secret(r)
 
 
+@pytest.mark.parametrize("url", [
+    f"postgresql:/app:{SECRET}@127.0.0.1/kafka_idem",  # libpq reads it as one conninfo word
+    f"postgres:app:{SECRET}@127.0.0.1/kafka_idem",
+    SECRET,
+])
+@pytest.mark.parametrize("debug", [(), ("--debug",)])
+def test_a_url_that_is_not_one_never_shows_its_password(
+    url: str, debug: tuple[str, ...]
+) -> None:
+    r = kafka_idem(*debug, "--database-url", url, "status")
+    assert r.code == 2, (r.out, r.err)
+    assert "invalid setting database_url" in r.err
+    no_secret(r)
+
+
+def test_a_raw_at_sign_in_the_password_never_shows_a_piece_of_it() -> None:
+    # libpq splits at the first '@': the rest of the password becomes the "host" it
+    # then fails to resolve, and quotes.
+    url = f"postgresql://app:{SECRET}@tail-of-secret@127.0.0.1:{closed_port()}/kafka_idem"
+    r = kafka_idem("--database-url", url, "status")
+    assert r.code == 3, (r.out, r.err)
+    one_error_line(r)
+    no_secret(r)
+    assert "tail-of-secret" not in r.out + r.err
+
+
 def test_a_malformed_database_url_in_the_environment_never_shows_its_password() -> None:
     env = {**os.environ, "KAFKA_IDEM_BOOTSTRAP_SERVERS": BOOTSTRAP,
            "KAFKA_IDEM_DATABASE_URL": f"postgresql//app:{SECRET}@127.0.0.1:55432/kafka_idem"}

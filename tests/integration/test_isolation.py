@@ -1,16 +1,20 @@
-"""One message's bad data never holds its partition, and a finished lease is never
-reported lost: against the real broker and database."""
+"""One message's bad data (or a handler exception's bad text) never holds its partition,
+and a finished lease is never reported lost: against the real broker and database."""
 
 from __future__ import annotations
 
 import threading
 import uuid
+from typing import Any
 
 import psycopg
+import pytest
 
+from consumers import payments
 from consumers.payments import encode_charge
+from kafka_idem import Permanent, Retryable, RetryPolicy
 from kafka_idem.lease import LeaseKeeper
-from kafka_idem.store import Delivery, Store, connect
+from kafka_idem.store import Claim, Delivery, Store, connect
 from tests.conftest import DB, InProcess, Topics, caught_up, committed, headers, produce, wait_for
 from tests.integration.support import charge_app, dlq_records
 
@@ -61,6 +65,15 @@ def test_a_commit_refused_for_one_messages_data_dead_letters_that_message_alone(
     assert committed(group, topic) == {0: 5}
 
 
+def _claim(store: Store, conn: Any, key: str, *, offset: int, lease_seconds: float) -> Claim:
+    with conn.transaction():
+        claim = store.claim(conn, key=key, request_hash="v1:x",
+                            delivery=Delivery("t", 0, offset, "h"), lease_seconds=lease_seconds,
+                            max_attempts=5, max_elapsed_seconds=3600)
+    assert claim.token is not None
+    return claim
+
+
 def _waiting_on_a_lock(dsn: str) -> bool:
     with psycopg.connect(dsn) as conn:
         row = conn.execute(
@@ -76,11 +89,7 @@ def test_a_heartbeat_racing_the_completion_commit_is_not_a_lost_lease(db: DB) ->
     store = Store(schema="kafka_idem", table="task_idempotency")
     key = f"t:{uuid.uuid4().hex}"
     owner = connect(db.dsn)
-    with owner.transaction():
-        claim = store.claim(owner, key=key, request_hash="v1:x",
-                            delivery=Delivery("t", 0, 0, "h"), lease_seconds=30,
-                            max_attempts=5, max_elapsed_seconds=3600)
-    assert claim.token is not None
+    claim = _claim(store, owner, key, offset=0, lease_seconds=30)
     keeper = LeaseKeeper(store, db.dsn, lease_seconds=30)
     with keeper.hold(key, claim.token) as hold:
         with owner.transaction():
@@ -102,21 +111,55 @@ def test_a_heartbeat_finding_the_key_taken_over_reports_the_loss(db: DB) -> None
     store = Store(schema="kafka_idem", table="task_idempotency")
     key = f"t:{uuid.uuid4().hex}"
     conn = connect(db.dsn)
-    with conn.transaction():
-        first = store.claim(conn, key=key, request_hash="v1:x",
-                            delivery=Delivery("t", 0, 0, "h"), lease_seconds=0.01,
-                            max_attempts=5, max_elapsed_seconds=3600)
-    assert first.token is not None
+    first = _claim(store, conn, key, offset=0, lease_seconds=0.01)
     keeper = LeaseKeeper(store, db.dsn, lease_seconds=30)
     with keeper.hold(key, first.token) as hold:
         wait_for(lambda: db.value("SELECT lease_until < clock_timestamp() FROM "
                                   "kafka_idem.task_idempotency WHERE idempotency_key = %s",
                                   (key,)), timeout=10, what="the lease to expire")
-        with conn.transaction():
-            second = store.claim(conn, key=key, request_hash="v1:x",
-                                 delivery=Delivery("t", 0, 1, "h"), lease_seconds=30,
-                                 max_attempts=5, max_elapsed_seconds=3600)
+        second = _claim(store, conn, key, offset=1, lease_seconds=30)
         assert second.took_over
         keeper.beat()
         assert hold.lost.is_set()
     conn.close()
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+def _odd_failures(msg: Any, ctx: Any) -> Any:
+    if msg.order_id == "surrogate":
+        raise Permanent("bad bytes \udcff in the payload")  # text made with surrogateescape
+    if msg.order_id == "surrogate-retry":
+        raise Retryable("retry \ud800 later")
+    if msg.order_id == "unprintable":
+        raise _Unprintable()
+    return payments.charge(msg, ctx)
+
+
+@pytest.mark.parametrize("mode", ["local", "leased"])
+def test_an_exception_whose_text_cannot_be_stored_or_made_is_still_dead_lettered(
+    db: DB, topics: Topics, group: str, mode: str
+) -> None:
+    topic = topics(partitions=1)
+    orders = ["o1", "surrogate", "surrogate-retry", "unprintable", "o5"]
+    produce(topic, [(o.encode(), encode_charge("t1", o, "10.00")) for o in orders])
+    app = charge_app(db, topic, group, _odd_failures, mode=mode,
+                     retry=RetryPolicy(base=0.01, cap=0.05, max_attempts=2, max_elapsed=60))
+    with InProcess(app):
+        wait_for(lambda: caught_up(group, topic), timeout=60,
+                 what="the partition to get past the odd exceptions")
+
+    assert sorted(db.ledger_counts()) == ["t1:charge:o1", "t1:charge:o5"]
+    by_key = {r["idempotency_key"]: r for r in db.records()}
+    assert by_key["t1:charge:surrogate"]["error_kind"] == "permanent"
+    assert "bad bytes \\udcff in the payload" in by_key["t1:charge:surrogate"]["error_message"]
+    assert by_key["t1:charge:surrogate-retry"]["error_kind"] == "exhausted"
+    assert "\\ud800" in by_key["t1:charge:surrogate-retry"]["error_message"]
+    assert by_key["t1:charge:unprintable"]["error_class"] == "_Unprintable"
+    kinds = {headers(m)["idem.original.offset"]: headers(m)["idem.error.kind"]
+             for m in dlq_records(topic)}
+    assert kinds == {"1": "permanent", "2": "exhausted", "3": "exhausted"}
+    assert committed(group, topic) == {0: 5}
