@@ -40,6 +40,7 @@ CREATE INDEX {retry_idx} ON {table} (next_attempt_at) WHERE status IN ('processi
 --   processing       -> processing (lease extension / takeover), succeeded, retryable_failed, failed
 --   retryable_failed -> processing, failed
 --   failed           -> retryable_failed  only inside an audited admin re-run
+--   failed           -> failed            (dead-lettered again: its failure time moves)
 --   succeeded        -> nothing
 -- DELETE only inside an audited purge, and only of succeeded/failed rows.
 CREATE FUNCTION {guard}() RETURNS trigger LANGUAGE plpgsql AS $fn$
@@ -73,6 +74,12 @@ BEGIN
         (OLD.status = 'processing' AND NEW.status IN ('processing', 'succeeded', 'retryable_failed', 'failed'))
         OR (OLD.status = 'retryable_failed' AND NEW.status IN ('processing', 'failed'))
         OR (OLD.status = 'failed' AND NEW.status = 'retryable_failed' AND admin = 'rerun')
+        -- a failed record dead-lettered again (migration 0004): only its failure time moves
+        -- (NULL-safe: an unexpected NULL must not turn this clause into a pass)
+        OR (OLD.status = 'failed' AND NEW.status IS NOT DISTINCT FROM 'failed'
+            AND NEW.attempts IS NOT DISTINCT FROM OLD.attempts
+            AND NEW.idempotency_key IS NOT DISTINCT FROM OLD.idempotency_key
+            AND NEW.request_hash IS NOT DISTINCT FROM OLD.request_hash)
     ) THEN
         RAISE EXCEPTION USING ERRCODE = 'KI001',
             MESSAGE = format('kafka_idem: illegal transition %s -> %s for %s', OLD.status, NEW.status, OLD.idempotency_key);

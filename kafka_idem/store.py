@@ -311,6 +311,9 @@ class Store:
         if status == "succeeded":
             return Claim(Outcome.REPLAY, key, attempts=rec["attempts"], result=rec["result_json"])
         if status == "failed":
+            again = conn.execute(self.q["dead_again"], params).fetchone()
+            if again is not None:  # the dead letter about to be sent says "now"
+                errors["first_failure_at"], errors["last_failure_at"] = again
             return Claim(Outcome.DEAD, key, attempts=rec["attempts"], **errors)
         reentrant = reentrant_token is not None and rec["owner_token"] == reentrant_token
         if status == "processing" and rec["lease_until"] > now and not reentrant:

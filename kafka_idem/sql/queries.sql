@@ -43,9 +43,14 @@ RETURNING attempts;
 
 -- name: complete
 -- Fenced completion: only the current owner's token turns the record into succeeded.
+-- The error fields describe the current failure: a success clears them (the history
+-- stays in the audit trail and on the DLQ); the failure times stay.
 UPDATE {table}
 SET status = 'succeeded',
     result_json = %(result)s,
+    error_kind = NULL,
+    error_class = NULL,
+    error_message = NULL,
     completed_token = owner_token,
     owner_token = NULL,
     lease_until = NULL,
@@ -113,6 +118,18 @@ SET status = 'failed',
     last_failure_at = clock_timestamp(),
     updated_at = clock_timestamp()
 WHERE idempotency_key = %(key)s AND status IN ('processing', 'retryable_failed')
+RETURNING first_failure_at, last_failure_at;
+
+-- name: dead_again
+-- A failed record met again (a redelivery, a replay): it is dead-lettered again, now.
+-- failed -> failed, allowed by the guard from migration 0004; the row is locked.
+UPDATE {table}
+SET last_failure_at = clock_timestamp(),
+    kafka_topic = %(topic)s,
+    kafka_partition = %(partition)s,
+    kafka_offset = %(offset)s,
+    updated_at = clock_timestamp()
+WHERE idempotency_key = %(key)s AND status = 'failed'
 RETURNING first_failure_at, last_failure_at;
 
 -- name: audit_insert
@@ -217,6 +234,9 @@ FOR UPDATE;
 UPDATE {table} AS t
 SET status = 'succeeded',
     result_json = v.result,
+    error_kind = NULL,
+    error_class = NULL,
+    error_message = NULL,
     completed_token = t.owner_token,
     owner_token = NULL,
     lease_until = NULL,
