@@ -187,10 +187,11 @@ def _separator(c: str) -> bool:
     return not c.isalnum()
 
 
-def check_key(key: str, max_bytes: int) -> str:
+def check_key(key: str, max_bytes: int, *, escaped: bool = False) -> str:
     """``key`` if it can be stored as it is; else :class:`InvalidKey`.
 
     A key is refused, never cut or cleaned: two intents must not meet in one key.
+    ``escaped``: built by a template, so it has no control character to look for.
     """
     try:
         size = len(key.encode("utf-8"))
@@ -200,7 +201,7 @@ def check_key(key: str, max_bytes: int) -> str:
         raise InvalidKey(
             f"the key is {size} bytes, over the limit of {max_bytes} (setting key_max_bytes)"
         )
-    if _HAS_CONTROL.search(key):
+    if not escaped and _HAS_CONTROL.search(key):
         raise InvalidKey("the key contains a control character")
     return key
 
@@ -257,6 +258,11 @@ class KeyTemplate:
             self.fields = tuple(names)
         elif not callable(spec):
             raise ConfigError("key must be a template string or a callable", setting="key")
+
+    @property
+    def escapes(self) -> bool:
+        """Whether :meth:`build` escapes (a template) or not (a key function)."""
+        return self._escape is not None
 
     def build(self, payload: Any) -> str:
         """The key of ``payload``. Template keys are escaped (see the class docs); a key

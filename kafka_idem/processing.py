@@ -202,7 +202,8 @@ class Processor:
                 f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
             )
             raise InvalidPayload(f"payload does not validate: {reasons}") from exc
-        key = check_key(handler.key.build(model), self.settings.key_max_bytes)
+        key = check_key(handler.key.build(model), self.settings.key_max_bytes,
+                        escaped=handler.key.escapes)
         try:
             digest = hash_payload(model, handler.hash_fields)
         except (ValueError, TypeError, ArithmeticError) as exc:  # NaN, infinity, naive datetime
