@@ -272,7 +272,7 @@ def _run(
                 remaining = None if limit is None else limit - done
                 batch = _decide(conn, store, msgs, selection, to_topic, remaining,
                                 group=group, include_permanent=include_permanent,
-                                redriven=summary.redriven)
+                                redriven=summary.redriven, starts=starts)
                 for target in {t for _r, t in batch.send} - known:
                     _check_topic(consumer, target)
                     known.add(target)
@@ -357,8 +357,22 @@ def _states(conn: Conn, store: Store, keys: Sequence[str]) -> dict[str, dict[str
     return {r["idempotency_key"]: r for r in rows}
 
 
+def _resend(rec: DlqRecord, state: dict[str, Any], group: str, starts: dict[int, int]) -> bool:
+    """Re-run by an interrupted run of this replay for a dead letter at or after this
+    run's start: that batch's Kafka transaction never committed, so nothing was sent.
+    (A re-run for a dead letter before the start was sent with its committed batch.)"""
+    if not (state["status"] == "retryable_failed" and state["last_action"] == "rerun"
+            and state["last_group"] == group and state["last_topic"] == rec.dlq_topic):
+        return False
+    try:
+        partition, offset = int(state["last_partition"]), int(state["last_offset"])
+    except (TypeError, ValueError):
+        return False
+    return partition in starts and offset >= starts[partition]
+
+
 def _classify(rec: DlqRecord, state: dict[str, Any] | None, *, group: str,
-              include_permanent: bool, redriven: set[str]) -> str:
+              include_permanent: bool, redriven: set[str], starts: dict[int, int]) -> str:
     """The outcome of one matching record with a value (see :data:`WHY`)."""
     key = rec.idempotency_key
     if key is not None and key in redriven:
@@ -373,8 +387,7 @@ def _classify(rec: DlqRecord, state: dict[str, Any] | None, *, group: str,
         if state["error_kind"] != "exhausted" and not include_permanent:
             return "skipped_permanent"
         return "rerun"
-    if (state["status"] == "retryable_failed" and state["last_action"] == "rerun"
-            and state["last_group"] == group):
+    if _resend(rec, state, group, starts):
         return "resend"
     return "skipped_in_progress"
 
@@ -390,6 +403,7 @@ def _decide(
     group: str,
     include_permanent: bool,
     redriven: set[str],
+    starts: dict[int, int],
 ) -> _Batch:
     """Steps 1-2: which records of the batch go where, cut at the limit."""
     records = [DlqRecord.from_message(m) for m in msgs]
@@ -404,7 +418,7 @@ def _decide(
     for rec in matching:
         state = states.get(rec.idempotency_key or "")
         what = _classify(rec, state, group=group, include_permanent=include_permanent,
-                         redriven=redriven)
+                         redriven=redriven, starts=starts)
         outcome[(rec.partition, rec.offset)] = what
         if what in ("rerun", "resend"):
             assert rec.idempotency_key is not None

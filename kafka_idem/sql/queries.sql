@@ -242,7 +242,8 @@ WITH latest AS (
     ORDER BY idempotency_key, id DESC
 )
 SELECT r.idempotency_key, r.status, r.error_kind, l.action AS last_action,
-       l.selection ->> 'group' AS last_group
+       l.selection ->> 'group' AS last_group, l.selection ->> 'dlq_topic' AS last_topic,
+       l.selection ->> 'partition' AS last_partition, l.selection ->> 'offset' AS last_offset
 FROM {table} r
 LEFT JOIN latest l USING (idempotency_key)
 WHERE r.idempotency_key = ANY(%(keys)s);
