@@ -4,7 +4,8 @@
     kafka-idem dlq show --dlq payments.charge-requested.dlq --partition 0 --offset 42
     kafka-idem dlq replay --topic payments.charge-requested --since 2024-05-01T00:00Z --dry-run
 
-Exit codes: 0 ok; 1 nothing matched; 2 usage or configuration error; 3 operational
+Exit codes: 0 ok; 1 nothing matched, or refused (re-running failed keys without
+--reason); 2 usage or configuration error; 3 operational
 error (Kafka or the database unreachable or refusing). Keys, error texts and headers
 are printed as plain text (never markup), control characters escaped.
 """
@@ -246,18 +247,18 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
     selection = _selection(opts)
     would: list[dict[str, Any]] = []
 
-    def on_record(rec: replay.DlqRecord, target: str) -> None:
+    def on_action(rec: replay.DlqRecord, target: str, action: str) -> None:
         if not as_json:
-            _would_send(rec, target)
+            _would_send(rec, target, action)
         would.append({"partition": rec.partition, "offset": rec.offset,
                       "idempotency_key": rec.idempotency_key, "kind": rec.kind,
-                      "target": target})
+                      "target": target, "action": action})
 
     try:
         summary = replay.replay(
             s, None, topic, selection, to_topic=to_topic, dry_run=dry_run, rate=rate,
             limit=limit, actor=actor or audit.default_actor(), progress=not no_progress,
-            group=group, on_record=on_record if dry_run else None,
+            group=group, on_action=on_action if dry_run else None,
             include_permanent=include_permanent, reason=reason,
         )
     except admin.Refused as exc:
@@ -267,14 +268,21 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
         _echo_json({**summary.to_json(), **({"would_send_records": would} if dry_run else {})})
     else:
         _echo_summary(summary)
+    if dry_run and summary.total("rerun") and not (reason or "").strip():
+        warn(f"note: re-running these {summary.total('rerun')} failed key(s) needs "
+             "--reason TEXT; without it the replay is refused")
     if summary.matched == 0:
         _nothing(f"no record of {topic} matches (from the replay's position; "
                  f"group {summary.group})")
 
 
-def _would_send(rec: replay.DlqRecord, target: str) -> None:
+_ACTION = {"rerun": "re-run, then send", "resend": "resend", "as_is": "send as-is"}
+
+
+def _would_send(rec: replay.DlqRecord, target: str, action: str) -> None:
     click.echo(plain(f"would send {rec.dlq_topic}[{rec.partition}]@{rec.offset} -> {target}  "
-                     f"kind={rec.kind} key={rec.idempotency_key or '-'}"))
+                     f"kind={rec.kind} key={rec.idempotency_key or '-'}  "
+                     f"({_ACTION.get(action, action)})"))
 
 
 def _echo_summary(summary: replay.ReplaySummary) -> None:

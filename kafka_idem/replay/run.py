@@ -169,6 +169,7 @@ class _Batch:
     scanned: int = 0
     matched: int = 0
     send: list[tuple[DlqRecord, str]] = field(default_factory=list)
+    actions: dict[int, str] = field(default_factory=dict)  # id(record) -> one of SENDS
     rerun: list[DlqRecord] = field(default_factory=list)  # failed keys to re-run first
     outcomes: list[tuple[str, str]] = field(default_factory=list)  # (kind, outcome)
     redriven: set[str] = field(default_factory=set)
@@ -191,6 +192,7 @@ def replay(
     on_record: Callable[[DlqRecord, str], None] | None = None,
     include_permanent: bool = False,
     reason: str | None = None,
+    on_action: Callable[[DlqRecord, str, str], None] | None = None,
 ) -> ReplaySummary:
     """Republish the records of ``dlq_topic`` matching ``selection`` (see the module doc).
 
@@ -217,7 +219,7 @@ def replay(
     try:
         try:
             _run(settings, conn, store, summary, selection, rate=rate, limit=limit,
-                 actor=actor, progress=progress, on_record=on_record,
+                 actor=actor, progress=progress, on_record=_both(on_record, on_action),
                  include_permanent=include_permanent, reason=reason)
         except BaseException:
             if not dry_run and summary.scanned:
@@ -241,7 +243,7 @@ def _run(
     limit: int | None,
     actor: str,
     progress: bool,
-    on_record: Callable[[DlqRecord, str], None] | None,
+    on_record: Callable[[DlqRecord, str, str], None] | None,
     include_permanent: bool,
     reason: str | None,
 ) -> None:
@@ -282,7 +284,7 @@ def _run(
                     _send(producer, consumer, summary, batch, actor, bucket, on_record, wait)
                 elif on_record is not None:  # dry run
                     for rec, target in batch.send:
-                        on_record(rec, target)
+                        on_record(rec, target, batch.actions[id(rec)])
                 _apply(summary, batch)
                 advance(batch.scanned, summary.sent + summary.would_send)
                 if remaining is not None and len(batch.send) >= remaining:
@@ -291,6 +293,21 @@ def _run(
         summary.completed = True
     finally:
         consumer.close()  # the producer has nothing in flight: each batch was committed
+
+
+def _both(on_record: Callable[[DlqRecord, str], None] | None,
+          on_action: Callable[[DlqRecord, str, str], None] | None,
+          ) -> Callable[[DlqRecord, str, str], None] | None:
+    if on_record is None and on_action is None:
+        return None
+
+    def call(rec: DlqRecord, target: str, action: str) -> None:
+        if on_record is not None:
+            on_record(rec, target)
+        if on_action is not None:
+            on_action(rec, target, action)
+
+    return call
 
 
 def _audit(
@@ -464,6 +481,7 @@ def _decide(
             )
         if what in SENDS:
             batch.send.append((rec, target_of(rec, to_topic)))
+            batch.actions[id(rec)] = what
     return batch
 
 
@@ -506,7 +524,7 @@ def _send(
     batch: _Batch,
     actor: str,
     bucket: TokenBucket | None,
-    on_record: Callable[[DlqRecord, str], None] | None,
+    on_record: Callable[[DlqRecord, str, str], None] | None,
     wait: float,
 ) -> None:
     """Steps 3-5: the records and the new position in one transaction. Every record's
@@ -523,7 +541,7 @@ def _send(
                 republish(producer, rec, to_topic=summary.to_topic, actor=actor,
                           on_delivery=deliveries)
                 if on_record is not None:
-                    on_record(rec, target)
+                    on_record(rec, target, batch.actions[id(rec)])
             if batch.send:
                 producer.flush(wait)
                 deliveries.check(len(batch.send), "replaying a batch", topic=dlq_topic,

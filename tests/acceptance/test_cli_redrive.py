@@ -281,6 +281,8 @@ def test_dry_run_counts_equal_the_real_run_and_foreign_records_are_left_alone(
               "skipped_truncated", "skipped_foreign", "by_kind", "targets")
     assert {c: d[c] for c in counts} == {c: s[c] for c in counts}
     assert d["would_send"] == s["sent"]
+    assert Counter(r["action"] for r in d["would_send_records"]) == {"rerun": 5, "as_is": 1}
+    assert "note: re-running these 5 failed key(s) needs --reason" in text.err
     assert s["by_kind"] == {
         "(foreign)": {"skipped_foreign": 1},
         "exhausted": {"rerun": 5, "skipped_duplicate": 1},
