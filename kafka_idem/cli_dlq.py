@@ -204,7 +204,8 @@ def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: 
 @_topic_options
 @_selection_options
 @click.option("--to", "to_topic", metavar="TOPIC",
-              help="Send to this topic instead of each record's original topic.")
+              help="Send to this topic instead of each record's original topic (re-run keys' "
+              "messages too: only useful when a member of the handler consumes TOPIC).")
 @click.option("--dry-run", is_flag=True,
               help="Print what would be sent from the replay's current position; "
               "send, commit and audit nothing.")
