@@ -102,11 +102,20 @@ def inspect(conn: Conn, store: Store, key: str) -> dict[str, Any] | None:
     return record
 
 
-def rerun(conn: Conn, store: Store, *, key: str, actor: str, reason: str) -> dict[str, Any]:
+def rerun(
+    conn: Conn,
+    store: Store,
+    *,
+    key: str,
+    actor: str,
+    reason: str,
+    selection: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """``failed -> retryable_failed`` with an audit row, in the caller's transaction.
 
     Refuses a missing key, a ``succeeded`` record, a live ``processing`` record,
-    and anything not ``failed`` (it is already on its way).
+    and anything not ``failed`` (it is already on its way). ``selection`` (e.g. the
+    replay's group and run) is kept in the audit row.
     """
     if not reason.strip():
         raise Refused("a reason is required for a re-run", key=key)
@@ -122,14 +131,45 @@ def rerun(conn: Conn, store: Store, *, key: str, actor: str, reason: str) -> dic
             raise Refused("the operation is being processed right now (live lease)", key=key)
         if state != "failed":
             raise Refused(f"the record is {state}, not failed; the consumer retries it", key=key)
-        _set_admin_action(conn, "rerun")
-        conn.execute(store.q["rerun"], {"key": key})
-        previous_error = f"{rec['error_kind']}: {rec['error_class']}: {rec['error_message']}"
-        audit_id = audit.record(
-            conn, store, actor=actor, action="rerun", key=key, reason=reason,
-            previous_status=state, previous_error=previous_error,
-        )
+        audit_id = _rerun_locked(conn, store, rec, actor=actor, reason=reason,
+                                 selection=selection)
     return {"key": key, "previous": rec, "audit_id": audit_id}
+
+
+def rerun_if_failed(
+    conn: Conn,
+    store: Store,
+    *,
+    key: str,
+    actor: str,
+    reason: str,
+    selection: dict[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """Like :func:`rerun` for bulk re-runs: lock the record and re-run it if it is
+    still ``failed``; otherwise (gone, succeeded or back in the consumer's hands
+    since it was selected) return ``None`` and change nothing."""
+    if not reason.strip():
+        raise Refused("a reason is required for a re-run", key=key)
+    with translate_errors(key=key):
+        cur = conn.cursor(row_factory=dict_row)
+        rec = cur.execute(store.q["lock_record"], {"key": key}).fetchone()
+        if rec is None or rec["status"] != "failed":
+            return None
+        audit_id = _rerun_locked(conn, store, rec, actor=actor, reason=reason,
+                                 selection=selection)
+    return {"key": key, "previous": rec, "audit_id": audit_id}
+
+
+def _rerun_locked(conn: Conn, store: Store, rec: dict[str, Any], *, actor: str, reason: str,
+                  selection: dict[str, Any] | None) -> int:
+    key = rec["idempotency_key"]
+    _set_admin_action(conn, "rerun")
+    conn.execute(store.q["rerun"], {"key": key})
+    previous_error = f"{rec['error_kind']}: {rec['error_class']}: {rec['error_message']}"
+    return audit.record(
+        conn, store, actor=actor, action="rerun", key=key, reason=reason,
+        previous_status=rec["status"], previous_error=previous_error, selection=selection,
+    )
 
 
 def topics_seen(conn: Conn, store: Store) -> list[str]:

@@ -225,19 +225,67 @@ def inspect(obj: Ctx, key: str, as_json: bool) -> None:
     console.print(trail)
 
 
+def _iso_time(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    from kafka_idem.cli_dlq import _when
+
+    return _when(ctx, param, value)
+
+
 @cli.command()
-@click.argument("key")
-@click.option("--reason", required=True, help="Why (kept in the audit trail).")
+@click.argument("key", required=False)
+@click.option("--reason", help="Why (kept in the audit trail); required unless --dry-run.")
 @click.option("--actor", default=None, help="Who (default: KAFKA_IDEM_ACTOR or the OS user).")
-@click.option("--dlq", "dlq_topic", help="DLQ topic to find the message in "
-              "(default: the record's topic + dlq suffix).")
+@click.option("--dlq", "dlq_topic", help="DLQ topic to find the messages in "
+              "(default: each record's topic + dlq suffix).")
+@click.option("--kind", type=click.Choice(["exhausted", "permanent"]),
+              help="Bulk: failed records of this error kind.")
+@click.option("--since", metavar="ISO-DATETIME", callback=_iso_time,
+              help="Bulk: last failure at or after this time (ISO 8601; UTC if no offset).")
+@click.option("--until", metavar="ISO-DATETIME", callback=_iso_time,
+              help="Bulk: last failure before this time (ISO 8601; UTC if no offset).")
+@click.option("--handler", help="Bulk: failed records of this handler.")
+@click.option("--key-prefix", help="Bulk: keys starting with this text.")
+@click.option("--limit", type=click.IntRange(min=1), help="Bulk: at most this many keys "
+              "(oldest failure first); run again for the next ones.")
+@click.option("--dry-run", is_flag=True, help="Bulk: print what would be re-run; change "
+              "and send nothing.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Bulk: print the summary as JSON.")
 @click.pass_obj
-def rerun(obj: Ctx, key: str, reason: str, actor: str | None, dlq_topic: str | None) -> None:
-    """Audited admin re-run of a failed key: failed -> retryable_failed (fresh retry budget),
-    and its dead-lettered message republished so the consumer group runs it again.
-    The state change and its audit row commit only once the broker acknowledged the
-    message: if republishing fails, nothing changes (exit 3) and a later rerun works.
-    Refuses succeeded and live processing records (exit 1)."""
+def rerun(obj: Ctx, key: str | None, reason: str | None, actor: str | None,
+          dlq_topic: str | None, kind: str | None, since: Any, until: Any,
+          handler: str | None, key_prefix: str | None, limit: int | None, dry_run: bool,
+          no_progress: bool, as_json: bool) -> None:
+    """Audited admin re-run of failed keys: failed -> retryable_failed (fresh retry budget),
+    and each key's latest dead-lettered message republished so the consumer group runs
+    it again.
+
+    With KEY, that one key: the state change and its audit row commit only once the
+    broker acknowledged the message (if republishing fails, nothing changes: exit 3,
+    and a later rerun works); refuses succeeded and live processing records (exit 1).
+
+    Without KEY, every failed record the filters select (--kind, --since, --until,
+    --handler, --key-prefix, --limit): the DLQ topics are read once, then keys are
+    re-run and republished in batches, each committed after its messages were
+    acknowledged. Keys re-run before and not failed again are not selected, so a
+    repeat is safe. Exit 1 when nothing matches."""
+    filters = {"--kind": kind, "--since": since, "--until": until, "--handler": handler,
+               "--key-prefix": key_prefix, "--limit": limit}
+    if key is not None:
+        given = [name for name, value in filters.items() if value is not None]
+        given += [name for name, on in (("--dry-run", dry_run), ("--json", as_json)) if on]
+        if given:
+            raise click.UsageError(f"{', '.join(given)}: bulk options; give either KEY or "
+                                   "filters")
+        _rerun_one(obj, key, reason or "", actor, dlq_topic)
+        return
+    _rerun_bulk(obj, reason, actor, dlq_topic, kind=kind, since=since, until=until,
+                handler=handler, key_prefix=key_prefix, limit=limit, dry_run=dry_run,
+                progress=not no_progress, as_json=as_json)
+
+
+def _rerun_one(obj: Ctx, key: str, reason: str, actor: str | None,
+               dlq_topic: str | None) -> None:
     from confluent_kafka import Producer
 
     from kafka_idem import replay
@@ -247,6 +295,9 @@ def rerun(obj: Ctx, key: str, reason: str, actor: str | None, dlq_topic: str | N
     store = _store(s)
     conn = connect(s.dsn)
     try:
+        if not reason.strip():
+            raise admin.Refused("a reason is required for a re-run: give --reason TEXT",
+                                key=key)
         rec = store.get(conn, key)
         conn.rollback()
         if rec is None:
@@ -280,6 +331,52 @@ def rerun(obj: Ctx, key: str, reason: str, actor: str | None, dlq_topic: str | N
         conn.close()
     click.echo(plain(f"{key}: failed -> retryable_failed by {who}; message republished to "
                      f"{target} from {topic}[{letter.partition}]@{letter.offset}"))
+
+
+def _rerun_bulk(obj: Ctx, reason: str | None, actor: str | None, dlq_topic: str | None, *,
+                kind: str | None, since: Any, until: Any, handler: str | None,
+                key_prefix: str | None, limit: int | None, dry_run: bool, progress: bool,
+                as_json: bool) -> None:
+    from kafka_idem.replay.bulk import Filter, bulk_rerun
+
+    flt = Filter(kind=kind, handler=handler, since=since, until=until,
+                 key_prefix=key_prefix, limit=limit)
+    if not flt.to_json() or list(flt.to_json()) == ["limit"]:
+        raise click.UsageError("give KEY, or at least one filter (--kind, --since, --until, "
+                               "--handler, --key-prefix) to re-run in bulk")
+    s = obj.settings()
+    who = actor or audit.default_actor()
+    conn = connect(s.dsn)
+    try:
+        summary = bulk_rerun(s, conn, _store(s), flt, dlq_topic=dlq_topic, actor=who,
+                             reason=reason, dry_run=dry_run, progress=progress)
+    except admin.Refused as exc:
+        warn(f"refused: {exc}")
+        sys.exit(1)
+    finally:
+        conn.close()
+    if as_json:
+        _print_json(summary.to_json())
+    else:
+        verb = "would re-run" if dry_run else "re-run"
+        count = summary.ready if dry_run else summary.rerun
+        click.echo(plain(
+            f"{'dry run: ' if dry_run else ''}selected {summary.selected} failed key(s), "
+            f"{verb} {count}"
+            + (f", no longer failed {summary.not_failed}" if summary.not_failed else "")
+            + (f", no dead letter found {len(summary.no_dead_letter)}"
+               if summary.no_dead_letter else "")
+            + (f", dead letter without its value {len(summary.truncated)}"
+               if summary.truncated else "")))
+        for topic, n in sorted(summary.dlq_topics.items()):
+            click.echo(plain(f"  from {topic}: {n}"))
+        for k in summary.no_dead_letter[:20]:
+            click.echo(plain(f"  no dead letter: {k}"))
+        for k in summary.truncated[:20]:
+            click.echo(plain(f"  without its value (re-run from the source topic): {k}"))
+    if summary.selected == 0:
+        click.echo(plain(f"no failed record matches {json.dumps(flt.to_json())}"), err=True)
+        sys.exit(1)
 
 
 @cli.command()

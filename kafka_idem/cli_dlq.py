@@ -4,7 +4,8 @@
     kafka-idem dlq show --dlq payments.charge-requested.dlq --partition 0 --offset 42
     kafka-idem dlq replay --topic payments.charge-requested --since 2024-05-01T00:00Z --dry-run
 
-Exit codes: 0 ok; 1 nothing matched; 2 usage or configuration error; 3 operational
+Exit codes: 0 ok; 1 nothing matched, or refused (re-running failed keys without
+--reason); 2 usage or configuration error; 3 operational
 error (Kafka or the database unreachable or refusing). Keys, error texts and headers
 are printed as plain text (never markup), control characters escaped.
 """
@@ -21,7 +22,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kafka_idem import audit, replay
+from kafka_idem import admin, audit, replay
+from kafka_idem.cli_errors import warn
 from kafka_idem.cli_text import cell, plain
 from kafka_idem.dlq import ERROR_KINDS
 from kafka_idem.settings import Settings
@@ -202,7 +204,8 @@ def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: 
 @_topic_options
 @_selection_options
 @click.option("--to", "to_topic", metavar="TOPIC",
-              help="Send to this topic instead of each record's original topic.")
+              help="Send to this topic instead of each record's original topic (re-run keys' "
+              "messages too: only useful when a member of the handler consumes TOPIC).")
 @click.option("--dry-run", is_flag=True,
               help="Print what would be sent from the replay's current position; "
               "send, commit and audit nothing.")
@@ -210,6 +213,10 @@ def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: 
               help="At most this many records per second.")
 @click.option("--limit", type=click.IntRange(min=1),
               help="Send at most this many records; run again to continue.")
+@click.option("--reason", help="Why failed keys are re-run (kept in each key's audit row); "
+              "required when the replay re-runs failed keys.")
+@click.option("--include-permanent", is_flag=True,
+              help="Also re-run keys that failed permanently (default: only exhausted ones).")
 @click.option("--actor", help="Who replays (default: KAFKA_IDEM_ACTOR or the OS user).")
 @click.option("--group", help="The replay's own consumer group (default: derived from the "
               "DLQ, the filters and --to, so the same replay resumes where it stopped).")
@@ -217,62 +224,98 @@ def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: 
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.pass_obj
 def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_topic: str | None,
-            dry_run: bool, rate: float | None, limit: int | None, actor: str | None,
-            group: str | None, no_progress: bool, as_json: bool, **opts: Any) -> None:
-    """Republish matching DLQ records to their original topic (or --to TOPIC).
+            dry_run: bool, rate: float | None, limit: int | None, reason: str | None,
+            include_permanent: bool, actor: str | None, group: str | None,
+            no_progress: bool, as_json: bool, **opts: Any) -> None:
+    """Re-drive matching DLQ records: republish them to their original topic (or --to).
+
+    Each record is decided by its key's record in the store. A key that is failed
+    (exhausted; permanent too with --include-permanent) is re-run first (audited,
+    fresh retry budget, needs --reason), committed before its latest dead letter is
+    sent, once per key. Keys that already succeeded, failed permanently, or are in
+    the consumer's hands (retryable_failed, processing) are skipped and counted;
+    records without a record (undecodable, payload conflict) are republished as
+    they are; records without idem.* headers are reported and left alone.
 
     Key and value bytes are unchanged; idem.replay.* headers record when, who and
-    from which DLQ position. Records whose key already succeeded are skipped. Each
-    batch and the replay's position are committed in one Kafka transaction, so an
-    interrupted replay, run again with the same filters and --to, continues where
-    it stopped without sending anything twice.
+    from which DLQ position. Each batch and the replay's position are committed in
+    one Kafka transaction, so an interrupted replay, run again with the same
+    filters and --to, continues where it stopped without sending anything twice
+    and sends the keys it had re-run. --dry-run prints the same counts, per kind.
     """
     s = obj.settings()
     topic = _dlq_topic(s, dlq_topic, source_topic)
     selection = _selection(opts)
     would: list[dict[str, Any]] = []
 
-    def on_record(rec: replay.DlqRecord, target: str) -> None:
+    def on_action(rec: replay.DlqRecord, target: str, action: str) -> None:
         if not as_json:
-            _would_send(rec, target)
+            _would_send(rec, target, action)
         would.append({"partition": rec.partition, "offset": rec.offset,
                       "idempotency_key": rec.idempotency_key, "kind": rec.kind,
-                      "target": target})
+                      "target": target, "action": action})
 
-    summary = replay.replay(
-        s, None, topic, selection, to_topic=to_topic, dry_run=dry_run, rate=rate, limit=limit,
-        actor=actor or audit.default_actor(), progress=not no_progress, group=group,
-        on_record=on_record if dry_run else None,
-    )
+    try:
+        summary = replay.replay(
+            s, None, topic, selection, to_topic=to_topic, dry_run=dry_run, rate=rate,
+            limit=limit, actor=actor or audit.default_actor(), progress=not no_progress,
+            group=group, on_action=on_action if dry_run else None,
+            include_permanent=include_permanent, reason=reason,
+        )
+    except admin.Refused as exc:
+        warn(f"refused: {exc}")
+        click.get_current_context().exit(1)
     if as_json:
         _echo_json({**summary.to_json(), **({"would_send_records": would} if dry_run else {})})
     else:
         _echo_summary(summary)
+    if dry_run and summary.total("rerun") and not (reason or "").strip():
+        warn(f"note: re-running these {summary.total('rerun')} failed key(s) needs "
+             "--reason TEXT; without it the replay is refused")
     if summary.matched == 0:
         _nothing(f"no record of {topic} matches (from the replay's position; "
                  f"group {summary.group})")
 
 
-def _would_send(rec: replay.DlqRecord, target: str) -> None:
+_ACTION = {"rerun": "re-run, then send", "resend": "resend", "as_is": "send as-is"}
+
+
+def _would_send(rec: replay.DlqRecord, target: str, action: str) -> None:
     click.echo(plain(f"would send {rec.dlq_topic}[{rec.partition}]@{rec.offset} -> {target}  "
-                     f"kind={rec.kind} key={rec.idempotency_key or '-'}"))
+                     f"kind={rec.kind} key={rec.idempotency_key or '-'}  "
+                     f"({_ACTION.get(action, action)})"))
 
 
 def _echo_summary(summary: replay.ReplaySummary) -> None:
-    verb = "would send" if summary.dry_run else "sent"
-    count = summary.would_send if summary.dry_run else summary.sent
+    dry = summary.dry_run
+    verb = "would send" if dry else "sent"
+    count = summary.would_send if dry else summary.sent
     targets = ", ".join(f"{t}: {n}" for t, n in sorted(summary.targets.items())) or "-"
+    rerun, resent = summary.total("rerun"), summary.total("resend")
     click.echo(
-        f"{'dry run: ' if summary.dry_run else ''}scanned {summary.scanned}, "
-        f"matched {summary.matched}, {verb} {count}, "
+        f"{'dry run: ' if dry else ''}scanned {summary.scanned}, "
+        f"matched {summary.matched}, {verb} {count} "
+        f"({'would re-run' if dry else 're-run'} {rerun}, "
+        f"{'would resend' if dry else 'resent'} {resent}, as-is {summary.total('as_is')}), "
         f"skipped (key already succeeded) {summary.skipped_succeeded}"
-        + (f", skipped (dead-lettered without its value) {summary.skipped_truncated}"
-           if summary.skipped_truncated else "")
+        + "".join(f", skipped ({replay.WHY[o]}) {summary.total(o)}"
+                  for o in replay.SKIPS[1:] if summary.total(o))
     )
+    for kind, per in sorted(summary.by_kind.items()):
+        parts = ", ".join(f"{_OUTCOME_NAMES[o]} {per[o]}" for o in replay.OUTCOMES if per.get(o))
+        click.echo(plain(f"  {kind}: {parts}"))
     click.echo(plain(f"targets: {targets}"))
     click.echo(plain(f"replay group: {summary.group}"))
     if summary.limited:
         click.echo("stopped at --limit; run the same command again to continue")
+
+
+_OUTCOME_NAMES = {
+    "rerun": "re-run", "resend": "resend", "as_is": "as-is",
+    "skipped_succeeded": "skipped succeeded", "skipped_permanent": "skipped permanent",
+    "skipped_in_progress": "skipped in progress", "skipped_duplicate": "skipped duplicate",
+    "skipped_truncated": "skipped truncated", "skipped_foreign": "skipped foreign",
+}
 
 
 __all__ = ["dlq"]

@@ -44,14 +44,27 @@ from kafka_idem.replay.republishing import (
     republish_acknowledged,
     target_of,
 )
-from kafka_idem.replay.run import REPLAY_GROUP_PREFIX, ReplaySummary, replay, replay_group
+from kafka_idem.replay.run import (
+    OUTCOMES,
+    REPLAY_GROUP_PREFIX,
+    SENDS,
+    SKIPS,
+    WHY,
+    ReplaySummary,
+    replay,
+    replay_group,
+)
 
 __all__ = [
     "BATCH_SIZE",
+    "OUTCOMES",
     "READER_GROUP",
     "REPLAY_GROUP_PREFIX",
+    "SENDS",
+    "SKIPS",
     "STALL_SECONDS",
     "TIMEOUT",
+    "WHY",
     "Deliveries",
     "DlqRecord",
     "Header",

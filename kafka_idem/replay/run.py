@@ -6,10 +6,23 @@ in a consumer group of its own, named from the DLQ topic, the selection and the
 target (:func:`replay_group`), and every batch runs in one Kafka transaction:
 
 1. consume a batch from the replay group's committed position;
-2. ask the store, in one query, which of the batch's keys already succeeded;
-3. produce the matching, not-yet-succeeded records with lineage headers;
-4. add the replay group's new DLQ offsets to the same transaction;
+2. ask the store, in one query, the state of each key the batch names, and decide
+   per record (:func:`_decide`): a ``failed`` key is *re-driven* (its latest dead
+   letter of the batch is sent after an audited re-run), a succeeded key is
+   skipped, a key in the consumer's hands is left to it, a record without a key or
+   record (undecodable, payload conflict) is republished as it is;
+3. re-run the batch's failed keys (``failed -> retryable_failed``, fresh retry
+   budget, one audit row each naming this replay's group and run) and COMMIT that
+   in the database;
+4. produce the records to send with lineage headers, and add the replay group's new
+   DLQ offsets to the same Kafka transaction;
 5. commit: the records and the new position become visible together, or not at all.
+
+Step 3 commits before step 5, so a crash between them leaves keys that are
+``retryable_failed`` with this replay's ``rerun`` as their latest audit row and no
+message on the way: the same replay run again reads the same batch (its position
+did not move) and sends those keys' dead letters ("resend"). The other order would
+let a crash leave the position past a key that is still ``failed``.
 
 An interrupted replay resumes after the last committed batch; the transactional
 id (the group name) fences a zombie run of the same replay, and an uncommitted
@@ -18,19 +31,23 @@ batch is aborted and invisible to ``read_committed`` consumers.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import logging
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from psycopg.rows import dict_row
 
-from kafka_idem import audit
+from kafka_idem import admin, audit
+from kafka_idem.dlq import PREFIX
 from kafka_idem.errors import ConfigError
 from kafka_idem.replay.reading import (
     BATCH_SIZE,
@@ -50,7 +67,7 @@ from kafka_idem.replay.republishing import (
     target_of,
 )
 from kafka_idem.settings import Settings
-from kafka_idem.store import Conn, Store, connect
+from kafka_idem.store import Conn, Store, connect, translate_errors
 
 # The logger name from before kafka_idem.replay became a package, kept for log filters.
 log = logging.getLogger("kafka_idem.replay")
@@ -58,21 +75,49 @@ log = logging.getLogger("kafka_idem.replay")
 REPLAY_GROUP_PREFIX = "kafka-idem-replay"
 
 
-def replay_group(dlq_topic: str, selection: Selection, to_topic: str | None) -> str:
+def replay_group(dlq_topic: str, selection: Selection, to_topic: str | None,
+                 include_permanent: bool = False) -> str:
     """The replay's own consumer group (and transactional id): the same replay, run
     again, resumes where the last one stopped; a different selection starts afresh.
 
     >>> replay_group("p.dlq", Selection(kind="permanent"), None)  # doctest: +ELLIPSIS
     'kafka-idem-replay.p.dlq....'
     """
-    spec = json.dumps({"selection": selection.to_json(), "to": to_topic}, sort_keys=True)
+    spec_: dict[str, Any] = {"selection": selection.to_json(), "to": to_topic}
+    if include_permanent:  # it sends records a replay without it skips: its own position
+        spec_["include_permanent"] = True
+    spec = json.dumps(spec_, sort_keys=True)
     digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
     return f"{REPLAY_GROUP_PREFIX}.{dlq_topic}.{digest}"
 
 
+# What a replay does with one record read (see _decide); "sent" ones first.
+SENDS = ("rerun", "resend", "as_is")
+SKIPS = ("skipped_succeeded", "skipped_permanent", "skipped_in_progress", "skipped_duplicate",
+         "skipped_truncated", "skipped_foreign")
+OUTCOMES = SENDS + SKIPS
+WHY = {
+    "rerun": "failed key: audited re-run, its latest dead letter sent",
+    "resend": "re-run by an interrupted run of this replay, its message not sent yet",
+    "as_is": "no record for the key (undecodable, invalid, payload conflict): republished",
+    "skipped_succeeded": "key already succeeded",
+    "skipped_permanent": "failed permanently; --include-permanent re-runs them",
+    "skipped_in_progress": "key retryable_failed or processing: the consumer has it",
+    "skipped_duplicate": "an older dead letter of a key re-driven by this run",
+    "skipped_truncated": "dead-lettered without its value",
+    "skipped_foreign": "no idem.* headers: not written by kafka_idem, left alone",
+}
+FOREIGN = "(foreign)"
+NO_KIND = "(none)"
+
+
 @dataclass
 class ReplaySummary:
-    """What a replay did. Counts cover the batches committed (all of them in a dry run)."""
+    """What a replay did. Counts cover the batches committed (all of them in a dry run).
+
+    ``by_kind`` counts records per DLQ error kind and outcome (:data:`OUTCOMES`);
+    ``rerun`` and ``resent`` are keys, as each key is sent once per run.
+    """
 
     dlq_topic: str
     group: str
@@ -86,7 +131,13 @@ class ReplaySummary:
     skipped_truncated: int = 0  # DLQ copies without their value: nothing to send
     limited: bool = False  # stopped by --limit with records left to read
     completed: bool = False
+    run: str = ""
     targets: dict[str, int] = field(default_factory=dict)
+    by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+    redriven: set[str] = field(default_factory=set)  # keys re-run or resent by this run
+
+    def total(self, outcome: str) -> int:
+        return sum(c.get(outcome, 0) for c in self.by_kind.values())
 
     def counts(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -98,14 +149,17 @@ class ReplaySummary:
             "completed": self.completed,
             "targets": dict(self.targets),
         }
+        for outcome in OUTCOMES:
+            out.setdefault(outcome, self.total(outcome))
+        out["by_kind"] = {k: dict(v) for k, v in sorted(self.by_kind.items())}
         out["would_send" if self.dry_run else "sent"] = (
             self.would_send if self.dry_run else self.sent
         )
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"dlq_topic": self.dlq_topic, "group": self.group, "to_topic": self.to_topic,
-                "dry_run": self.dry_run, **self.counts()}
+        return {"dlq_topic": self.dlq_topic, "group": self.group, "run": self.run,
+                "to_topic": self.to_topic, "dry_run": self.dry_run, **self.counts()}
 
 
 @dataclass
@@ -114,9 +168,11 @@ class _Batch:
 
     scanned: int = 0
     matched: int = 0
-    skipped: int = 0
-    truncated: int = 0
     send: list[tuple[DlqRecord, str]] = field(default_factory=list)
+    actions: dict[int, str] = field(default_factory=dict)  # id(record) -> one of SENDS
+    rerun: list[DlqRecord] = field(default_factory=list)  # failed keys to re-run first
+    outcomes: list[tuple[str, str]] = field(default_factory=list)  # (kind, outcome)
+    redriven: set[str] = field(default_factory=set)
     positions: dict[int, int] = field(default_factory=dict)
 
 
@@ -134,10 +190,17 @@ def replay(
     progress: bool = False,
     group: str | None = None,
     on_record: Callable[[DlqRecord, str], None] | None = None,
+    include_permanent: bool = False,
+    reason: str | None = None,
+    on_action: Callable[[DlqRecord, str, str], None] | None = None,
 ) -> ReplaySummary:
     """Republish the records of ``dlq_topic`` matching ``selection`` (see the module doc).
 
-    Records whose idempotency key already ``succeeded`` are skipped and counted.
+    Each record is decided by its key's record in the store (module doc, step 2):
+    ``failed`` keys (``exhausted``; ``permanent`` too with ``include_permanent``) are
+    re-run with an audit row carrying ``reason`` (required: :class:`admin.Refused`
+    before anything of the batch is sent) and their latest dead letter sent once;
+    records whose idempotency key already ``succeeded`` are skipped and counted.
     ``rate`` caps records/s, ``limit`` the records sent in this run (the rest stays
     for the next run of the same replay). ``dry_run`` produces nothing, commits no
     position and writes no audit row; ``on_record(record, target)`` is called for
@@ -150,13 +213,14 @@ def replay(
     if to_topic is not None and to_topic == dlq_topic:
         raise ConfigError("the target topic cannot be the DLQ topic itself", setting="to")
     store = store or Store(schema=settings.schema_name, table=settings.table)
-    group = group or replay_group(dlq_topic, selection, to_topic)
-    summary = ReplaySummary(dlq_topic, group, to_topic, dry_run)
+    group = group or replay_group(dlq_topic, selection, to_topic, include_permanent)
+    summary = ReplaySummary(dlq_topic, group, to_topic, dry_run, run=uuid.uuid4().hex[:12])
     conn = connect(settings.dsn, application_name="kafka_idem.replay")
     try:
         try:
             _run(settings, conn, store, summary, selection, rate=rate, limit=limit,
-                 actor=actor, progress=progress, on_record=on_record)
+                 actor=actor, progress=progress, on_record=_both(on_record, on_action),
+                 include_permanent=include_permanent, reason=reason)
         except BaseException:
             if not dry_run and summary.scanned:
                 _audit_quietly(conn, store, summary, selection, actor, limit, rate)
@@ -179,7 +243,9 @@ def _run(
     limit: int | None,
     actor: str,
     progress: bool,
-    on_record: Callable[[DlqRecord, str], None] | None,
+    on_record: Callable[[DlqRecord, str, str], None] | None,
+    include_permanent: bool,
+    reason: str | None,
 ) -> None:
     dlq_topic, group, to_topic = summary.dlq_topic, summary.group, summary.to_topic
     consumer = Consumer(reader_config(settings, group))
@@ -206,15 +272,19 @@ def _run(
             for msgs in batches(consumer, dlq_topic, starts, ends, size):
                 done = summary.sent + summary.would_send
                 remaining = None if limit is None else limit - done
-                batch = _decide(conn, store, msgs, selection, to_topic, remaining)
+                batch = _decide(conn, store, msgs, selection, to_topic, remaining,
+                                group=group, include_permanent=include_permanent,
+                                redriven=summary.redriven, starts=starts)
                 for target in {t for _r, t in batch.send} - known:
                     _check_topic(consumer, target)
                     known.add(target)
+                if producer is not None and batch.rerun:
+                    _rerun(conn, store, summary, batch, actor=actor, reason=reason)
                 if producer is not None:
                     _send(producer, consumer, summary, batch, actor, bucket, on_record, wait)
                 elif on_record is not None:  # dry run
                     for rec, target in batch.send:
-                        on_record(rec, target)
+                        on_record(rec, target, batch.actions[id(rec)])
                 _apply(summary, batch)
                 advance(batch.scanned, summary.sent + summary.would_send)
                 if remaining is not None and len(batch.send) >= remaining:
@@ -223,6 +293,21 @@ def _run(
         summary.completed = True
     finally:
         consumer.close()  # the producer has nothing in flight: each batch was committed
+
+
+def _both(on_record: Callable[[DlqRecord, str], None] | None,
+          on_action: Callable[[DlqRecord, str, str], None] | None,
+          ) -> Callable[[DlqRecord, str, str], None] | None:
+    if on_record is None and on_action is None:
+        return None
+
+    def call(rec: DlqRecord, target: str, action: str) -> None:
+        if on_record is not None:
+            on_record(rec, target)
+        if on_action is not None:
+            on_action(rec, target, action)
+
+    return call
 
 
 def _audit(
@@ -239,7 +324,7 @@ def _audit(
             conn, store, actor=actor, action="replay",
             selection={**selection.to_json(), "dlq_topic": summary.dlq_topic,
                        "to_topic": summary.to_topic, "group": summary.group,
-                       "limit": limit, "rate": rate},
+                       "run": summary.run, "limit": limit, "rate": rate},
             counts=summary.counts(),
         )
 
@@ -270,6 +355,60 @@ def _check_topic(consumer: Consumer, topic: str) -> None:
         raise ConfigError(f"target topic {topic!r} does not exist", setting="to")
 
 
+def _foreign(rec: DlqRecord) -> bool:
+    """Written by someone else: not one ``idem.*`` header."""
+    return not any(k.startswith(PREFIX) for k, _v in rec.headers)
+
+
+def _latest_key(rec: DlqRecord) -> tuple[dt.datetime, dt.datetime, int, int]:
+    epoch = dt.datetime.min.replace(tzinfo=dt.UTC)
+    return (rec.last_failure_at or epoch, rec.timestamp or epoch, rec.partition, rec.offset)
+
+
+def _states(conn: Conn, store: Store, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
+    if not keys:
+        return {}
+    with conn.transaction(), translate_errors():
+        cur = conn.cursor(row_factory=dict_row)
+        rows = cur.execute(store.q["redrive_states"], {"keys": list(keys)}).fetchall()
+    return {r["idempotency_key"]: r for r in rows}
+
+
+def _resend(rec: DlqRecord, state: dict[str, Any], group: str, starts: dict[int, int]) -> bool:
+    """Re-run by an interrupted run of this replay for a dead letter at or after this
+    run's start: that batch's Kafka transaction never committed, so nothing was sent.
+    (A re-run for a dead letter before the start was sent with its committed batch.)"""
+    if not (state["status"] == "retryable_failed" and state["last_action"] == "rerun"
+            and state["last_group"] == group and state["last_topic"] == rec.dlq_topic):
+        return False
+    try:
+        partition, offset = int(state["last_partition"]), int(state["last_offset"])
+    except (TypeError, ValueError):
+        return False
+    return partition in starts and offset >= starts[partition]
+
+
+def _classify(rec: DlqRecord, state: dict[str, Any] | None, *, group: str,
+              include_permanent: bool, redriven: set[str], starts: dict[int, int]) -> str:
+    """The outcome of one matching record with a value (see :data:`WHY`)."""
+    key = rec.idempotency_key
+    if key is not None and key in redriven:
+        return "skipped_duplicate"
+    if state is not None and state["status"] == "succeeded":
+        return "skipped_succeeded"
+    if rec.truncated is not None:
+        return "skipped_truncated"
+    if state is None or rec.kind in ("payload_conflict", "undecodable"):
+        return "as_is"
+    if state["status"] == "failed":
+        if state["error_kind"] != "exhausted" and not include_permanent:
+            return "skipped_permanent"
+        return "rerun"
+    if _resend(rec, state, group, starts):
+        return "resend"
+    return "skipped_in_progress"
+
+
 def _decide(
     conn: Conn,
     store: Store,
@@ -277,29 +416,61 @@ def _decide(
     selection: Selection,
     to_topic: str | None,
     remaining: int | None,
+    *,
+    group: str,
+    include_permanent: bool,
+    redriven: set[str],
+    starts: dict[int, int],
 ) -> _Batch:
     """Steps 1-2: which records of the batch go where, cut at the limit."""
     records = [DlqRecord.from_message(m) for m in msgs]
-    matching = [r for r in records if selection.matches(r)]
+    matching = [r for r in records if not _foreign(r) and selection.matches(r)]
     # A key PostgreSQL cannot hold (a NUL, from a DLQ record written by an older version)
     # has no record: nothing to look up.
     keys = sorted({r.idempotency_key for r in matching
                    if r.idempotency_key is not None and "\x00" not in r.idempotency_key})
-    with conn.transaction():
-        done = store.succeeded(conn, keys) if keys else {}
+    states = _states(conn, store, keys)
+    outcome: dict[tuple[int, int], str] = {}
+    latest: dict[str, DlqRecord] = {}  # per re-driven key, its latest dead letter here
+    for rec in matching:
+        state = states.get(rec.idempotency_key or "")
+        what = _classify(rec, state, group=group, include_permanent=include_permanent,
+                         redriven=redriven, starts=starts)
+        outcome[(rec.partition, rec.offset)] = what
+        if what in ("rerun", "resend"):
+            assert rec.idempotency_key is not None
+            held = latest.get(rec.idempotency_key)
+            if held is None or _latest_key(rec) > _latest_key(held):
+                latest[rec.idempotency_key] = rec
     batch = _Batch()
     for rec in records:
         if remaining is not None and len(batch.send) >= remaining:
             break  # the rest stays for the next run: its position is not committed
         batch.scanned += 1
         batch.positions[rec.partition] = rec.offset + 1
+        if _foreign(rec):
+            log.warning(
+                "left alone: %s[%s]@%s has no idem.* headers (not written by kafka_idem)",
+                rec.dlq_topic, rec.partition, rec.offset,
+                extra={"action": "replay_foreign"},
+            )
+            batch.outcomes.append((FOREIGN, "skipped_foreign"))
+            continue
         if not selection.matches(rec):
             continue
         batch.matched += 1
-        if rec.idempotency_key is not None and rec.idempotency_key in done:
-            batch.skipped += 1
-            continue
-        if rec.truncated is not None:
+        what = outcome[(rec.partition, rec.offset)]
+        if what in ("rerun", "resend"):
+            key = rec.idempotency_key
+            assert key is not None
+            if latest[key] is not rec or key in batch.redriven:
+                what = "skipped_duplicate"
+            else:
+                batch.redriven.add(key)
+                if what == "rerun":
+                    batch.rerun.append(rec)
+        batch.outcomes.append((rec.kind or NO_KIND, what))
+        if what == "skipped_truncated":
             # Sent without its value (too large for the DLQ): replaying an empty value
             # would only dead-letter it again. Its value is still in the source topic.
             log.warning(
@@ -308,10 +479,42 @@ def _decide(
                 rec.original_topic, rec.original_partition, rec.original_offset,
                 extra={"action": "replay_skipped", "key": rec.idempotency_key},
             )
-            batch.truncated += 1
-            continue
-        batch.send.append((rec, target_of(rec, to_topic)))
+        if what in SENDS:
+            batch.send.append((rec, target_of(rec, to_topic)))
+            batch.actions[id(rec)] = what
     return batch
+
+
+def _rerun(conn: Conn, store: Store, summary: ReplaySummary, batch: _Batch, *, actor: str,
+           reason: str | None) -> None:
+    """Step 3: the batch's failed keys re-run, committed before anything is sent. A key
+    that left ``failed`` since step 2 (another operator re-ran it) is not sent."""
+    if reason is None or not reason.strip():
+        raise admin.Refused(
+            f"{len(batch.rerun)} failed key(s) to re-run (e.g. "
+            f"{batch.rerun[0].idempotency_key}): give --reason TEXT (kept in the audit "
+            "trail); nothing of this batch was sent")
+    gone: set[str] = set()
+    with conn.transaction():
+        for rec in batch.rerun:
+            assert rec.idempotency_key is not None
+            done = admin.rerun_if_failed(
+                conn, store, key=rec.idempotency_key, actor=actor, reason=reason,
+                selection={"via": "dlq replay", "group": summary.group, "run": summary.run,
+                           "dlq_topic": rec.dlq_topic, "partition": rec.partition,
+                           "offset": rec.offset},
+            )
+            if done is None:
+                gone.add(rec.idempotency_key)
+    if gone:
+        dropped = {id(r) for r in batch.rerun if r.idempotency_key in gone}
+        batch.send = [(r, t) for r, t in batch.send if id(r) not in dropped]
+        for rec in batch.rerun:
+            if rec.idempotency_key in gone:
+                batch.outcomes.remove((rec.kind or NO_KIND, "rerun"))
+                batch.outcomes.append((rec.kind or NO_KIND, "skipped_in_progress"))
+                batch.redriven.discard(rec.idempotency_key)
+    batch.rerun = [r for r in batch.rerun if r.idempotency_key not in gone]
 
 
 def _send(
@@ -321,7 +524,7 @@ def _send(
     batch: _Batch,
     actor: str,
     bucket: TokenBucket | None,
-    on_record: Callable[[DlqRecord, str], None] | None,
+    on_record: Callable[[DlqRecord, str, str], None] | None,
     wait: float,
 ) -> None:
     """Steps 3-5: the records and the new position in one transaction. Every record's
@@ -338,7 +541,7 @@ def _send(
                 republish(producer, rec, to_topic=summary.to_topic, actor=actor,
                           on_delivery=deliveries)
                 if on_record is not None:
-                    on_record(rec, target)
+                    on_record(rec, target, batch.actions[id(rec)])
             if batch.send:
                 producer.flush(wait)
                 deliveries.check(len(batch.send), "replaying a batch", topic=dlq_topic,
@@ -377,8 +580,12 @@ def _abort(producer: Producer) -> None:
 def _apply(summary: ReplaySummary, batch: _Batch) -> None:
     summary.scanned += batch.scanned
     summary.matched += batch.matched
-    summary.skipped_succeeded += batch.skipped
-    summary.skipped_truncated += batch.truncated
+    for kind, outcome in batch.outcomes:
+        per = summary.by_kind.setdefault(kind, {})
+        per[outcome] = per.get(outcome, 0) + 1
+    summary.skipped_succeeded = summary.total("skipped_succeeded")
+    summary.skipped_truncated = summary.total("skipped_truncated")
+    summary.redriven |= batch.redriven
     if summary.dry_run:
         summary.would_send += len(batch.send)
     else:

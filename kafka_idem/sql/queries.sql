@@ -250,3 +250,35 @@ FROM (
     JOIN jsonb_array_elements(%(results)s::jsonb) WITH ORDINALITY AS r(result, n) USING (n)
 ) AS v
 WHERE t.idempotency_key = v.key AND t.owner_token = v.token AND t.status = 'processing';
+
+-- name: redrive_states
+-- Replay re-drive: the state of each key a batch of dead letters names, with the
+-- key's latest audit row (a key this replay re-ran in an interrupted run shows
+-- action 'rerun' and this replay's group). One scan of the audit trail per batch.
+WITH latest AS (
+    SELECT DISTINCT ON (idempotency_key) idempotency_key, action, selection
+    FROM {audit}
+    WHERE idempotency_key = ANY(%(keys)s)
+    ORDER BY idempotency_key, id DESC
+)
+SELECT r.idempotency_key, r.status, r.error_kind, l.action AS last_action,
+       l.selection ->> 'group' AS last_group, l.selection ->> 'dlq_topic' AS last_topic,
+       l.selection ->> 'partition' AS last_partition, l.selection ->> 'offset' AS last_offset
+FROM {table} r
+LEFT JOIN latest l USING (idempotency_key)
+WHERE r.idempotency_key = ANY(%(keys)s);
+
+-- name: failed_selection
+-- Bulk re-run: the failed records a filter selects (NULL parameters select all),
+-- oldest failure first.
+SELECT idempotency_key, error_kind, error_class, error_message, handler, kafka_topic,
+       last_failure_at
+FROM {table}
+WHERE status = 'failed'
+  AND (%(kind)s::text IS NULL OR error_kind = %(kind)s::text)
+  AND (%(handler)s::text IS NULL OR handler = %(handler)s::text)
+  AND (%(since)s::timestamptz IS NULL OR last_failure_at >= %(since)s::timestamptz)
+  AND (%(until)s::timestamptz IS NULL OR last_failure_at < %(until)s::timestamptz)
+  AND (%(prefix)s::text IS NULL OR starts_with(idempotency_key, %(prefix)s::text))
+ORDER BY last_failure_at, idempotency_key
+LIMIT %(limit)s;

@@ -35,6 +35,9 @@ from tests.conftest import BOOTSTRAP, DB, ROOT, Topics, committed, end_offsets, 
 LINEAGE = ("idem.replay.at", "idem.replay.by", "idem.replay.source_topic",
            "idem.replay.source_partition", "idem.replay.source_offset")
 SUCCEEDED_KEYS = {"t1:charge:o1"}  # the payload conflict's key: the original succeeded
+# The mixed run's keyed records failed permanently: a replay sends them only when it
+# re-runs them (test_cli_redrive.py covers the decisions themselves).
+REDRIVE = ("--include-permanent", "--reason", "acceptance: replay mechanics")
 
 
 def kind(m: Any) -> str:
@@ -84,7 +87,8 @@ def positions(records: list[Any]) -> set[tuple[int, int]]:
 
 
 def replay_json(run: MixedRun, db: DB, *args: str) -> dict[str, Any]:
-    r = kafka_idem("dlq", "replay", "--dlq", run.dlq, "--no-progress", "--json", *args, db=db)
+    r = kafka_idem("dlq", "replay", "--dlq", run.dlq, "--no-progress", "--json", *REDRIVE, *args,
+                   db=db)
     assert r.code == 0, r.err
     summary: dict[str, Any] = r.json()
     return summary
@@ -196,7 +200,7 @@ def test_dry_run_prints_what_would_be_sent_and_changes_nothing(
 ) -> None:
     target = topics(dlq=False)
     r = kafka_idem("dlq", "replay", "--dlq", mixed.dlq, "--to", target, "--dry-run",
-                   "--no-progress", db=mixed_db)
+                   "--no-progress", *REDRIVE, db=mixed_db)
     assert r.code == 0, r.err
     would = [line for line in r.out.splitlines() if line.startswith("would send")]
     assert len(would) == len(should_send(mixed.dlq_records))
@@ -273,7 +277,7 @@ def test_replay_stopped_by_limit_resumes_and_sends_each_record_once(
     assert committed(rest["group"], mixed.dlq) == end_offsets(mixed.dlq)
 
     again = kafka_idem("dlq", "replay", "--dlq", mixed.dlq, "--to", target, "--no-progress",
-                       db=mixed_db)
+                       *REDRIVE, db=mixed_db)
     assert again.code == 1, "nothing left from the replay's position"
     assert_replayed(mixed, target, should_send(mixed.dlq_records))
     assert [r["counts"]["sent"] for r in audit_rows(mixed_db)] == [2, rest["sent"], 0]
@@ -287,7 +291,8 @@ def test_replay_killed_mid_way_resumes_without_double_sending(
     # --rate 2: a batch (one transaction) of 2 records every second or so.
     proc = subprocess.Popen(
         [*KAFKA_IDEM, "--database-url", mixed_db.dsn, "--bootstrap-servers", BOOTSTRAP,
-         "dlq", "replay", "--dlq", mixed.dlq, "--to", target, "--rate", "2", "--no-progress"],
+         "dlq", "replay", "--dlq", mixed.dlq, "--to", target, "--rate", "2", "--no-progress",
+         *REDRIVE],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "KAFKA_IDEM_ACTOR": "acceptance"},
     )
@@ -326,7 +331,7 @@ def test_a_replay_the_broker_refuses_exits_3_sends_nothing_and_resumes_after_the
     # original bytes plus the lineage headers) fails in its delivery report.
     set_topic_config(admin, target, "max.message.bytes", "200")
     r = kafka_idem("dlq", "replay", "--dlq", mixed.dlq, "--to", target, "--no-progress",
-                   db=mixed_db)
+                   *REDRIVE, db=mixed_db)
     assert r.code == 3, (r.out, r.err)
     assert "Traceback" not in r.err
     # librdkafka may log the failed transaction itself (a "%3|...|TXNERR|" line) first.
@@ -356,7 +361,7 @@ def test_nothing_matched_exits_1_and_sends_nothing(
     assert kafka_idem("dlq", "show", "--dlq", mixed.dlq, "--partition", "0", "--offset",
                       "9999", db=mixed_db).code == 1
     r = kafka_idem("dlq", "replay", "--dlq", mixed.dlq, "--to", target, "--no-progress", *nope,
-                   db=mixed_db)
+                   *REDRIVE, db=mixed_db)
     assert r.code == 1
     assert "no record" in r.err
     assert read_all(target) == []

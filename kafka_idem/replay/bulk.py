@@ -1,0 +1,219 @@
+"""Bulk re-run: ``kafka-idem rerun --kind exhausted --reason ...`` (without KEY).
+
+Selects ``failed`` records in the store by filter (kind, last failure time, handler,
+key prefix, limit), reads each DLQ topic involved ONCE to find each selected key's
+latest dead letter, then re-runs and republishes in batches. Each batch is one
+database transaction holding its records' row locks: the keys are re-run
+(``failed -> retryable_failed``, an audit row each), their dead letters are
+produced and every delivery acknowledged, and only then does the transaction
+commit -- the order of the single-key ``rerun``. A refused or unacknowledged
+record rolls the batch back (its keys stay ``failed``, a later run re-runs them);
+a crash after the acknowledgement and before the commit leaves the keys
+``failed`` (the consumer, blocked on the row lock until then, dead-letters the
+message again), so no key is left re-run without a message. A repeat selects only
+keys that are still (or again) ``failed``: a key re-run and not failed again is
+never re-run twice.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Producer
+from psycopg.rows import dict_row
+
+from kafka_idem import admin
+from kafka_idem.replay.reading import kafka_errors, scan
+from kafka_idem.replay.records import DlqRecord, Selection, dlq_topic_for
+from kafka_idem.replay.republishing import Deliveries, delivery_wait, republish
+from kafka_idem.settings import Settings
+from kafka_idem.store import Conn, Store, translate_errors
+
+BATCH = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    """Which ``failed`` records a bulk re-run selects (every set field must match)."""
+
+    kind: str | None = None
+    handler: str | None = None
+    since: dt.datetime | None = None  # last failure at or after
+    until: dt.datetime | None = None  # last failure before
+    key_prefix: str | None = None
+    limit: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (v.isoformat() if isinstance(v, dt.datetime) else v)
+                for k, v in (("kind", self.kind), ("handler", self.handler),
+                             ("since", self.since), ("until", self.until),
+                             ("key_prefix", self.key_prefix), ("limit", self.limit))
+                if v is not None}
+
+
+@dataclass
+class BulkSummary:
+    """What a bulk re-run selected and did (``rerun`` counts keys committed)."""
+
+    dry_run: bool
+    selected: int = 0
+    rerun: int = 0
+    not_failed: int = 0  # left failed between selection and re-run (someone else re-ran it)
+    no_dead_letter: list[str] = field(default_factory=list)
+    truncated: list[str] = field(default_factory=list)
+    dlq_topics: dict[str, int] = field(default_factory=dict)  # letters found per topic
+    targets: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> int:
+        return self.selected - len(self.no_dead_letter) - len(self.truncated)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dry_run": self.dry_run, "selected": self.selected,
+                "would_rerun" if self.dry_run else "rerun":
+                    self.ready if self.dry_run else self.rerun,
+                "not_failed": self.not_failed, "no_dead_letter": self.no_dead_letter,
+                "truncated": self.truncated, "dlq_topics": self.dlq_topics,
+                "targets": self.targets}
+
+
+def select_failed(conn: Conn, store: Store, flt: Filter) -> list[dict[str, Any]]:
+    with translate_errors():
+        cur = conn.cursor(row_factory=dict_row)
+        rows = cur.execute(store.q["failed_selection"], {
+            "kind": flt.kind, "handler": flt.handler, "since": flt.since, "until": flt.until,
+            "prefix": flt.key_prefix, "limit": flt.limit,
+        }).fetchall()
+    conn.rollback()
+    return rows
+
+
+def _latest(rec: DlqRecord) -> tuple[dt.datetime, dt.datetime, int, int]:
+    epoch = dt.datetime.min.replace(tzinfo=dt.UTC)
+    return (rec.last_failure_at or epoch, rec.timestamp or epoch, rec.partition, rec.offset)
+
+
+def latest_letters(settings: Settings, topics: dict[str, set[str]]) -> dict[str, DlqRecord]:
+    """Each key's latest dead letter: every DLQ topic read once, to its current end."""
+    found: dict[str, DlqRecord] = {}
+    for topic, keys in sorted(topics.items()):
+        records = scan(settings, topic, Selection())
+        try:
+            for rec in records:
+                k = rec.idempotency_key
+                if k is not None and k in keys and (k not in found
+                                                    or _latest(rec) > _latest(found[k])):
+                    found[k] = rec
+        finally:
+            records.close()
+    return found
+
+
+def bulk_rerun(
+    settings: Settings,
+    conn: Conn,
+    store: Store,
+    flt: Filter,
+    *,
+    dlq_topic: str | None,
+    actor: str,
+    reason: str | None,
+    dry_run: bool,
+    progress: bool = False,
+    batch_size: int = BATCH,
+) -> BulkSummary:
+    """See the module doc. Raises :class:`admin.Refused` without a reason (unless a dry
+    run), before anything is read or changed."""
+    if not dry_run and (reason is None or not reason.strip()):
+        raise admin.Refused("a reason is required for a re-run: give --reason TEXT "
+                            "(kept in the audit trail)")
+    summary = BulkSummary(dry_run)
+    rows = select_failed(conn, store, flt)
+    summary.selected = len(rows)
+    topics: dict[str, set[str]] = {}
+    for row in rows:
+        topic = dlq_topic or dlq_topic_for(settings, row["kafka_topic"])
+        topics.setdefault(topic, set()).add(row["idempotency_key"])
+    letters = latest_letters(settings, topics)
+    ready: list[DlqRecord] = []
+    for row in rows:
+        k = row["idempotency_key"]
+        letter = letters.get(k)
+        if letter is None:
+            summary.no_dead_letter.append(k)
+        elif letter.truncated is not None:
+            summary.truncated.append(k)
+        else:
+            ready.append(letter)
+            summary.dlq_topics[letter.dlq_topic] = summary.dlq_topics.get(letter.dlq_topic,
+                                                                          0) + 1
+    if dry_run or not ready:
+        return summary
+    assert reason is not None
+    conf = settings.producer_config()
+    producer = Producer(conf)
+    wait = delivery_wait(conf)
+    with _Progress(progress, len(ready)) as advance:
+        for start in range(0, len(ready), batch_size):
+            chunk = ready[start:start + batch_size]
+            _batch(conn, store, producer, chunk, summary, actor=actor, reason=reason,
+                   selection={"via": "rerun", "filter": flt.to_json(),
+                              "dlq_topic": dlq_topic}, wait=wait)
+            advance(len(chunk))
+    return summary
+
+
+def _batch(conn: Conn, store: Store, producer: Producer, chunk: Sequence[DlqRecord],
+           summary: BulkSummary, *, actor: str, reason: str, selection: dict[str, Any],
+           wait: float) -> None:
+    deliveries = Deliveries()
+    sent: list[DlqRecord] = []
+    with conn.transaction():
+        for rec in chunk:
+            assert rec.idempotency_key is not None
+            done = admin.rerun_if_failed(
+                conn, store, key=rec.idempotency_key, actor=actor, reason=reason,
+                selection={**selection, "partition": rec.partition, "offset": rec.offset,
+                           "letter_topic": rec.dlq_topic},
+            )
+            if done is not None:
+                sent.append(rec)
+        with kafka_errors("republishing re-run keys' dead letters"):
+            for rec in sent:
+                republish(producer, rec, actor=actor, on_delivery=deliveries)
+            producer.flush(wait)
+        # Raises (rolling back the re-runs of this batch) unless every record was acked.
+        deliveries.check(len(sent), "republishing re-run keys' dead letters")
+    summary.rerun += len(sent)
+    summary.not_failed += len(chunk) - len(sent)
+    for rec in sent:
+        target = rec.original_topic or "-"
+        summary.targets[target] = summary.targets.get(target, 0) + 1
+
+
+class _Progress:
+    """A rich progress bar on stderr when asked for and stderr is a terminal."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.bar: Any = None
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.bar = Progress(TextColumn("re-running"), BarColumn(), MofNCompleteColumn(),
+                                console=Console(stderr=True))
+            self.task = self.bar.add_task("re-running", total=total)
+
+    def __enter__(self) -> Callable[[int], None]:
+        if self.bar is None:
+            return lambda n: None
+        self.bar.start()
+        return lambda n: self.bar.update(self.task, advance=n)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.stop()
