@@ -1,7 +1,7 @@
 """The baseline: an idempotent consumer written the plainest way, as users would without kafka_idem.
 
 One message at a time (``poll``), one database transaction per message with
-the seed's protocol (DESIGN §4), then a synchronous Kafka commit of that
+the claim/complete protocol, then a synchronous Kafka commit of that
 message's offset:
 
     BEGIN

@@ -42,7 +42,7 @@ class _Obj(Protocol):
                    "inspection (their names are printed).")
 @click.pass_obj
 def verify(obj: _Obj, scenarios: tuple[str, ...], json_path: Path | None, keep: bool) -> None:
-    """Run the seed's six exactly-once scenarios against the configured Kafka and
+    """Run the six exactly-once scenarios against the configured Kafka and
     PostgreSQL, with real member processes and real signals, and print what each one
     checked, the durable figures it read and PASS/FAIL.
 

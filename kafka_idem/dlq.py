@@ -1,9 +1,9 @@
-"""Dead-letter records (DESIGN §6).
+"""Dead-letter records (README, "The dead-letter topic").
 
 A DLQ record keeps the original Kafka key and value bytes unchanged and adds
 headers prefixed ``idem.`` (see :data:`REQUIRED_HEADERS`). Error text is bounded
-(no stack traces: PITFALLS 7). The produce is acknowledged (idempotent producer,
-``acks=all``) before the source offset may be committed; :class:`DeadLetterer`
+(no stack traces: they leak internals and payloads). The produce is acknowledged
+(idempotent producer, ``acks=all``) before the source offset may be committed; :class:`DeadLetterer`
 raises :class:`DeadLetterError` when it is not.
 """
 

@@ -1,4 +1,4 @@
-"""Idempotency keys and request hashes (DESIGN §2).
+"""Idempotency keys and request hashes.
 
 The **key** names one business operation and is built from payload fields only,
 from a template such as ``"{tenant_id}:charge:{order_id}"``. Never offsets,

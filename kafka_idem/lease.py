@@ -1,4 +1,4 @@
-"""Lease heartbeats for leased-mode handlers (PITFALLS 18).
+"""Lease heartbeats for leased-mode handlers.
 
 While a leased handler runs, a background thread extends its lease every
 ``lease / 3`` seconds on a connection of its own. When an extension finds the

@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN §8). One registry and one /metrics endpoint per process.
+"""Prometheus metrics (README, "Metrics"). One registry and one /metrics endpoint per process.
 
 Counters are updated on the message path; database gauges (records by status,
 expired leases, long-running records) are *sampled* by a background thread at

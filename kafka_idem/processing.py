@@ -1,6 +1,6 @@
 """Runs messages through the protocol and says, per message, what became of it.
 
-Two modes (DESIGN §4):
+Two modes:
 
 * **local**: for handlers whose effects live only in this database. A whole
   batch runs in *one* transaction; each message in its own SAVEPOINT (claim,

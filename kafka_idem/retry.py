@@ -1,4 +1,5 @@
-"""Retry decisions: exponential backoff with full jitter, capped (PITFALLS 23, 24).
+"""Retry decisions: exponential backoff with full jitter, capped (retries in lock step
+would hammer a recovering service together).
 
 The policy only *decides*; the consumer loop performs the wait (by pausing the
 partition) and the store keeps the count, so restarts never reset it.

@@ -2,14 +2,14 @@
 
 Each round:
 
-1. ``consume()`` a batch (rebalance callbacks run in here, PITFALLS 5) and
+1. ``consume()`` a batch (rebalance callbacks run in here, on the loop thread) and
    append each message to its partition's in-memory queue.
 2. Harvest the work units that finished (below): produce their dead-letter
    records and wait for the acks (a record not acknowledged turns its message
    back into a deferred one); then, per partition, pop the finished prefix of
    the queue and note the offset after it: offsets only advance over messages
    whose effect is durable, replayed or dead-lettered, and never past a
-   message still pending (PITFALLS 2).
+   message still pending (that would lose it on a crash).
 3. Dispatch the partitions that are due (not waiting on a backoff) and not
    already in flight as units of work. Leased mode: one partition per unit,
    on a pool of ``leased_workers`` threads (one database connection each), so
@@ -24,7 +24,7 @@ Each round:
    partition stays in order.
 4. Commit the noted offsets (asynchronously; acknowledged in ``on_commit``).
 5. Pause partitions that wait on a backoff or whose queue is full (polling
-   goes on, so ``max.poll.interval.ms`` is never exceeded: PITFALLS 4);
+   goes on, so ``max.poll.interval.ms`` is never exceeded and the member is not evicted);
    resume them when they are due and drained.
 
 A revoke, a loss or a close first waits for the units in flight and applies
@@ -64,7 +64,8 @@ log = logging.getLogger(__name__)
 
 TP = tuple[str, int]
 
-# Commit errors that mean "this member no longer owns the partition" (PITFALLS 3, 4).
+# Commit errors that mean "this member no longer owns the partition" (a rebalance
+# or an eviction).
 _OWNERSHIP_LOST = {
     KafkaError.ILLEGAL_GENERATION,
     KafkaError.UNKNOWN_MEMBER_ID,
@@ -645,7 +646,7 @@ class Runner:
 
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal():
-            # e.g. a second member with our group.instance.id fenced us (PITFALLS 6).
+            # e.g. a second member with our group.instance.id fenced us (a zombie).
             self._fatal = f"fatal Kafka error: {err}"
         log.warning("kafka: %s", err, extra={"action": "kafka_error"})
 

@@ -35,7 +35,7 @@ CREATE TABLE {table} (
 CREATE INDEX {status_idx} ON {table} (status, updated_at);
 CREATE INDEX {retry_idx} ON {table} (next_attempt_at) WHERE status IN ('processing', 'retryable_failed');
 
--- Allowed transitions (DESIGN §3), enforced here so no code path can bypass them:
+-- Allowed transitions , enforced here so no code path can bypass them:
 --   (new)            -> processing
 --   processing       -> processing (lease extension / takeover), succeeded, retryable_failed, failed
 --   retryable_failed -> processing, failed
@@ -84,7 +84,7 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = 'KI001',
             MESSAGE = format('kafka_idem: illegal transition %s -> %s for %s', OLD.status, NEW.status, OLD.idempotency_key);
     END IF;
-    -- Fencing: only the current owner's token can complete (PITFALLS 17).
+    -- Fencing: only the current owner's token can complete (a stale owner whose lease was taken over must not win).
     IF OLD.status = 'processing' AND NEW.status = 'succeeded'
        AND NEW.completed_token IS DISTINCT FROM OLD.owner_token THEN
         RAISE EXCEPTION USING ERRCODE = 'KI002',

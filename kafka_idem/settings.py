@@ -29,7 +29,8 @@ _TOPIC_CHARS = re.compile(r"[a-zA-Z0-9._-]+")
 # Names are matched whole (fullmatch): "$" would also accept a trailing newline.
 _IDENT = re.compile(r"[a-z_][a-z0-9_]{0,39}")
 
-# Consumer options the exactly-once-effects protocol depends on (PITFALLS 1, 2).
+# Consumer options the exactly-once-effects protocol depends on: auto-commit or
+# auto-stored offsets would commit a message before its effect is durable.
 _PROTECTED_CONSUMER = {
     "enable.auto.commit": False,
     "enable.auto.offset.store": False,

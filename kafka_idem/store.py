@@ -1,4 +1,4 @@
-"""The idempotency store: the claim / complete protocol with fencing tokens (DESIGN §4).
+"""The idempotency store: the claim / complete protocol with fencing tokens.
 
 Claim, inside the caller's transaction:
 
@@ -54,7 +54,8 @@ from kafka_idem.sql import compile_queries
 
 Conn = psycopg.Connection[Any]
 
-# SQLSTATEs, never message text (PITFALLS 9).
+# SQLSTATEs, never message text (message text changes
+# between versions and locales).
 TRANSIENT_SQLSTATES = frozenset(
     {
         "40001",  # serialization_failure
@@ -442,7 +443,8 @@ class Store:
 def connect(
     dsn: str, *, application_name: str = "kafka_idem", idle_in_transaction_timeout: float = 0.0
 ) -> Conn:
-    """A connection fit for the protocol: synchronous commit on (PITFALLS 8).
+    """A connection fit for the protocol: synchronous commit on (an
+    acknowledged commit must survive a server crash).
 
     ``idle_in_transaction_timeout`` (seconds, 0 = off) lets the server end the
     session of a member stalled inside a transaction (a zombie), releasing the

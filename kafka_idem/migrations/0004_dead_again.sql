@@ -45,7 +45,7 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = 'KI001',
             MESSAGE = format('kafka_idem: illegal transition %s -> %s for %s', OLD.status, NEW.status, OLD.idempotency_key);
     END IF;
-    -- Fencing: only the current owner's token can complete (PITFALLS 17).
+    -- Fencing: only the current owner's token can complete (a stale owner whose lease was taken over must not win).
     IF OLD.status = 'processing' AND NEW.status = 'succeeded'
        AND NEW.completed_token IS DISTINCT FROM OLD.owner_token THEN
         RAISE EXCEPTION USING ERRCODE = 'KI002',

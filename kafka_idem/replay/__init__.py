@@ -1,4 +1,4 @@
-"""Reading and replaying dead-letter topics (DESIGN §6).
+"""Reading and replaying dead-letter topics.
 
     sel = Selection(kind="permanent", since=dt.datetime(2024, 5, 1, tzinfo=dt.UTC))
     for rec in scan(settings, "payments.charge-requested.dlq", sel):

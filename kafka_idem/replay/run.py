@@ -1,5 +1,5 @@
 """A replay run: republish the selected records of a DLQ topic, resumably, with an
-audit row (DESIGN §6).
+audit row.
 
 A replay never sends a record twice, even when interrupted. Its position lives
 in a consumer group of its own, named from the DLQ topic, the selection and the

@@ -1,5 +1,5 @@
-"""``kafka-idem verify``: the seed's six scenarios (DESIGN §7), run against the Kafka and
-PostgreSQL the settings point to, with real processes and real signals.
+"""``kafka-idem verify``: the six verification scenarios (docs/VERIFICATION.md), run
+against the Kafka and PostgreSQL the settings point to, with real processes and real signals.
 
     from kafka_idem.verify import run, select
     report = run(settings, select(["1", "4"]))

@@ -1,4 +1,4 @@
-"""The seed's six scenarios (DESIGN §7) and the loop that runs them.
+"""The six verification scenarios (docs/VERIFICATION.md) and the loop that runs them.
 
 Each scenario gets a :class:`~kafka_idem.verify.workspace.Workspace` of its own (fresh
 schemas, topics and group, named after the run id), decides on durable state only,

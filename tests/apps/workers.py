@@ -1,4 +1,4 @@
-"""Worker processes for the seed's concurrency scenarios: each runs the real
+"""Worker processes for the concurrency scenarios: each runs the real
 processing path (``Processor``) on one message, released together by a barrier."""
 
 from __future__ import annotations

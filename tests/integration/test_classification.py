@@ -1,4 +1,4 @@
-"""How handler failures are classified (DESIGN §5), on real Handlers, and what each
+"""How handler failures are classified, on real Handlers, and what each
 class does to the record when it goes through the real Processor and database
 (no broker: the message is a stand-in with the fields the processor reads)."""
 

@@ -1,5 +1,5 @@
 """Retries, backoff, exhaustion and the dead-letter topic against the real broker and
-database (seed scenario 6, DESIGN §5-§6). Every check reads durable state: the
+database (verification scenario 6). Every check reads durable state: the
 idempotency records (and their history, kept by a trigger), the business tables, the
 DLQ records and headers, and the group's committed offsets."""
 

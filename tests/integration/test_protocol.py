@@ -1,4 +1,4 @@
-"""The claim/complete protocol against the real database (seed scenarios 1-4)."""
+"""The claim/complete protocol against the real database (verification scenarios 1-4)."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def test_database_refuses_completion_with_a_stale_token_even_in_plain_sql(db: DB
 def test_repeat_after_success_replays_the_stored_result_exactly(db: DB) -> None:
     store = Store(schema="kafka_idem", table="task_idempotency")
     conn = connect(db.dsn)
-    for result in (0, False, [], None, {"a": 1}):  # falsy results are results (PITFALLS 19)
+    for result in (0, False, [], None, {"a": 1}):  # falsy results are results (never mistaken for "no result")
         key = f"t1:charge:{uuid.uuid4().hex}"
         with conn.transaction():
             c = store.claim(conn, key=key, request_hash="v1:x", delivery=Delivery(TOPIC, 0, 0, "h"),

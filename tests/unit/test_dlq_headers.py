@@ -1,4 +1,4 @@
-"""Dead-letter headers (DESIGN §6), built from a fake message: no broker needed."""
+"""Dead-letter headers, built from a fake message: no broker needed."""
 
 from __future__ import annotations
 

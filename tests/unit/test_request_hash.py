@@ -1,4 +1,4 @@
-"""Idempotency keys and request hashes (DESIGN §2): properties of the v1 canonical form."""
+"""Idempotency keys and request hashes: properties of the v1 canonical form."""
 
 from __future__ import annotations
 
