@@ -20,7 +20,6 @@ JSON-able; it is stored and replayed, exactly, on every duplicate.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from kafka_idem.errors import (
 )
 from kafka_idem.keys import KeySpec, KeyTemplate
 from kafka_idem.retry import RetryPolicy
-from kafka_idem.settings import Settings, load_settings
+from kafka_idem.settings import TOPIC_CHARS, Settings, load_settings
 from kafka_idem.store import is_data_error
 
 M = TypeVar("M", bound=BaseModel)
@@ -101,12 +100,9 @@ DEFAULT_ERRORS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
 )
 
 
-_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")
-
-
 def check_topic_name(name: str, *, setting: str) -> str:
     """``name`` if Kafka accepts it as a topic name, else a :class:`ConfigError`."""
-    if not _TOPIC.fullmatch(name) or name in (".", ".."):
+    if len(name) > 249 or not TOPIC_CHARS.fullmatch(name) or name in (".", ".."):
         raise ConfigError(
             f"{name!r} is not a valid Kafka topic name (1-249 ASCII letters, digits, "
             "'.', '_', '-')", setting=setting)

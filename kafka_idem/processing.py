@@ -57,9 +57,9 @@ from kafka_idem.store import (
     Store,
     classify_db_error,
     connect,
-    data_error_text,
     describe,
     is_data_error,
+    rejected,
 )
 
 log = logging.getLogger(__name__)
@@ -129,14 +129,6 @@ def _text_of(exc: BaseException) -> str:
         return str(exc)
     except Exception as err:
         return f"(the exception's text could not be made: {type(err).__name__})"
-
-
-def _rejected(exc: BaseException) -> MessageError:
-    """A data error of the database as the message's own error."""
-    if isinstance(exc, MessageError):
-        return exc
-    cause = exc.__cause__ if exc.__cause__ is not None else exc
-    return DataRejected(f"the database rejected the message's data ({data_error_text(cause)})")
 
 
 class Processor:
@@ -328,12 +320,12 @@ class Processor:
                             if isinstance(result, Deferred):
                                 break
         except (FrameworkError, psycopg.Error) as exc:
-            if is_data_error(exc) and sum(len(msgs) for _, msgs in parts) > 1:
-                return self._one_by_one(parts)
-            if is_data_error(exc):
+            if is_data_error(exc):  # the commit was refused for a message's data
+                if sum(len(msgs) for _, msgs in parts) > 1:
+                    return self._one_by_one(parts)
                 tp, msgs = next((tp, msgs) for tp, msgs in parts if msgs)
                 handler = self.app.handlers[msgs[0].topic()]
-                return {tp: [self._undecodable(handler, msgs[0], _rejected(exc),
+                return {tp: [self._undecodable(handler, msgs[0], rejected(exc),
                                                key=self._key_of(handler, msgs[0]))]}
             return self._all_deferred(parts, exc)
         return results
@@ -589,7 +581,7 @@ class Processor:
             # The database refused a value of the message (in the handler's own SQL): say
             # so by SQLSTATE, without psycopg's DETAIL/CONTEXT, which quote the values.
             error_class = DataRejected.__name__
-            text = f"the database rejected the message's data ({data_error_text(exc)})"
+            text = rejected(exc).message
         message = bounded(text, self.settings.error_message_max)
         extra = {"key": prep.key, "handler": handler.name, "attempts": claim.attempts,
                  **_fields(msg)}

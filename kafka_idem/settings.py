@@ -25,7 +25,7 @@ from kafka_idem.redact import option_secrets, redact, redact_options, secrets_in
 DEFAULT_BOOTSTRAP = "127.0.0.1:39092"
 DEFAULT_DATABASE_URL = "postgresql://kafka_idem@127.0.0.1:55432/kafka_idem"
 
-_TOPIC_CHARS = re.compile(r"[a-zA-Z0-9._-]+")
+TOPIC_CHARS = re.compile(r"[a-zA-Z0-9._-]+")  # what Kafka allows in a topic name
 # Names are matched whole (fullmatch): "$" would also accept a trailing newline.
 _IDENT = re.compile(r"[a-z_][a-z0-9_]{0,39}")
 
@@ -163,7 +163,7 @@ class Settings(BaseSettings):
     @field_validator("dlq_suffix")
     @classmethod
     def _topic_suffix(cls, value: str) -> str:
-        if not _TOPIC_CHARS.fullmatch(value):
+        if not TOPIC_CHARS.fullmatch(value):
             raise ValueError(
                 f"{value!r} would make invalid topic names: Kafka topic names use only "
                 "ASCII letters, digits, '.', '_' and '-'"

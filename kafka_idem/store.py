@@ -104,6 +104,15 @@ def data_error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc.reason if isinstance(exc, UnicodeEncodeError) else exc}"
 
 
+def rejected(exc: BaseException, **context: Any) -> DataRejected:
+    """``exc``, a data error of the database (:func:`is_data_error`), as the message's
+    own :class:`DataRejected` (an existing one is returned as it is)."""
+    if isinstance(exc, DataRejected):
+        return exc
+    return DataRejected(
+        f"the database rejected the message's data ({data_error_text(exc)})", **context)
+
+
 def storable(text: str) -> str:
     """``text`` as PostgreSQL ``text`` can hold it: NUL removed, lone surrogates
     replaced (error messages quote handler exceptions, which may quote payloads)."""
@@ -157,9 +166,7 @@ def translate_errors(**context: Any) -> Iterator[None]:
     except (psycopg.Error, UnicodeEncodeError) as exc:
         cls = classify_db_error(exc) or StoreError
         if cls is DataRejected:
-            raise DataRejected(
-                f"the database rejected the message's data ({data_error_text(exc)})", **context
-            ) from exc
+            raise rejected(exc, **context) from exc
         summary = (cls.__doc__ or "").strip().splitlines()[0]
         raise cls(redact(f"{summary}: {exc}"), **context) from exc
 
