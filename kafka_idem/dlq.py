@@ -3,8 +3,8 @@
 A DLQ record keeps the original Kafka key and value bytes unchanged and adds
 headers prefixed ``idem.`` (see :data:`REQUIRED_HEADERS`). Error text is bounded
 (no stack traces: they leak internals and payloads). The produce is acknowledged
-(idempotent producer, ``acks=all``) before the source offset may be committed; :class:`DeadLetterer`
-raises :class:`DeadLetterError` when it is not.
+(idempotent producer, ``acks=all``) before the source offset may be committed;
+:class:`DeadLetterer` raises :class:`DeadLetterError` when it is not.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class DeadLetterer:
             except KafkaException as exc:  # e.g. over message.max.bytes, checked locally
                 pending.discard(i)
                 outcome[i] = exc.args[0] if exc.args else exc
-            except (BufferError, Exception) as exc:
+            except Exception as exc:  # BufferError (queue full), TypeError...
                 pending.discard(i)
                 outcome[i] = exc
         self.producer.flush(self.timeout)
