@@ -1,5 +1,9 @@
 """Admin operations on the store: status, inspect, audited re-run, retention purge.
 
+Records are identified by (namespace, key). Admin reads take a namespace or
+``None`` for every namespace; a state change runs on a store scoped to the
+record's namespace (:func:`resolve` finds it for a key given without one).
+
 Every state change here is an audited admin action: it runs with
 ``kafka_idem.admin_action`` set for its transaction (the transition guard lets
 ``failed -> retryable_failed`` and DELETE through only then) and appends its
@@ -54,10 +58,14 @@ class Status:
     retry_due_now: int
     next_retry_at: dt.datetime | None
     failed_by_kind: dict[str, int] = field(default_factory=dict)
+    namespace: str | None = None  # the one asked for, or None: every namespace
+    by_namespace: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "namespace": self.namespace,
             "by_status": self.by_status,
+            "by_namespace": self.by_namespace,
             "processing": {"live": self.processing_live, "expired": self.processing_expired},
             "long_running": self.long_running,
             "retry_backlog": {
@@ -69,37 +77,82 @@ class Status:
         }
 
 
-def status(conn: Conn, store: Store, *, long_running_seconds: float) -> Status:
+def status(conn: Conn, store: Store, *, long_running_seconds: float,
+           namespace: str | None = None) -> Status:
+    """Counts over ``namespace`` (``None``: every namespace), and per namespace."""
+    params = {"ns": namespace, "long_running": long_running_seconds}
     with translate_errors():
         cur = conn.cursor(row_factory=dict_row)
-        rows = cur.execute(
-            store.q["status_summary"], {"long_running": long_running_seconds}
-        ).fetchall()
-        kinds = cur.execute(store.q["failed_by_kind"]).fetchall()
-    by = {r["status"]: r for r in rows}
-    retry = by.get("retryable_failed", {})
+        rows = cur.execute(store.q["status_summary"], params).fetchall()
+        kinds = cur.execute(store.q["failed_by_kind"], params).fetchall()
+    totals: dict[str, int] = dict.fromkeys(STATUSES, 0)
+    by_namespace: dict[str, dict[str, int]] = {}
+    for r in rows:
+        totals[r["status"]] += int(r["n"])
+        by_namespace.setdefault(r["namespace"], dict.fromkeys(STATUSES, 0))[r["status"]] = \
+            int(r["n"])
+    retry = [r for r in rows if r["status"] == "retryable_failed"]
+    due = [r["next_due"] for r in retry if r["next_due"] is not None]
+    failed_by_kind: dict[str, int] = {}
+    for r in kinds:
+        failed_by_kind[r["kind"]] = failed_by_kind.get(r["kind"], 0) + int(r["n"])
     return Status(
-        by_status={s: int(by[s]["n"]) if s in by else 0 for s in STATUSES},
+        by_status=totals,
         processing_live=sum(int(r["live"]) for r in rows),
         processing_expired=sum(int(r["expired"]) for r in rows),
         long_running=sum(int(r["long_running"]) for r in rows),
-        retry_backlog=int(retry.get("n", 0)),
-        retry_due_now=int(retry.get("due_now", 0)),
-        next_retry_at=retry.get("next_due"),
-        failed_by_kind={r["kind"]: int(r["n"]) for r in kinds},
+        retry_backlog=sum(int(r["n"]) for r in retry),
+        retry_due_now=sum(int(r["due_now"]) for r in retry),
+        next_retry_at=min(due) if due else None,
+        failed_by_kind=failed_by_kind,
+        namespace=namespace,
+        by_namespace=dict(sorted(by_namespace.items())),
     )
 
 
-def inspect(conn: Conn, store: Store, key: str) -> dict[str, Any] | None:
-    """The record and its audit trail, or ``None``."""
-    record = store.get(conn, key)
-    if record is None:
-        return None
-    record["lease_live"] = bool(
-        record["status"] == "processing" and record["lease_until"] > record["db_now"]
-    )
-    record["audit"] = audit.trail(conn, store, key)
-    return record
+def shown(namespace: str) -> str:
+    """A namespace as operators read it ('' is the unassigned one)."""
+    return namespace if namespace else "(unassigned)"
+
+
+def require_namespace(conn: Conn, store: Store, namespace: str) -> None:
+    """Refuse a namespace that has no records in this store (a typo, most likely)."""
+    known = store.namespaces(conn)
+    if namespace not in known:
+        names = ", ".join(repr(n) for n in known) or "none: the store is empty"
+        raise Refused(f"no records in namespace {namespace!r} (namespaces in this store: "
+                      f"{names})")
+
+
+def resolve(conn: Conn, store: Store, key: str, namespace: str | None) -> Store:
+    """The store scoped to the one namespace that holds ``key``: ``namespace`` if
+    given, else the only namespace with that key; refuses none or several."""
+    if namespace is not None:
+        require_namespace(conn, store, namespace)
+        return store.scoped(namespace)
+    found = [r["namespace"] for r in store.find(conn, key, store.namespaces(conn))]
+    if not found:
+        raise Refused("no record with this key", key=key)
+    if len(found) > 1:
+        raise Refused(f"the key exists in namespaces {', '.join(repr(n) for n in found)}: "
+                      "give --namespace", key=key)
+    return store.scoped(found[0])
+
+
+def inspect(conn: Conn, store: Store, key: str,
+            namespace: str | None = None) -> list[dict[str, Any]]:
+    """The records of ``key`` (in ``namespace``, else in every namespace), each with
+    its audit trail; ``[]`` when there is none."""
+    if namespace is not None:
+        require_namespace(conn, store, namespace)
+    spaces = [namespace] if namespace is not None else store.namespaces(conn)
+    records = store.find(conn, key, spaces)
+    for record in records:
+        record["lease_live"] = bool(
+            record["status"] == "processing" and record["lease_until"] > record["db_now"]
+        )
+        record["audit"] = audit.trail(conn, store.scoped(record["namespace"]), key)
+    return records
 
 
 def rerun(
@@ -121,7 +174,7 @@ def rerun(
         raise Refused("a reason is required for a re-run", key=key)
     with translate_errors(key=key):
         cur = conn.cursor(row_factory=dict_row)
-        rec = cur.execute(store.q["lock_record"], {"key": key}).fetchone()
+        rec = cur.execute(store.q["lock_record"], {"ns": store.ns, "key": key}).fetchone()
         if rec is None:
             raise Refused("no record with this key", key=key)
         state = rec["status"]
@@ -152,7 +205,7 @@ def rerun_if_failed(
         raise Refused("a reason is required for a re-run", key=key)
     with translate_errors(key=key):
         cur = conn.cursor(row_factory=dict_row)
-        rec = cur.execute(store.q["lock_record"], {"key": key}).fetchone()
+        rec = cur.execute(store.q["lock_record"], {"ns": store.ns, "key": key}).fetchone()
         if rec is None or rec["status"] != "failed":
             return None
         audit_id = _rerun_locked(conn, store, rec, actor=actor, reason=reason,
@@ -164,7 +217,7 @@ def _rerun_locked(conn: Conn, store: Store, rec: dict[str, Any], *, actor: str, 
                   selection: dict[str, Any] | None) -> int:
     key = rec["idempotency_key"]
     _set_admin_action(conn, "rerun")
-    conn.execute(store.q["rerun"], {"key": key})
+    conn.execute(store.q["rerun"], {"ns": store.ns, "key": key})
     previous_error = f"{rec['error_kind']}: {rec['error_class']}: {rec['error_message']}"
     return audit.record(
         conn, store, actor=actor, action="rerun", key=key, reason=reason,
@@ -174,7 +227,8 @@ def _rerun_locked(conn: Conn, store: Store, rec: dict[str, Any], *, actor: str, 
 
 def topics_seen(conn: Conn, store: Store) -> list[str]:
     with translate_errors():
-        return [r[0] for r in conn.execute(store.q["topics_seen"]).fetchall()]
+        return [r[0] for r in conn.execute(
+            store.q["topics_seen"], {"ns": store.namespace}).fetchall()]
 
 
 def purge(
@@ -193,14 +247,16 @@ def purge(
     never holds many locks and an interrupted one leaves an exact trail.
     """
     statuses = ["succeeded", "failed"] if include_failed else ["succeeded"]
-    selection = {"older_than_seconds": older_than, "statuses": statuses}
+    selection = {"older_than_seconds": older_than, "statuses": statuses,
+                 "namespace": store.namespace}
     total = 0
     while True:
         with translate_errors(), conn.transaction():
             _set_admin_action(conn, "purge")
             deleted = conn.execute(
                 store.q["purge_batch"],
-                {"statuses": statuses, "older_than": older_than, "batch": batch_size},
+                {"ns": store.namespace, "statuses": statuses, "older_than": older_than,
+                 "batch": batch_size},
             ).rowcount
             if deleted:
                 audit.record(conn, store, actor=actor, action="purge", selection=selection,

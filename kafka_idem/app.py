@@ -38,7 +38,7 @@ from kafka_idem.errors import (
 )
 from kafka_idem.keys import KeySpec, KeyTemplate
 from kafka_idem.retry import RetryPolicy
-from kafka_idem.settings import TOPIC_CHARS, Settings, load_settings
+from kafka_idem.settings import TOPIC_CHARS, Settings, check_namespace, load_settings
 from kafka_idem.store import is_data_error
 
 M = TypeVar("M", bound=BaseModel)
@@ -223,6 +223,18 @@ class App:
     @property
     def group_id(self) -> str:
         return self.settings.group_id or self.name
+
+    @property
+    def namespace(self) -> str:
+        """Where this app's keys live in the store: the ``namespace`` setting, else the
+        app's name. Two apps on one store see each other's keys only when they share it."""
+        value = self.settings.namespace or self.name
+        try:
+            return check_namespace(value)
+        except ValueError as exc:
+            raise ConfigError(
+                f"app {self.name!r}: {exc}; set KAFKA_IDEM_NAMESPACE", setting="namespace"
+            ) from None
 
     def handler(
         self,

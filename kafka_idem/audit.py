@@ -38,11 +38,13 @@ def record(
     previous_error: str | None = None,
     counts: dict[str, Any] | None = None,
 ) -> int:
-    """Append one audit row inside the caller's transaction; return its id."""
+    """Append one audit row inside the caller's transaction; return its id. The row's
+    namespace is the store's (``None`` for an action over every namespace)."""
     with translate_errors(key=key):
         row = conn.execute(
             store.q["audit_insert"],
             {
+                "ns": store.namespace,
                 "actor": actor,
                 "action": action,
                 "key": key,
@@ -60,4 +62,6 @@ def record(
 def trail(conn: Conn, store: Store, key: str) -> list[dict[str, Any]]:
     with translate_errors(key=key):
         cur = conn.cursor(row_factory=dict_row)
-        return cur.execute(store.q["audit_for_key"], {"key": key}).fetchall()
+        return cur.execute(
+            store.q["audit_for_key"], {"ns": store.ns, "key": key}
+        ).fetchall()

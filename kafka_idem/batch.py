@@ -39,13 +39,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
-
 from kafka_idem.app import Context, Handler
 from kafka_idem.errors import MessageError
 from kafka_idem.processing import QUIET, Finished, Prepared, Processor, Result, make_context
-from kafka_idem.store import Claim, Conn, Outcome, translate_errors
+from kafka_idem.store import Claim, Conn, Delivery, Outcome, translate_errors
 
 
 class Fallback(Exception):
@@ -204,19 +201,16 @@ def _claim(
         first.append((item, item.prep))
     answered = 0
     with translate_errors():
-        rows = conn.execute(
-            proc.store.q["batch_claim_insert"],
-            {
-                "lease": proc.settings.lease_seconds,
-                "keys": ordered,
-                "hashes": [prep.request_hash for _, prep in first],
-                "handlers": [item.handler.name for item, _ in first],
-                "topics": [item.msg.topic() for item, _ in first],
-                "parts": [item.msg.partition() for item, _ in first],
-                "offs": [item.msg.offset() for item, _ in first],
-            },
-        ).fetchall()
-        claims = {key: Claim(Outcome.CLAIMED, key, token=token, attempts=1) for key, token in rows}
+        tokens = proc.store.claim_batch(
+            conn,
+            lease_seconds=proc.settings.lease_seconds,
+            keys=ordered,
+            hashes=[prep.request_hash for _, prep in first],
+            deliveries=[Delivery(item.msg.topic(), item.msg.partition(), item.msg.offset(),
+                                 item.handler.name) for item, _ in first],
+        )
+        claims = {key: Claim(Outcome.CLAIMED, key, token=token, attempts=1)
+                  for key, token in tokens.items()}
         existing = [k for k in ordered if k not in claims]
         if existing and read_existing:
             # Every row the insert conflicted with was committed when it did (an
@@ -225,8 +219,7 @@ def _claim(
             answered += _answer(proc, occurrences, done)
             existing = [k for k in existing if k not in done]
         if existing:
-            cur = conn.cursor(row_factory=dict_row)
-            locked = cur.execute(proc.store.q["batch_lock"], {"keys": existing}).fetchall()
+            locked = proc.store.lock_batch(conn, existing)
             if len(locked) != len(existing):
                 raise Fallback("a key vanished between insert and lock (purged)")
             for rec in locked:
@@ -272,13 +265,11 @@ def _run_handlers(
             for key, value in outcomes.items()
             if not isinstance(value, Finished)
         ]
-        cur = conn.execute(
-            proc.store.q["batch_complete"],
-            {
-                "keys": [s[0] for s in successes],
-                "tokens": [s[1] for s in successes],
-                "results": Jsonb([s[2] for s in successes]),
-            },
+        cur = proc.store.complete_batch(
+            conn,
+            keys=[s[0] for s in successes],
+            tokens=[s[1] for s in successes],
+            results=[s[2] for s in successes],
         )
     if cur.rowcount != len(successes):
         raise Fallback("a completion lost its fence")

@@ -93,17 +93,34 @@ def cli(ctx: click.Context, /, log_format: str | None, debug: bool, **overrides:
 
 
 @cli.command()
-@click.option("--app", "app_spec", help="Also run MODULE:APP's own migrations.")
+@click.option("--app", "app_spec", help="Also run MODULE:APP's own migrations, and assign "
+              "to its namespace the records its handlers wrote before namespaces.")
 @click.pass_obj
 def migrate(obj: Ctx, app_spec: str | None) -> None:
-    """Create or upgrade the store schema (versioned, add-only; twice is a no-op)."""
+    """Create or upgrade the store schema (versioned, add-only; twice is a no-op).
+
+    With --app, also the app's own migrations, then the adoption: records written
+    before keys were scoped per app (migration 0005) by one of the app's handlers
+    (same topic and handler name) move to the app's namespace, with an audit row.
+    An app with such records is refused at start until this ran."""
+    from kafka_idem import namespaces
+
     app = load_app(app_spec) if app_spec else None
     s = obj.settings(app)
     applied = run_migrations(s.dsn, s.schema_name, s.table)
-    if app is not None:
-        migrate_app(s.dsn, s.schema_name, app.migrations)
     names = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "nothing to do"
     click.echo(f"schema {s.schema_name}: {names}")
+    if app is None:
+        return
+    migrate_app(s.dsn, s.schema_name, app.migrations)
+    conn = connect(s.dsn)
+    try:
+        moved = namespaces.adopt(conn, _store(s), app, actor=audit.default_actor())
+    finally:
+        conn.close()
+    for p in moved:
+        click.echo(plain(f"namespace {app.namespace}: adopted {p.records} record(s) of "
+                         f"{p.topic}/{p.handler} written before namespaces"))
 
 
 @cli.command()
@@ -152,24 +169,37 @@ def _print_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
 
 
+_NAMESPACE_HELP = ("Only records of this namespace (default: every namespace; an app's "
+                   "namespace is its `namespace` setting, else its name).")
+
+
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--long-running", "long_running", help="Threshold, e.g. 10m (default: settings).")
+@click.option("--namespace", help=_NAMESPACE_HELP)
 @click.pass_obj
-def status(obj: Ctx, as_json: bool, long_running: str | None) -> None:
-    """Counts by status, leases, long-running records, failures by kind, retry backlog."""
+def status(obj: Ctx, as_json: bool, long_running: str | None, namespace: str | None) -> None:
+    """Counts by status, leases, long-running records, failures by kind, retry backlog;
+    and the records of each namespace by status. Exit 1 for an unknown --namespace."""
     s = obj.settings()
     threshold = _duration(long_running) if long_running else s.long_running_seconds
+    store = _store(s)
     conn = connect(s.dsn)
     try:
-        st = admin.status(conn, _store(s), long_running_seconds=threshold)
+        if namespace is not None:
+            admin.require_namespace(conn, store, namespace)
+        st = admin.status(conn, store, long_running_seconds=threshold, namespace=namespace)
+    except admin.Refused as exc:
+        warn(f"refused: {exc}")
+        sys.exit(1)
     finally:
         conn.close()
     if as_json:
         _print_json(st.to_json())
         return
     console = Console()
-    table = Table(title=cell(f"kafka_idem store {s.schema_name}.{s.table}"))
+    scope = f" namespace {namespace}" if namespace is not None else ""
+    table = Table(title=cell(f"kafka_idem store {s.schema_name}.{s.table}{scope}"))
     table.add_column("what")
     table.add_column("count", justify="right")
     rows: list[tuple[str, object]] = [(name, n) for name, n in st.by_status.items()]
@@ -182,32 +212,56 @@ def status(obj: Ctx, as_json: bool, long_running: str | None) -> None:
     for what, value in rows:
         table.add_row(cell(what), cell(value))
     console.print(table)
+    spaces = Table(title="records by namespace")
+    spaces.add_column("namespace")
+    for name in admin.STATUSES:
+        spaces.add_column(name, justify="right")
+    for ns, counts in st.by_namespace.items():
+        spaces.add_row(cell(admin.shown(ns)), *(cell(counts[n]) for n in admin.STATUSES))
+    console.print(spaces)
 
 
 @cli.command()
 @click.argument("key")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--namespace", help=_NAMESPACE_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one record: "
+              "give --namespace when the key is in several).")
 @click.pass_obj
-def inspect(obj: Ctx, key: str, as_json: bool) -> None:
-    """One record (status, hash, attempts, owner, lease, result, error, last delivery) and
-    its audit trail. Exit 1 when the key is unknown."""
+def inspect(obj: Ctx, key: str, namespace: str | None, as_json: bool) -> None:
+    """The key's record (status, hash, attempts, owner, lease, result, error, last
+    delivery) and its audit trail, in each namespace that holds the key. Exit 1 when the
+    key or the --namespace is unknown."""
     s = obj.settings()
     conn = connect(s.dsn)
     try:
-        rec = admin.inspect(conn, _store(s), key)
+        recs = admin.inspect(conn, _store(s), key, namespace)
+    except admin.Refused as exc:
+        warn(f"refused: {exc}")
+        sys.exit(1)
     finally:
         conn.close()
-    if rec is None:
-        click.echo(f"no record with key {plain(repr(key))}", err=True)
+    if not recs:
+        where = f" in namespace {namespace!r}" if namespace is not None else ""
+        click.echo(plain(f"no record with key {key!r}{where}"), err=True)
         sys.exit(1)
     if as_json:
-        _print_json(rec)
+        if len(recs) > 1:
+            names = ", ".join(repr(r["namespace"]) for r in recs)
+            warn(plain(f"refused: {key}: the key exists in namespaces {names}: give --namespace"))
+            sys.exit(1)
+        _print_json(recs[0])
         return
+    for rec in recs:
+        _print_record(key, rec)
+
+
+def _print_record(key: str, rec: dict[str, Any]) -> None:
     console = Console()
-    table = Table(title=cell(key), show_header=False)
+    table = Table(title=cell(f"{key}  (namespace {admin.shown(rec['namespace'])})"),
+                  show_header=False)
     table.add_column("field")
     table.add_column("value")
-    for name in ("status", "request_hash", "attempts", "owner_token", "lease_until",
+    for name in ("namespace", "status", "request_hash", "attempts", "owner_token", "lease_until",
                  "lease_live", "next_attempt_at", "result_json", "error_kind", "error_class",
                  "error_message", "first_failure_at", "last_failure_at", "completed_token",
                  "handler", "kafka_topic", "kafka_partition", "kafka_offset", "created_at",
@@ -244,6 +298,8 @@ def _iso_time(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--until", metavar="ISO-DATETIME", callback=_iso_time,
               help="Bulk: last failure before this time (ISO 8601; UTC if no offset).")
 @click.option("--handler", help="Bulk: failed records of this handler.")
+@click.option("--namespace", help="The key's namespace (needed when the key is in several); "
+              "bulk: only records of this namespace (default: every namespace).")
 @click.option("--key-prefix", help="Bulk: keys starting with this text.")
 @click.option("--limit", type=click.IntRange(min=1), help="Bulk: at most this many keys "
               "(oldest failure first); run again for the next ones.")
@@ -254,8 +310,8 @@ def _iso_time(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.pass_obj
 def rerun(obj: Ctx, key: str | None, reason: str | None, actor: str | None,
           dlq_topic: str | None, kind: str | None, since: Any, until: Any,
-          handler: str | None, key_prefix: str | None, limit: int | None, dry_run: bool,
-          no_progress: bool, as_json: bool) -> None:
+          handler: str | None, namespace: str | None, key_prefix: str | None,
+          limit: int | None, dry_run: bool, no_progress: bool, as_json: bool) -> None:
     """Audited admin re-run of failed keys: failed -> retryable_failed (fresh retry budget),
     and each key's latest dead-lettered message republished so the consumer group runs
     it again.
@@ -277,33 +333,34 @@ def rerun(obj: Ctx, key: str | None, reason: str | None, actor: str | None,
         if given:
             raise click.UsageError(f"{', '.join(given)}: bulk options; give either KEY or "
                                    "filters")
-        _rerun_one(obj, key, reason or "", actor, dlq_topic)
+        _rerun_one(obj, key, reason or "", actor, dlq_topic, namespace)
         return
     _rerun_bulk(obj, reason, actor, dlq_topic, kind=kind, since=since, until=until,
-                handler=handler, key_prefix=key_prefix, limit=limit, dry_run=dry_run,
-                progress=not no_progress, as_json=as_json)
+                handler=handler, namespace=namespace, key_prefix=key_prefix, limit=limit,
+                dry_run=dry_run, progress=not no_progress, as_json=as_json)
 
 
 def _rerun_one(obj: Ctx, key: str, reason: str, actor: str | None,
-               dlq_topic: str | None) -> None:
+               dlq_topic: str | None, namespace: str | None) -> None:
     from confluent_kafka import Producer
 
     from kafka_idem import replay
 
     s = obj.settings()
     who = actor or audit.default_actor()
-    store = _store(s)
     conn = connect(s.dsn)
     try:
         if not reason.strip():
             raise admin.Refused("a reason is required for a re-run: give --reason TEXT",
                                 key=key)
+        store = admin.resolve(conn, _store(s), key, namespace)  # the key's namespace
         rec = store.get(conn, key)
         conn.rollback()
         if rec is None:
-            raise admin.Refused("no record with this key", key=key)
+            raise admin.Refused(f"no record with this key in namespace {store.ns!r}", key=key)
         topic = dlq_topic or f"{rec['kafka_topic']}{s.dlq_suffix}"
-        letter = replay.latest_for_key(s, topic, key) if rec["status"] == "failed" else None
+        letter = (replay.latest_for_key(s, topic, key, store.ns) if rec["status"] == "failed"
+                  else None)
         if rec["status"] == "failed" and letter is None:
             raise admin.Refused(f"no dead-lettered message for this key in {topic}", key=key)
         if letter is not None and letter.truncated is not None:
@@ -335,19 +392,22 @@ def _rerun_one(obj: Ctx, key: str, reason: str, actor: str | None,
 
 def _rerun_bulk(obj: Ctx, reason: str | None, actor: str | None, dlq_topic: str | None, *,
                 kind: str | None, since: Any, until: Any, handler: str | None,
-                key_prefix: str | None, limit: int | None, dry_run: bool, progress: bool,
-                as_json: bool) -> None:
+                namespace: str | None, key_prefix: str | None, limit: int | None,
+                dry_run: bool, progress: bool, as_json: bool) -> None:
     from kafka_idem.replay.bulk import Filter, bulk_rerun
 
     flt = Filter(kind=kind, handler=handler, since=since, until=until,
-                 key_prefix=key_prefix, limit=limit)
+                 key_prefix=key_prefix, limit=limit, namespace=namespace)
     if not flt.to_json() or list(flt.to_json()) == ["limit"]:
         raise click.UsageError("give KEY, or at least one filter (--kind, --since, --until, "
-                               "--handler, --key-prefix) to re-run in bulk")
+                               "--handler, --namespace, --key-prefix) to re-run in bulk")
     s = obj.settings()
     who = actor or audit.default_actor()
     conn = connect(s.dsn)
     try:
+        if namespace is not None:
+            admin.require_namespace(conn, _store(s), namespace)
+            conn.rollback()
         summary = bulk_rerun(s, conn, _store(s), flt, dlq_topic=dlq_topic, actor=who,
                              reason=reason, dry_run=dry_run, progress=progress)
     except admin.Refused as exc:
@@ -385,17 +445,25 @@ def _rerun_bulk(obj: Ctx, reason: str | None, actor: str | None, dlq_topic: str 
 @click.option("--batch-size", type=click.IntRange(1, 100_000), default=5000, show_default=True)
 @click.option("--actor", default=None, help="Who (default: KAFKA_IDEM_ACTOR or the OS user).")
 @click.option("--reason", default=None, help="Why (kept in the audit trail).")
+@click.option("--namespace", help=_NAMESPACE_HELP)
 @click.pass_obj
 def purge(obj: Ctx, older_than: str, include_failed: bool, batch_size: int,
-          actor: str | None, reason: str | None) -> None:
+          actor: str | None, reason: str | None, namespace: str | None) -> None:
     """Retention: delete succeeded (and with --include-failed, failed) records older than
     the window, in audited batches. Never touches processing or retryable_failed records.
-    Warns when the window is shorter than a source topic's retention."""
+    Warns when the window is shorter than a source topic's retention. Exit 1 for an
+    unknown --namespace."""
     s = obj.settings()
     seconds = _duration(older_than)
-    store = _store(s)
+    store = _store(s) if namespace is None else _store(s).scoped(namespace)
     conn = connect(s.dsn)
     try:
+        if namespace is not None:
+            try:
+                admin.require_namespace(conn, store, namespace)
+            except admin.Refused as exc:
+                warn(f"refused: {exc}")
+                sys.exit(1)
         _warn_retention(s, admin.topics_seen(conn, store), seconds)
         conn.rollback()
         deleted = admin.purge(conn, store, older_than=seconds, include_failed=include_failed,
@@ -403,7 +471,8 @@ def purge(obj: Ctx, older_than: str, include_failed: bool, batch_size: int,
                               reason=reason)
     finally:
         conn.close()
-    click.echo(f"purged {deleted} records older than {older_than}")
+    scope = f" in namespace {namespace}" if namespace is not None else ""
+    click.echo(plain(f"purged {deleted} records older than {older_than}{scope}"))
 
 
 def _duration(text: str) -> float:

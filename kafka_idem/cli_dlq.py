@@ -64,6 +64,8 @@ def _selection_options(fn: F) -> F:
         click.option("--key", help="Only this idempotency key."),
         click.option("--kind", type=click.Choice(ERROR_KINDS), help="Only this error kind."),
         click.option("--handler", help="Only records of this handler."),
+        click.option("--namespace", help="Only records of this namespace (records written "
+                     "before namespaces have none: they match)."),
         click.option("--since", metavar="ISO-DATETIME", callback=_when,
                      help="Last failure at or after this time (ISO 8601; UTC if no offset)."),
         click.option("--until", metavar="ISO-DATETIME", callback=_when,
@@ -84,7 +86,8 @@ def _selection(opts: dict[str, Any]) -> replay.Selection:
             and opts["from_offset"] > opts["to_offset"]):
         raise click.BadParameter("--from-offset must be <= --to-offset")
     return replay.Selection(
-        key=opts["key"], kind=opts["kind"], handler=opts["handler"], since=opts["since"],
+        key=opts["key"], kind=opts["kind"], handler=opts["handler"],
+        namespace=opts["namespace"], since=opts["since"],
         until=opts["until"], partition=opts["partition"], from_offset=opts["from_offset"],
         to_offset=opts["to_offset"],
     )
@@ -119,7 +122,8 @@ def dlq() -> None:
     """Dead-letter topics: list and show records, replay them after a fix.
 
     The DLQ is named with --dlq TOPIC, or --topic SOURCE for SOURCE's default DLQ.
-    Filters (all optional, all must match): --key, --kind, --handler, --since/--until
+    Filters (all optional, all must match): --key, --kind, --handler, --namespace,
+    --since/--until
     (on the last failure time), --partition, --from-offset/--to-offset (DLQ positions).
     Exit codes: 0 ok, 1 nothing matched, 2 usage error, 3 Kafka or the database failed.
     """
@@ -314,7 +318,8 @@ _OUTCOME_NAMES = {
     "rerun": "re-run", "resend": "resend", "as_is": "as-is",
     "skipped_succeeded": "skipped succeeded", "skipped_permanent": "skipped permanent",
     "skipped_in_progress": "skipped in progress", "skipped_duplicate": "skipped duplicate",
-    "skipped_truncated": "skipped truncated", "skipped_foreign": "skipped foreign",
+    "skipped_truncated": "skipped truncated", "skipped_ambiguous": "skipped ambiguous",
+    "skipped_foreign": "skipped foreign",
 }
 
 

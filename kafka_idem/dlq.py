@@ -38,7 +38,8 @@ REQUIRED_HEADERS = (
     "idem.consumer_group",
     "idem.handler",
 )
-# Also set when a key could be built: "idem.key".
+# Also set: "idem.namespace" (the app's namespace: records from before namespaces
+# lack it) and, when a key could be built, "idem.key".
 
 
 def bounded(text: str, limit: int) -> str:
@@ -78,6 +79,7 @@ class DeadLetter:
     consumer_group: str
     handler: str
     idempotency_key: str | None = None
+    namespace: str | None = None
     first_failure_at: dt.datetime | None = None
     last_failure_at: dt.datetime | None = None
 
@@ -124,6 +126,8 @@ class DeadLetter:
             ("idem.consumer_group", self.consumer_group),
             ("idem.handler", self.handler),
         ]
+        if self.namespace is not None:
+            pairs.append(("idem.namespace", self.namespace))
         if self.idempotency_key is not None:
             # Never cut: ``rerun`` and ``dlq list --key`` look keys up by their exact text
             # (their length is bounded by key_max_bytes before they exist).

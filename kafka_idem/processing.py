@@ -225,6 +225,7 @@ class Processor:
             consumer_group=self.group_id,
             handler=handler.name,
             idempotency_key=key,
+            namespace=self.store.namespace,
             first_failure_at=first,
             last_failure_at=last,
         )

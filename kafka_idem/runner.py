@@ -106,7 +106,9 @@ class Runner:
         self.app = app
         self.settings = app.settings
         self.metrics = metrics or Metrics()
-        self.store = Store(schema=self.settings.schema_name, table=self.settings.table)
+        self.store = Store(
+            schema=self.settings.schema_name, table=self.settings.table, namespace=app.namespace
+        )
         self.codec = AvroCodec.from_dir(
             self.settings.schemas_dir, registry_url=self.settings.schema_registry_url
         )
@@ -172,21 +174,24 @@ class Runner:
         """Refuse to run on a store older than this code (deploy-before-migrate)."""
         from kafka_idem.errors import ConfigError
         from kafka_idem.migrate import applied_versions, migrations
+        from kafka_idem.namespaces import refuse_unassigned
 
         s = self.settings
         conn = connect(s.dsn, application_name=f"kafka_idem:{self.app.name}")
         try:
             have = set(applied_versions(conn, s.schema_name))
+            missing = [m for m in migrations() if m.version not in have]
+            if missing:
+                names = ", ".join(f"{m.version:04d}_{m.name}" for m in missing)
+                raise ConfigError(
+                    f"store schema {s.schema_name!r} lacks migrations {names}: "
+                    "run `kafka-idem migrate`",
+                    setting="schema_name",
+                )
+            # records of this app's handlers from before namespaces: adopt them first
+            refuse_unassigned(conn, self.store, self.app)
         finally:
             conn.close()
-        missing = [m for m in migrations() if m.version not in have]
-        if missing:
-            names = ", ".join(f"{m.version:04d}_{m.name}" for m in missing)
-            raise ConfigError(
-                f"store schema {s.schema_name!r} lacks migrations {names}: "
-                "run `kafka-idem migrate`",
-                setting="schema_name",
-            )
 
     def run(self, *, max_seconds: float | None = None) -> int:
         """Run until stopped (SIGTERM/SIGINT or :meth:`stop`); return the exit code."""
@@ -607,7 +612,8 @@ class Runner:
         conn = connect(self.settings.dsn, application_name="kafka_idem:metrics")
         try:
             st = admin.status(
-                conn, self.store, long_running_seconds=self.settings.long_running_seconds
+                conn, self.store, long_running_seconds=self.settings.long_running_seconds,
+                namespace=self.store.namespace,
             )
         finally:
             conn.close()

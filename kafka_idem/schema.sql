@@ -1,10 +1,11 @@
 -- kafka_idem store: the full current schema, used to build a new store in one step.
 -- It must equal applying every file of migrations/ in order; a test compares both.
 -- Placeholders are filled with quoted identifiers by kafka_idem.migrate:
--- {schema}, {table}, {audit}, {guard}, {audit_guard}, {status_idx}, {retry_idx}.
+-- {schema}, {table}, {audit}, {guard}, {audit_guard}, {status_idx}, {retry_idx},
+-- {pkey}, {audit_key_idx}.
 
 CREATE TABLE {table} (
-    idempotency_key   text        PRIMARY KEY,
+    idempotency_key   text        NOT NULL,
     request_hash      text        NOT NULL,
     status            text        NOT NULL
         CHECK (status IN ('processing', 'succeeded', 'retryable_failed', 'failed')),
@@ -27,6 +28,10 @@ CREATE TABLE {table} (
     updated_at        timestamptz NOT NULL DEFAULT clock_timestamp(),
     completed_at      timestamptz,
     attempt_base      integer     NOT NULL DEFAULT 0 CHECK (attempt_base >= 0),
+    -- the app (or the apps sharing it on purpose) the key belongs to; '' = written
+    -- before namespaces existed and not yet assigned to an app (migration 0005)
+    namespace         text        NOT NULL,
+    CONSTRAINT {pkey} PRIMARY KEY (namespace, idempotency_key),
     CHECK (status <> 'processing' OR (owner_token IS NOT NULL AND lease_until IS NOT NULL)),
     CHECK (status <> 'succeeded' OR completed_token IS NOT NULL)
 ) WITH (fillfactor = 80);
@@ -42,6 +47,8 @@ CREATE INDEX {retry_idx} ON {table} (next_attempt_at) WHERE status IN ('processi
 --   failed           -> retryable_failed  only inside an audited admin re-run
 --   failed           -> failed            (dead-lettered again: its failure time moves)
 --   succeeded        -> nothing
+-- The key, the request hash and the namespace never change, except that a record
+-- written before namespaces ('') may be assigned to an app by an audited adoption.
 -- DELETE only inside an audited purge, and only of succeeded/failed rows.
 CREATE FUNCTION {guard}() RETURNS trigger LANGUAGE plpgsql AS $fn$
 DECLARE
@@ -52,6 +59,10 @@ BEGIN
         IF NEW.status <> 'processing' THEN
             RAISE EXCEPTION USING ERRCODE = 'KI001',
                 MESSAGE = format('kafka_idem: illegal transition (new) -> %s for %s', NEW.status, NEW.idempotency_key);
+        END IF;
+        IF NEW.namespace = '' THEN
+            RAISE EXCEPTION USING ERRCODE = 'KI001',
+                MESSAGE = format('kafka_idem: a new record needs a namespace (%s)', NEW.idempotency_key);
         END IF;
         RETURN NEW;
     END IF;
@@ -65,6 +76,19 @@ BEGIN
     IF NEW.idempotency_key <> OLD.idempotency_key OR NEW.request_hash <> OLD.request_hash THEN
         RAISE EXCEPTION USING ERRCODE = 'KI001',
             MESSAGE = format('kafka_idem: key and request hash are immutable (%s)', OLD.idempotency_key);
+    END IF;
+    IF NEW.namespace IS DISTINCT FROM OLD.namespace THEN
+        -- only an unassigned record, only to a real namespace, only in an audited
+        -- adoption, and nothing else about it changes
+        IF NOT (OLD.namespace = '' AND NEW.namespace <> '' AND admin = 'adopt'
+                AND NEW.status IS NOT DISTINCT FROM OLD.status
+                AND NEW.attempts IS NOT DISTINCT FROM OLD.attempts
+                AND NEW.owner_token IS NOT DISTINCT FROM OLD.owner_token
+                AND NEW.completed_token IS NOT DISTINCT FROM OLD.completed_token) THEN
+            RAISE EXCEPTION USING ERRCODE = 'KI001',
+                MESSAGE = format('kafka_idem: the namespace of %s is immutable outside an audited adoption of an unassigned record', OLD.idempotency_key);
+        END IF;
+        RETURN NEW;
     END IF;
     IF NEW.attempts < OLD.attempts THEN
         RAISE EXCEPTION USING ERRCODE = 'KI001',
@@ -99,18 +123,19 @@ $fn$;
 -- are legal by construction; every other row runs {guard}(), which decides as
 -- above. NULL-safe: an unexpected NULL makes a row "not obviously legal", so the
 -- function runs (a NULL WHEN would skip it).
---   UPDATE: legal without the function when key and request hash are unchanged,
+--   UPDATE: legal without the function when namespace, key and request hash are unchanged,
 --           attempts do not decrease, and the transition is processing ->
 --           processing / retryable_failed / failed, processing -> succeeded with
 --           completed_token = owner_token, or retryable_failed -> processing /
 --           failed. Everything else (admin re-runs included) runs the function.
---   INSERT: a new 'processing' row is legal; anything else runs the function.
+--   INSERT: a new 'processing' row with a namespace is legal; anything else runs the function.
 --   DELETE: always runs the function.
 CREATE TRIGGER guard_transitions
     BEFORE UPDATE ON {table}
     FOR EACH ROW
     WHEN (NOT coalesce(
-        NEW.idempotency_key = OLD.idempotency_key
+        NEW.namespace = OLD.namespace
+        AND NEW.idempotency_key = OLD.idempotency_key
         AND NEW.request_hash = OLD.request_hash
         AND NEW.attempts >= OLD.attempts
         AND ((OLD.status = 'processing'
@@ -124,7 +149,7 @@ CREATE TRIGGER guard_transitions
 CREATE TRIGGER guard_transitions_insert
     BEFORE INSERT ON {table}
     FOR EACH ROW
-    WHEN (NEW.status IS DISTINCT FROM 'processing')
+    WHEN (NEW.status IS DISTINCT FROM 'processing' OR NEW.namespace IS NOT DISTINCT FROM '')
     EXECUTE FUNCTION {guard}();
 
 CREATE TRIGGER guard_transitions_delete
@@ -143,8 +168,11 @@ CREATE TABLE {audit} (
     reason           text,
     previous_status  text,
     previous_error   text,
-    counts           jsonb
+    counts           jsonb,
+    namespace        text
 );
+
+CREATE INDEX {audit_key_idx} ON {audit} (namespace, idempotency_key, id);
 
 CREATE FUNCTION {audit_guard}() RETURNS trigger LANGUAGE plpgsql AS $fn$
 BEGIN

@@ -43,6 +43,22 @@ _PROTECTED_PRODUCER = {
 }
 
 
+NAMESPACE_MAX = 200  # characters; with a key of key_max_bytes it still fits an index entry
+
+
+def check_namespace(value: str) -> str:
+    """A namespace is non-empty printable text without surrounding spaces, at most
+    NAMESPACE_MAX characters ('' is reserved for records written before namespaces)."""
+    if (not value.strip() or value != value.strip() or not value.isprintable()
+            or len(value) > NAMESPACE_MAX):
+        raise ValueError(
+            f"{value!r} is not a usable namespace: it must be non-empty, at most "
+            f"{NAMESPACE_MAX} characters, without leading or trailing spaces, newlines or "
+            "other control characters"
+        )
+    return value
+
+
 class Settings(BaseSettings):
     """Configuration of one kafka_idem process. Environment prefix ``KAFKA_IDEM_``."""
 
@@ -56,6 +72,11 @@ class Settings(BaseSettings):
         SecretStr(DEFAULT_DATABASE_URL), description="PostgreSQL connection URL (secret)."
     )
     group_id: str | None = Field(None, description="Consumer group id (defaults to the app name).")
+    namespace: str | None = Field(
+        None,
+        description="Scope of the app's idempotency keys in the store (defaults to the app "
+        "name); apps given the same namespace share their records on purpose.",
+    )
     schema_name: str = Field("kafka_idem", description="PostgreSQL schema of the store tables.")
     table: str = Field("task_idempotency", description="Name of the idempotency table.")
     lease_seconds: float = Field(30.0, gt=0, description="Lease of a claimed key (leased mode).")
@@ -140,6 +161,13 @@ class Settings(BaseSettings):
                 f"{value!r} is not a usable consumer group id: it must be non-empty, without "
                 "leading or trailing spaces, newlines or other control characters"
             )
+        return value
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_namespace(value)
         return value
 
     @field_validator("database_url")

@@ -228,10 +228,27 @@ class Store:
     for claim+handler+complete in local mode, two in leased mode).
     """
 
-    def __init__(self, *, schema: str, table: str) -> None:
+    def __init__(self, *, schema: str, table: str, namespace: str | None = None) -> None:
         self.schema = schema
         self.table = table
+        # Records are identified by (namespace, key). A consumer's store has its app's
+        # namespace; an admin tool's store may have none (``scoped`` gives one).
+        self.namespace = namespace
         self.q = compile_queries(schema, table)
+
+    def scoped(self, namespace: str) -> Store:
+        """This store (same queries) for ``namespace``."""
+        other = Store.__new__(Store)
+        other.schema, other.table, other.q = self.schema, self.table, self.q
+        other.namespace = namespace
+        return other
+
+    @property
+    def ns(self) -> str:
+        """The namespace every runtime query runs in (a store without one is a bug)."""
+        if self.namespace is None:
+            raise TypeError("this Store has no namespace; use store.scoped(namespace)")
+        return self.namespace
 
     # --- claim ---------------------------------------------------------------
 
@@ -254,7 +271,7 @@ class Store:
             if row is not None:
                 return Claim(Outcome.CLAIMED, key, token=params["token"], attempts=int(row[0]))
             cur = conn.cursor(row_factory=dict_row)
-            rec = cur.execute(self.q["claim_lock"], {"key": key}).fetchone()
+            rec = cur.execute(self.q["claim_lock"], {"ns": self.ns, "key": key}).fetchone()
             if rec is None:
                 # Purged between our insert and our lock: a new key again.
                 row = conn.execute(self.q["claim_insert"], params).fetchone()
@@ -279,11 +296,11 @@ class Store:
             return None
         return Claim(Outcome.CLAIMED, key, token=params["token"], attempts=int(row[0]))
 
-    @staticmethod
     def _claim_params(
-        key: str, request_hash: str, delivery: Delivery, lease_seconds: float
+        self, key: str, request_hash: str, delivery: Delivery, lease_seconds: float
     ) -> dict[str, Any]:
         return {
+            "ns": self.ns,
             "key": key,
             "hash": request_hash,
             "token": uuid.uuid4(),
@@ -371,7 +388,8 @@ class Store:
         )
         error_class = rec["error_class"] or ("LeaseExpired" if took_over else None)
         row = conn.execute(
-            self.q["exhaust"], {"key": key, "error_class": error_class, "error_message": message}
+            self.q["exhaust"],
+            {"ns": self.ns, "key": key, "error_class": error_class, "error_message": message},
         ).fetchone()
         assert row is not None
         return Claim(
@@ -391,7 +409,8 @@ class Store:
         """Mark succeeded if ``token`` still owns ``key``; else raise :class:`StaleOwner`."""
         with translate_errors(key=key):
             row = conn.execute(
-                self.q["complete"], {"key": key, "token": token, "result": Jsonb(result)}
+                self.q["complete"],
+                {"ns": self.ns, "key": key, "token": token, "result": Jsonb(result)},
             ).fetchone()  # a row, not rowcount: rowcount is unknown in pipeline mode
         if row is None:
             raise StaleOwner(key=key)
@@ -413,6 +432,7 @@ class Store:
             row = conn.execute(
                 self.q["fail"],
                 {
+                    "ns": self.ns,
                     "key": key,
                     "token": token,
                     "status": status,
@@ -429,21 +449,77 @@ class Store:
     def extend_lease(self, conn: Conn, *, key: str, token: uuid.UUID, lease_seconds: float) -> bool:
         with translate_errors(key=key):
             row = conn.execute(
-                self.q["extend_lease"], {"key": key, "token": token, "lease": lease_seconds}
+                self.q["extend_lease"],
+                {"ns": self.ns, "key": key, "token": token, "lease": lease_seconds},
             ).fetchone()
         return row is not None
+
+    # --- the batch path (kafka_idem.batch) ---------------------------------------
+
+    def claim_batch(
+        self, conn: Conn, *, lease_seconds: float, keys: Sequence[str],
+        hashes: Sequence[str], deliveries: Sequence[Delivery],
+    ) -> dict[str, uuid.UUID]:
+        """Claim every new key of ``keys`` (sorted: a stable lock order) in one
+        statement; ``{key: owner token}`` for the keys that were new."""
+        rows = conn.execute(
+            self.q["batch_claim_insert"],
+            {
+                "ns": self.ns,
+                "lease": lease_seconds,
+                "keys": list(keys),
+                "hashes": list(hashes),
+                "handlers": [d.handler for d in deliveries],
+                "topics": [d.topic for d in deliveries],
+                "parts": [d.partition for d in deliveries],
+                "offs": [d.offset for d in deliveries],
+            },
+        ).fetchall()
+        return {key: token for key, token in rows}
+
+    def lock_batch(self, conn: Conn, keys: Sequence[str]) -> list[dict[str, Any]]:
+        """Lock the records of ``keys`` in key order and read what to decide on."""
+        cur = conn.cursor(row_factory=dict_row)
+        return cur.execute(self.q["batch_lock"], {"ns": self.ns, "keys": list(keys)}).fetchall()
+
+    def complete_batch(
+        self, conn: Conn, *, keys: Sequence[str], tokens: Sequence[uuid.UUID | None],
+        results: Sequence[Any],
+    ) -> psycopg.Cursor[Any]:
+        """Every success of a batch in one fenced statement; the cursor's rowcount
+        (read after the pipeline ends) is how many completions kept their fence."""
+        return conn.execute(
+            self.q["batch_complete"],
+            {"ns": self.ns, "keys": list(keys), "tokens": list(tokens),
+             "results": Jsonb(list(results))},
+        )
 
     # --- reads -----------------------------------------------------------------
 
     def get(self, conn: Conn, key: str) -> dict[str, Any] | None:
+        """The record of ``key`` in this store's namespace."""
+        found = self.find(conn, key, [self.ns])
+        return found[0] if found else None
+
+    def find(self, conn: Conn, key: str, namespaces: Sequence[str]) -> list[dict[str, Any]]:
+        """The records of ``key`` in any of ``namespaces`` (admin), by namespace."""
         with translate_errors(key=key):
             cur = conn.cursor(row_factory=dict_row)
-            return cur.execute(self.q["get_record"], {"key": key}).fetchone()
+            return cur.execute(
+                self.q["get_record"], {"nss": list(namespaces), "key": key}
+            ).fetchall()
+
+    def namespaces(self, conn: Conn) -> list[str]:
+        """Every namespace that has records ('' = written before namespaces, unassigned)."""
+        with translate_errors():
+            return [r[0] for r in conn.execute(self.q["namespaces"]).fetchall()]
 
     def succeeded(self, conn: Conn, keys: Sequence[str]) -> dict[str, tuple[str, Any]]:
         """``{key: (request_hash, result)}`` for the keys among ``keys`` that succeeded."""
         with translate_errors():
-            rows = conn.execute(self.q["succeeded_results"], {"keys": list(keys)}).fetchall()
+            rows = conn.execute(
+                self.q["succeeded_results"], {"ns": self.ns, "keys": list(keys)}
+            ).fetchall()
         return {r[0]: (r[1], r[2]) for r in rows if r[3] == "succeeded"}
 
 

@@ -1,7 +1,7 @@
 """Bulk re-run: ``kafka-idem rerun --kind exhausted --reason ...`` (without KEY).
 
-Selects ``failed`` records in the store by filter (kind, last failure time, handler,
-key prefix, limit), reads each DLQ topic involved ONCE to find each selected key's
+Selects ``failed`` records in the store by filter (namespace, kind, last failure
+time, handler, key prefix, limit), reads each DLQ topic involved ONCE to find each selected key's
 latest dead letter, then re-runs and republishes in batches. Each batch is one
 database transaction holding its records' row locks: the keys are re-run
 (``failed -> retryable_failed``, an audit row each), their dead letters are
@@ -34,6 +34,7 @@ from kafka_idem.settings import Settings
 from kafka_idem.store import Conn, Store, translate_errors
 
 BATCH = 200
+RecordId = tuple[str, str]  # (namespace, idempotency key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +47,12 @@ class Filter:
     until: dt.datetime | None = None  # last failure before
     key_prefix: str | None = None
     limit: int | None = None
+    namespace: str | None = None  # None: every namespace
 
     def to_json(self) -> dict[str, Any]:
         return {k: (v.isoformat() if isinstance(v, dt.datetime) else v)
-                for k, v in (("kind", self.kind), ("handler", self.handler),
+                for k, v in (("namespace", self.namespace),
+                             ("kind", self.kind), ("handler", self.handler),
                              ("since", self.since), ("until", self.until),
                              ("key_prefix", self.key_prefix), ("limit", self.limit))
                 if v is not None}
@@ -85,8 +88,8 @@ def select_failed(conn: Conn, store: Store, flt: Filter) -> list[dict[str, Any]]
     with translate_errors():
         cur = conn.cursor(row_factory=dict_row)
         rows = cur.execute(store.q["failed_selection"], {
-            "kind": flt.kind, "handler": flt.handler, "since": flt.since, "until": flt.until,
-            "prefix": flt.key_prefix, "limit": flt.limit,
+            "ns": flt.namespace, "kind": flt.kind, "handler": flt.handler, "since": flt.since,
+            "until": flt.until, "prefix": flt.key_prefix, "limit": flt.limit,
         }).fetchall()
     conn.rollback()
     return rows
@@ -97,17 +100,25 @@ def _latest(rec: DlqRecord) -> tuple[dt.datetime, dt.datetime, int, int]:
     return (rec.last_failure_at or epoch, rec.timestamp or epoch, rec.partition, rec.offset)
 
 
-def latest_letters(settings: Settings, topics: dict[str, set[str]]) -> dict[str, DlqRecord]:
-    """Each key's latest dead letter: every DLQ topic read once, to its current end."""
-    found: dict[str, DlqRecord] = {}
-    for topic, keys in sorted(topics.items()):
+def latest_letters(settings: Settings,
+                   topics: dict[str, set[RecordId]]) -> dict[RecordId, DlqRecord]:
+    """Each (namespace, key)'s latest dead letter: every DLQ topic read once, to its
+    current end. A dead letter from before namespaces counts for its key in any."""
+    found: dict[RecordId, DlqRecord] = {}
+    for topic, wanted in sorted(topics.items()):
+        spaces: dict[str, set[str]] = {}  # key -> the namespaces it is wanted in
+        for ns, key in wanted:
+            spaces.setdefault(key, set()).add(ns)
         records = scan(settings, topic, Selection())
         try:
             for rec in records:
                 k = rec.idempotency_key
-                if k is not None and k in keys and (k not in found
-                                                    or _latest(rec) > _latest(found[k])):
-                    found[k] = rec
+                if k is None or k not in spaces:
+                    continue
+                for ns in ([rec.namespace] if rec.namespace is not None else spaces[k]):
+                    rid = (ns, k)
+                    if rid in wanted and (rid not in found or _latest(rec) > _latest(found[rid])):
+                        found[rid] = rec
         finally:
             records.close()
     return found
@@ -134,21 +145,21 @@ def bulk_rerun(
     summary = BulkSummary(dry_run)
     rows = select_failed(conn, store, flt)
     summary.selected = len(rows)
-    topics: dict[str, set[str]] = {}
+    topics: dict[str, set[RecordId]] = {}
     for row in rows:
         topic = dlq_topic or dlq_topic_for(settings, row["kafka_topic"])
-        topics.setdefault(topic, set()).add(row["idempotency_key"])
+        topics.setdefault(topic, set()).add((row["namespace"], row["idempotency_key"]))
     letters = latest_letters(settings, topics)
-    ready: list[DlqRecord] = []
+    ready: list[tuple[str, DlqRecord]] = []
     for row in rows:
-        k = row["idempotency_key"]
-        letter = letters.get(k)
+        ns, k = row["namespace"], row["idempotency_key"]
+        letter = letters.get((ns, k))
         if letter is None:
             summary.no_dead_letter.append(k)
         elif letter.truncated is not None:
             summary.truncated.append(k)
         else:
-            ready.append(letter)
+            ready.append((ns, letter))
             summary.dlq_topics[letter.dlq_topic] = summary.dlq_topics.get(letter.dlq_topic,
                                                                           0) + 1
     if dry_run or not ready:
@@ -167,16 +178,16 @@ def bulk_rerun(
     return summary
 
 
-def _batch(conn: Conn, store: Store, producer: Producer, chunk: Sequence[DlqRecord],
-           summary: BulkSummary, *, actor: str, reason: str, selection: dict[str, Any],
-           wait: float) -> None:
+def _batch(conn: Conn, store: Store, producer: Producer,
+           chunk: Sequence[tuple[str, DlqRecord]], summary: BulkSummary, *, actor: str,
+           reason: str, selection: dict[str, Any], wait: float) -> None:
     deliveries = Deliveries()
     sent: list[DlqRecord] = []
     with conn.transaction():
-        for rec in chunk:
+        for ns, rec in chunk:
             assert rec.idempotency_key is not None
             done = admin.rerun_if_failed(
-                conn, store, key=rec.idempotency_key, actor=actor, reason=reason,
+                conn, store.scoped(ns), key=rec.idempotency_key, actor=actor, reason=reason,
                 selection={**selection, "partition": rec.partition, "offset": rec.offset,
                            "letter_topic": rec.dlq_topic},
             )

@@ -147,9 +147,11 @@ def read_one(settings: Settings, dlq_topic: str, partition: int, offset: int) ->
         found.close()
 
 
-def latest_for_key(settings: Settings, dlq_topic: str, key: str) -> DlqRecord | None:
-    """The most recently dead-lettered record of idempotency key ``key``, or ``None``."""
-    found = list(scan(settings, dlq_topic, Selection(key=key)))
+def latest_for_key(settings: Settings, dlq_topic: str, key: str,
+                   namespace: str | None = None) -> DlqRecord | None:
+    """The most recently dead-lettered record of idempotency key ``key`` (in
+    ``namespace``: a record from before namespaces matches any), or ``None``."""
+    found = list(scan(settings, dlq_topic, Selection(key=key, namespace=namespace)))
     if not found:
         return None
     epoch = dt.datetime.min.replace(tzinfo=dt.UTC)

@@ -64,6 +64,7 @@ class DlqRecord:
     first_failure_at: dt.datetime | None = None
     last_failure_at: dt.datetime | None = None
     truncated: str | None = None  # what the DLQ copy lacks ("value", ...): see dlq.slim
+    namespace: str | None = None  # None: written before namespaces (found by its key)
 
     @classmethod
     def from_message(cls, msg: Any) -> DlqRecord:
@@ -91,6 +92,7 @@ class DlqRecord:
             first_failure_at=_when(idem.get("idem.first_failure_at")),
             last_failure_at=_when(idem.get("idem.last_failure_at")),
             truncated=idem.get("idem.truncated"),
+            namespace=idem.get("idem.namespace"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -100,6 +102,7 @@ class DlqRecord:
             "partition": self.partition,
             "offset": self.offset,
             "timestamp": self.timestamp.isoformat() if self.timestamp else None,
+            "namespace": self.namespace,
             "idempotency_key": self.idempotency_key,
             "kind": self.kind,
             "error_class": self.error_class,
@@ -147,6 +150,7 @@ class Selection:
     key: str | None = None
     kind: str | None = None
     handler: str | None = None
+    namespace: str | None = None  # a record from before namespaces (none) matches any
     since: dt.datetime | None = None
     until: dt.datetime | None = None
     partition: int | None = None
@@ -170,6 +174,9 @@ class Selection:
         if self.kind is not None and rec.kind != self.kind:
             return False
         if self.handler is not None and rec.handler != self.handler:
+            return False
+        if (self.namespace is not None and rec.namespace is not None
+                and rec.namespace != self.namespace):
             return False
         if self.since is not None or self.until is not None:
             at = rec.last_failure_at

@@ -91,10 +91,12 @@ def replay_group(dlq_topic: str, selection: Selection, to_topic: str | None,
     return f"{REPLAY_GROUP_PREFIX}.{dlq_topic}.{digest}"
 
 
+RecordId = tuple[str, str]  # (namespace, idempotency key): a record in the store
+
 # What a replay does with one record read (see _decide); "sent" ones first.
 SENDS = ("rerun", "resend", "as_is")
 SKIPS = ("skipped_succeeded", "skipped_permanent", "skipped_in_progress", "skipped_duplicate",
-         "skipped_truncated", "skipped_foreign")
+         "skipped_truncated", "skipped_ambiguous", "skipped_foreign")
 OUTCOMES = SENDS + SKIPS
 WHY = {
     "rerun": "failed key: audited re-run, its latest dead letter sent",
@@ -105,6 +107,8 @@ WHY = {
     "skipped_in_progress": "key retryable_failed or processing: the consumer has it",
     "skipped_duplicate": "an older dead letter of a key re-driven by this run",
     "skipped_truncated": "dead-lettered without its value",
+    "skipped_ambiguous": "written before namespaces and its key is in several: "
+                         "`kafka-idem rerun KEY --namespace NS`",
     "skipped_foreign": "no idem.* headers: not written by kafka_idem, left alone",
 }
 FOREIGN = "(foreign)"
@@ -134,7 +138,7 @@ class ReplaySummary:
     run: str = ""
     targets: dict[str, int] = field(default_factory=dict)
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
-    redriven: set[str] = field(default_factory=set)  # keys re-run or resent by this run
+    redriven: set[RecordId] = field(default_factory=set)  # re-run or resent by this run
 
     def total(self, outcome: str) -> int:
         return sum(c.get(outcome, 0) for c in self.by_kind.values())
@@ -172,7 +176,8 @@ class _Batch:
     actions: dict[int, str] = field(default_factory=dict)  # id(record) -> one of SENDS
     rerun: list[DlqRecord] = field(default_factory=list)  # failed keys to re-run first
     outcomes: list[tuple[str, str]] = field(default_factory=list)  # (kind, outcome)
-    redriven: set[str] = field(default_factory=set)
+    redriven: set[RecordId] = field(default_factory=set)
+    namespace: dict[int, str] = field(default_factory=dict)  # id(record) -> its key's
     positions: dict[int, int] = field(default_factory=dict)
 
 
@@ -217,6 +222,9 @@ def replay(
     summary = ReplaySummary(dlq_topic, group, to_topic, dry_run, run=uuid.uuid4().hex[:12])
     conn = connect(settings.dsn, application_name="kafka_idem.replay")
     try:
+        if selection.namespace is not None:
+            with conn.transaction():
+                admin.require_namespace(conn, store, selection.namespace)
         try:
             _run(settings, conn, store, summary, selection, rate=rate, limit=limit,
                  actor=actor, progress=progress, on_record=_both(on_record, on_action),
@@ -365,13 +373,44 @@ def _latest_key(rec: DlqRecord) -> tuple[dt.datetime, dt.datetime, int, int]:
     return (rec.last_failure_at or epoch, rec.timestamp or epoch, rec.partition, rec.offset)
 
 
-def _states(conn: Conn, store: Store, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
-    if not keys:
+def _states(conn: Conn, store: Store, records: Sequence[DlqRecord],
+            selection: Selection) -> dict[int, list[dict[str, Any]]]:
+    """``{id(record): [state, ...]}``: the record of its key in its namespace (one at
+    most), or for a dead letter from before namespaces, in every namespace it may be
+    in (the selection's, else all: the caller refuses to guess between several)."""
+    # A key PostgreSQL cannot hold (a NUL, from a DLQ record written by an older version)
+    # has no record: nothing to look up.
+    keyed = [r for r in records
+             if r.idempotency_key is not None and "\x00" not in r.idempotency_key]
+    if not keyed:
         return {}
     with conn.transaction(), translate_errors():
+        everywhere: list[str] | None = None
+        wanted: set[RecordId] = set()
+        for rec in keyed:
+            assert rec.idempotency_key is not None
+            if rec.namespace is not None:
+                wanted.add((rec.namespace, rec.idempotency_key))
+                continue
+            if selection.namespace is not None:
+                wanted.add((selection.namespace, rec.idempotency_key))
+                continue
+            if everywhere is None:
+                everywhere = store.namespaces(conn)
+            wanted.update((ns, rec.idempotency_key) for ns in everywhere)
+        pairs = sorted(wanted)
         cur = conn.cursor(row_factory=dict_row)
-        rows = cur.execute(store.q["redrive_states"], {"keys": list(keys)}).fetchall()
-    return {r["idempotency_key"]: r for r in rows}
+        rows = cur.execute(store.q["redrive_states"], {
+            "nss": [p[0] for p in pairs], "keys": [p[1] for p in pairs]}).fetchall()
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_key.setdefault(row["idempotency_key"], []).append(row)
+    out: dict[int, list[dict[str, Any]]] = {}
+    for rec in keyed:
+        found = by_key.get(rec.idempotency_key or "", [])
+        ns = rec.namespace if rec.namespace is not None else selection.namespace
+        out[id(rec)] = [f for f in found if ns is None or f["namespace"] == ns]
+    return out
 
 
 def _resend(rec: DlqRecord, state: dict[str, Any], group: str, starts: dict[int, int]) -> bool:
@@ -388,11 +427,14 @@ def _resend(rec: DlqRecord, state: dict[str, Any], group: str, starts: dict[int,
     return partition in starts and offset >= starts[partition]
 
 
-def _classify(rec: DlqRecord, state: dict[str, Any] | None, *, group: str,
-              include_permanent: bool, redriven: set[str], starts: dict[int, int]) -> str:
+def _classify(rec: DlqRecord, states: list[dict[str, Any]], *, group: str,
+              include_permanent: bool, redriven: set[RecordId],
+              starts: dict[int, int]) -> str:
     """The outcome of one matching record with a value (see :data:`WHY`)."""
-    key = rec.idempotency_key
-    if key is not None and key in redriven:
+    if len(states) > 1:
+        return "skipped_ambiguous"
+    state = states[0] if states else None
+    if state is not None and (state["namespace"], state["idempotency_key"]) in redriven:
         return "skipped_duplicate"
     if state is not None and state["status"] == "succeeded":
         return "skipped_succeeded"
@@ -419,29 +461,34 @@ def _decide(
     *,
     group: str,
     include_permanent: bool,
-    redriven: set[str],
+    redriven: set[RecordId],
     starts: dict[int, int],
 ) -> _Batch:
     """Steps 1-2: which records of the batch go where, cut at the limit."""
     records = [DlqRecord.from_message(m) for m in msgs]
     matching = [r for r in records if not _foreign(r) and selection.matches(r)]
-    # A key PostgreSQL cannot hold (a NUL, from a DLQ record written by an older version)
-    # has no record: nothing to look up.
-    keys = sorted({r.idempotency_key for r in matching
-                   if r.idempotency_key is not None and "\x00" not in r.idempotency_key})
-    states = _states(conn, store, keys)
+    states = _states(conn, store, matching, selection)
     outcome: dict[tuple[int, int], str] = {}
-    latest: dict[str, DlqRecord] = {}  # per re-driven key, its latest dead letter here
+    ident: dict[int, RecordId] = {}  # id(record) -> (namespace, key) of a re-driven one
+    latest: dict[RecordId, DlqRecord] = {}  # per re-driven key, its latest dead letter
     for rec in matching:
-        state = states.get(rec.idempotency_key or "")
-        what = _classify(rec, state, group=group, include_permanent=include_permanent,
+        found = states.get(id(rec), [])
+        what = _classify(rec, found, group=group, include_permanent=include_permanent,
                          redriven=redriven, starts=starts)
         outcome[(rec.partition, rec.offset)] = what
         if what in ("rerun", "resend"):
-            assert rec.idempotency_key is not None
-            held = latest.get(rec.idempotency_key)
+            rid = ident[id(rec)] = (found[0]["namespace"], found[0]["idempotency_key"])
+            held = latest.get(rid)
             if held is None or _latest_key(rec) > _latest_key(held):
-                latest[rec.idempotency_key] = rec
+                latest[rid] = rec
+        if what == "skipped_ambiguous":
+            log.warning(
+                "not replayed: %s[%s]@%s names key %s, written before namespaces, which "
+                "is in namespaces %s; re-run it with `kafka-idem rerun KEY --namespace NS`",
+                rec.dlq_topic, rec.partition, rec.offset, rec.idempotency_key,
+                ", ".join(repr(f["namespace"]) for f in found),
+                extra={"action": "replay_skipped", "key": rec.idempotency_key},
+            )
     batch = _Batch()
     for rec in records:
         if remaining is not None and len(batch.send) >= remaining:
@@ -461,12 +508,12 @@ def _decide(
         batch.matched += 1
         what = outcome[(rec.partition, rec.offset)]
         if what in ("rerun", "resend"):
-            key = rec.idempotency_key
-            assert key is not None
-            if latest[key] is not rec or key in batch.redriven:
+            rid = ident[id(rec)]
+            if latest[rid] is not rec or rid in batch.redriven:
                 what = "skipped_duplicate"
             else:
-                batch.redriven.add(key)
+                batch.redriven.add(rid)
+                batch.namespace[id(rec)] = rid[0]
                 if what == "rerun":
                     batch.rerun.append(rec)
         batch.outcomes.append((rec.kind or NO_KIND, what))
@@ -494,27 +541,28 @@ def _rerun(conn: Conn, store: Store, summary: ReplaySummary, batch: _Batch, *, a
             f"{len(batch.rerun)} failed key(s) to re-run (e.g. "
             f"{batch.rerun[0].idempotency_key}): give --reason TEXT (kept in the audit "
             "trail); nothing of this batch was sent")
-    gone: set[str] = set()
+    gone: set[int] = set()
     with conn.transaction():
         for rec in batch.rerun:
             assert rec.idempotency_key is not None
             done = admin.rerun_if_failed(
-                conn, store, key=rec.idempotency_key, actor=actor, reason=reason,
+                conn, store.scoped(batch.namespace[id(rec)]), key=rec.idempotency_key,
+                actor=actor, reason=reason,
                 selection={"via": "dlq replay", "group": summary.group, "run": summary.run,
                            "dlq_topic": rec.dlq_topic, "partition": rec.partition,
                            "offset": rec.offset},
             )
             if done is None:
-                gone.add(rec.idempotency_key)
+                gone.add(id(rec))
     if gone:
-        dropped = {id(r) for r in batch.rerun if r.idempotency_key in gone}
-        batch.send = [(r, t) for r, t in batch.send if id(r) not in dropped]
+        batch.send = [(r, t) for r, t in batch.send if id(r) not in gone]
         for rec in batch.rerun:
-            if rec.idempotency_key in gone:
+            if id(rec) in gone:
+                assert rec.idempotency_key is not None
                 batch.outcomes.remove((rec.kind or NO_KIND, "rerun"))
                 batch.outcomes.append((rec.kind or NO_KIND, "skipped_in_progress"))
-                batch.redriven.discard(rec.idempotency_key)
-    batch.rerun = [r for r in batch.rerun if r.idempotency_key not in gone]
+                batch.redriven.discard((batch.namespace[id(rec)], rec.idempotency_key))
+    batch.rerun = [r for r in batch.rerun if id(r) not in gone]
 
 
 def _send(

@@ -35,6 +35,8 @@ def identifiers(schema: str, table: str) -> dict[str, sql.Composable]:
         "audit_guard": sql.Identifier(schema, "admin_audit_guard"),
         "status_idx": sql.Identifier(f"{table}_status_idx"),
         "retry_idx": sql.Identifier(f"{table}_retry_idx"),
+        "pkey": sql.Identifier(f"{table}_pkey"),
+        "audit_key_idx": sql.Identifier("admin_audit_key_idx"),
         "migrations": sql.Identifier(schema, "schema_migrations"),
     }
 

@@ -1,18 +1,20 @@
 -- Every runtime query of kafka_idem, one named block each ("-- name: ...").
 -- {table} and {audit} are filled with quoted identifiers (psycopg.sql.Identifier).
+-- A record is identified by (namespace, idempotency_key): %(ns)s is the app's
+-- namespace in every runtime query; admin queries take NULL for "every namespace".
 -- Lease and retry times come from clock_timestamp(), the database's real time:
 -- now() is the transaction start and goes stale inside a long transaction.
 
 -- name: claim_insert
 -- Step 1 of a claim: a new key becomes ours in one statement.
 INSERT INTO {table} AS t (
-    idempotency_key, request_hash, status, owner_token, lease_until, attempts,
+    namespace, idempotency_key, request_hash, status, owner_token, lease_until, attempts,
     handler, kafka_topic, kafka_partition, kafka_offset, created_at, updated_at)
 VALUES (
-    %(key)s, %(hash)s, 'processing', %(token)s,
+    %(ns)s, %(key)s, %(hash)s, 'processing', %(token)s,
     clock_timestamp() + make_interval(secs => %(lease)s), 1,
     %(handler)s, %(topic)s, %(partition)s, %(offset)s, clock_timestamp(), clock_timestamp())
-ON CONFLICT (idempotency_key) DO NOTHING
+ON CONFLICT (namespace, idempotency_key) DO NOTHING
 RETURNING attempts;
 
 -- name: claim_lock
@@ -22,7 +24,7 @@ SELECT request_hash, status, owner_token, lease_until, attempts, attempt_base, n
        result_json, error_kind, error_class, error_message,
        first_failure_at, last_failure_at, clock_timestamp() AS db_now
 FROM {table}
-WHERE idempotency_key = %(key)s
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s
 FOR UPDATE;
 
 -- name: claim_take
@@ -38,7 +40,7 @@ SET status = 'processing',
     kafka_partition = %(partition)s,
     kafka_offset = %(offset)s,
     updated_at = clock_timestamp()
-WHERE idempotency_key = %(key)s
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s
 RETURNING attempts;
 
 -- name: complete
@@ -57,7 +59,8 @@ SET status = 'succeeded',
     next_attempt_at = NULL,
     completed_at = clock_timestamp(),
     updated_at = clock_timestamp()
-WHERE idempotency_key = %(key)s AND owner_token = %(token)s AND status = 'processing'
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s
+  AND status = 'processing'
 RETURNING attempts;
 
 -- name: fail
@@ -74,7 +77,8 @@ SET status = %(status)s,
     first_failure_at = coalesce(first_failure_at, clock_timestamp()),
     last_failure_at = clock_timestamp(),
     updated_at = clock_timestamp()
-WHERE idempotency_key = %(key)s AND owner_token = %(token)s AND status = 'processing'
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s
+  AND status = 'processing'
 RETURNING attempts, next_attempt_at, first_failure_at, last_failure_at;
 
 -- name: extend_lease
@@ -82,16 +86,18 @@ RETURNING attempts, next_attempt_at, first_failure_at, last_failure_at;
 UPDATE {table}
 SET lease_until = clock_timestamp() + make_interval(secs => %(lease)s),
     updated_at = clock_timestamp()
-WHERE idempotency_key = %(key)s AND owner_token = %(token)s AND status = 'processing'
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s
+  AND status = 'processing'
 RETURNING idempotency_key;
 
 -- name: get_record
 SELECT idempotency_key, request_hash, status, result_json, error_kind, error_class,
        error_message, owner_token, completed_token, lease_until, attempts, next_attempt_at,
        first_failure_at, last_failure_at, handler, kafka_topic, kafka_partition, kafka_offset,
-       created_at, updated_at, completed_at, clock_timestamp() AS db_now
+       created_at, updated_at, completed_at, namespace, clock_timestamp() AS db_now
 FROM {table}
-WHERE idempotency_key = %(key)s;
+WHERE namespace = ANY(%(nss)s::text[]) AND idempotency_key = %(key)s
+ORDER BY namespace;
 
 -- name: succeeded_results
 -- Replay fast path: which of these keys already succeeded, and with what (the batch
@@ -102,7 +108,7 @@ WHERE idempotency_key = %(key)s;
 -- the plan never depends on how fresh the status index's statistics are.
 SELECT idempotency_key, request_hash, result_json, status
 FROM {table}
-WHERE idempotency_key = ANY(%(keys)s);
+WHERE namespace = %(ns)s AND idempotency_key = ANY(%(keys)s);
 
 -- name: exhaust
 -- Claim found the attempts or elapsed time used up: the record becomes failed.
@@ -117,7 +123,8 @@ SET status = 'failed',
     first_failure_at = coalesce(first_failure_at, clock_timestamp()),
     last_failure_at = clock_timestamp(),
     updated_at = clock_timestamp()
-WHERE idempotency_key = %(key)s AND status IN ('processing', 'retryable_failed')
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s
+  AND status IN ('processing', 'retryable_failed')
 RETURNING first_failure_at, last_failure_at;
 
 -- name: dead_again
@@ -129,14 +136,14 @@ SET last_failure_at = clock_timestamp(),
     kafka_partition = %(partition)s,
     kafka_offset = %(offset)s,
     updated_at = clock_timestamp()
-WHERE idempotency_key = %(key)s AND status = 'failed'
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND status = 'failed'
 RETURNING first_failure_at, last_failure_at;
 
 -- name: audit_insert
 -- The append-only admin trail (rerun, purge, replay).
-INSERT INTO {audit} (actor, action, idempotency_key, selection, reason, previous_status,
-                     previous_error, counts)
-VALUES (%(actor)s, %(action)s, %(key)s, %(selection)s, %(reason)s, %(previous_status)s,
+INSERT INTO {audit} (actor, action, namespace, idempotency_key, selection, reason,
+                     previous_status, previous_error, counts)
+VALUES (%(actor)s, %(action)s, %(ns)s, %(key)s, %(selection)s, %(reason)s, %(previous_status)s,
         %(previous_error)s, %(counts)s)
 RETURNING id, at;
 
@@ -144,11 +151,13 @@ RETURNING id, at;
 SELECT id, at, actor, action, reason, previous_status, previous_error, selection, counts
 FROM {audit}
 WHERE idempotency_key = %(key)s
+  AND (namespace = %(ns)s OR namespace IS NULL)  -- NULL: written before namespaces
 ORDER BY id;
 
 -- name: status_summary
--- Counts for `kafka-idem status` and the sampled metrics gauges.
-SELECT status,
+-- Counts for `kafka-idem status` and the sampled metrics gauges, per namespace
+-- (%(ns)s NULL: every namespace).
+SELECT namespace, status,
        count(*) AS n,
        count(*) FILTER (WHERE status = 'processing' AND lease_until >= clock_timestamp()) AS live,
        count(*) FILTER (WHERE status = 'processing' AND lease_until < clock_timestamp()) AS expired,
@@ -159,20 +168,35 @@ SELECT status,
                         AND next_attempt_at <= clock_timestamp()) AS due_now,
        min(next_attempt_at) AS next_due
 FROM {table}
-GROUP BY status;
+WHERE %(ns)s::text IS NULL OR namespace = %(ns)s::text
+GROUP BY namespace, status;
 
 -- name: failed_by_kind
-SELECT coalesce(error_kind, 'unknown') AS kind, count(*) AS n
+SELECT namespace, coalesce(error_kind, 'unknown') AS kind, count(*) AS n
 FROM {table}
-WHERE status = 'failed'
-GROUP BY 1
-ORDER BY 1;
+WHERE status = 'failed' AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text)
+GROUP BY 1, 2
+ORDER BY 1, 2;
+
+-- name: namespaces
+-- Every namespace with records, '' (unassigned) included: a walk down the primary
+-- key's leading column, one index probe per namespace, not a scan of the table.
+-- Admin lookups of a key given without a namespace probe each of these.
+WITH RECURSIVE ns AS (
+    (SELECT namespace FROM {table} ORDER BY namespace LIMIT 1)
+    UNION ALL
+    SELECT (SELECT t.namespace FROM {table} t
+            WHERE t.namespace > ns.namespace ORDER BY t.namespace LIMIT 1)
+    FROM ns
+    WHERE ns.namespace IS NOT NULL
+)
+SELECT namespace FROM ns WHERE namespace IS NOT NULL;
 
 -- name: lock_record
 SELECT idempotency_key, status, lease_until, error_kind, error_class, error_message,
-       kafka_topic, handler, clock_timestamp() AS db_now
+       kafka_topic, handler, namespace, clock_timestamp() AS db_now
 FROM {table}
-WHERE idempotency_key = %(key)s
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s
 FOR UPDATE;
 
 -- name: rerun
@@ -184,7 +208,7 @@ SET status = 'retryable_failed',
     attempt_base = attempts,
     first_failure_at = NULL,
     updated_at = clock_timestamp()
-WHERE idempotency_key = %(key)s AND status = 'failed';
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND status = 'failed';
 
 -- name: purge_batch
 -- Retention: one batch of old terminal records (never processing or retryable_failed).
@@ -192,13 +216,15 @@ DELETE FROM {table}
 WHERE ctid IN (
     SELECT ctid FROM {table}
     WHERE status = ANY(%(statuses)s)
+      AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text)
       AND updated_at < clock_timestamp() - make_interval(secs => %(older_than)s)
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 );
 
 -- name: topics_seen
-SELECT DISTINCT kafka_topic FROM {table} WHERE kafka_topic IS NOT NULL;
+SELECT DISTINCT kafka_topic FROM {table}
+WHERE kafka_topic IS NOT NULL AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text);
 
 -- name: batch_claim_insert
 -- Batch path: every new key of the batch claimed in one statement, in key order
@@ -206,16 +232,16 @@ SELECT DISTINCT kafka_topic FROM {table} WHERE kafka_topic IS NOT NULL;
 -- made here (gen_random_uuid(), built in since PostgreSQL 13) and come back with
 -- the keys that were inserted; a key that already existed returns no row.
 INSERT INTO {table} AS t (
-    idempotency_key, request_hash, status, owner_token, lease_until, attempts,
+    namespace, idempotency_key, request_hash, status, owner_token, lease_until, attempts,
     handler, kafka_topic, kafka_partition, kafka_offset, created_at, updated_at)
-SELECT i.key, i.hash, 'processing', gen_random_uuid(),
+SELECT %(ns)s, i.key, i.hash, 'processing', gen_random_uuid(),
        clock_timestamp() + make_interval(secs => %(lease)s), 1,
        i.handler, i.topic, i.part, i.off, clock_timestamp(), clock_timestamp()
 FROM unnest(%(keys)s::text[], %(hashes)s::text[], %(handlers)s::text[],
             %(topics)s::text[], %(parts)s::int[], %(offs)s::bigint[])
      AS i(key, hash, handler, topic, part, off)
 ORDER BY i.key
-ON CONFLICT (idempotency_key) DO NOTHING
+ON CONFLICT (namespace, idempotency_key) DO NOTHING
 RETURNING idempotency_key, owner_token;
 
 -- name: batch_lock
@@ -225,7 +251,7 @@ SELECT idempotency_key, request_hash, status, owner_token, lease_until, attempts
        attempt_base, next_attempt_at, result_json, error_kind, error_class, error_message,
        first_failure_at, last_failure_at, clock_timestamp() AS db_now
 FROM {table}
-WHERE idempotency_key = ANY(%(keys)s)
+WHERE namespace = %(ns)s AND idempotency_key = ANY(%(keys)s)
 ORDER BY idempotency_key
 FOR UPDATE;
 
@@ -249,36 +275,70 @@ FROM (
     FROM unnest(%(keys)s::text[], %(tokens)s::uuid[]) WITH ORDINALITY AS k(key, token, n)
     JOIN jsonb_array_elements(%(results)s::jsonb) WITH ORDINALITY AS r(result, n) USING (n)
 ) AS v
-WHERE t.idempotency_key = v.key AND t.owner_token = v.token AND t.status = 'processing';
+WHERE t.namespace = %(ns)s AND t.idempotency_key = v.key AND t.owner_token = v.token
+  AND t.status = 'processing';
 
 -- name: redrive_states
--- Replay re-drive: the state of each key a batch of dead letters names, with the
--- key's latest audit row (a key this replay re-ran in an interrupted run shows
--- action 'rerun' and this replay's group). One scan of the audit trail per batch.
-WITH latest AS (
-    SELECT DISTINCT ON (idempotency_key) idempotency_key, action, selection
-    FROM {audit}
-    WHERE idempotency_key = ANY(%(keys)s)
-    ORDER BY idempotency_key, id DESC
+-- Replay re-drive: the state of each (namespace, key) a batch of dead letters names,
+-- with the key's latest audit row there (a key this replay re-ran in an interrupted
+-- run shows action 'rerun' and this replay's group). One scan of the audit trail per
+-- batch; audit rows from before namespaces (NULL) count for the key's namespace.
+WITH found AS (
+    SELECT r.namespace, r.idempotency_key, r.status, r.error_kind
+    FROM unnest(%(nss)s::text[], %(keys)s::text[]) AS w(ns, key)
+    JOIN {table} r ON r.namespace = w.ns AND r.idempotency_key = w.key
+), latest AS (
+    SELECT DISTINCT ON (f.namespace, f.idempotency_key)
+           f.namespace, f.idempotency_key, a.action, a.selection
+    FROM found f
+    JOIN {audit} a ON a.idempotency_key = f.idempotency_key
+                  AND (a.namespace = f.namespace OR a.namespace IS NULL)
+    ORDER BY f.namespace, f.idempotency_key, a.id DESC
 )
-SELECT r.idempotency_key, r.status, r.error_kind, l.action AS last_action,
+SELECT f.namespace, f.idempotency_key, f.status, f.error_kind,
+       l.action AS last_action,
        l.selection ->> 'group' AS last_group, l.selection ->> 'dlq_topic' AS last_topic,
        l.selection ->> 'partition' AS last_partition, l.selection ->> 'offset' AS last_offset
-FROM {table} r
-LEFT JOIN latest l USING (idempotency_key)
-WHERE r.idempotency_key = ANY(%(keys)s);
+FROM found f
+LEFT JOIN latest l USING (namespace, idempotency_key);
 
 -- name: failed_selection
 -- Bulk re-run: the failed records a filter selects (NULL parameters select all),
 -- oldest failure first.
-SELECT idempotency_key, error_kind, error_class, error_message, handler, kafka_topic,
-       last_failure_at
+SELECT namespace, idempotency_key, error_kind, error_class, error_message, handler,
+       kafka_topic, last_failure_at
 FROM {table}
 WHERE status = 'failed'
+  AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text)
   AND (%(kind)s::text IS NULL OR error_kind = %(kind)s::text)
   AND (%(handler)s::text IS NULL OR handler = %(handler)s::text)
   AND (%(since)s::timestamptz IS NULL OR last_failure_at >= %(since)s::timestamptz)
   AND (%(until)s::timestamptz IS NULL OR last_failure_at < %(until)s::timestamptz)
   AND (%(prefix)s::text IS NULL OR starts_with(idempotency_key, %(prefix)s::text))
-ORDER BY last_failure_at, idempotency_key
+ORDER BY last_failure_at, namespace, idempotency_key
 LIMIT %(limit)s;
+
+-- name: unassigned
+-- Records written before namespaces (namespace '') of the given (topic, handler)
+-- pairs whose key the namespace does not hold yet: what an adoption would assign.
+SELECT u.kafka_topic, u.handler, count(*) AS n
+FROM {table} u
+JOIN unnest(%(topics)s::text[], %(handlers)s::text[]) AS p(topic, handler)
+  ON u.kafka_topic = p.topic AND u.handler = p.handler
+WHERE u.namespace = ''
+  AND NOT EXISTS (SELECT 1 FROM {table} n
+                  WHERE n.namespace = %(ns)s AND n.idempotency_key = u.idempotency_key)
+GROUP BY 1, 2
+ORDER BY 1, 2;
+
+-- name: adopt
+-- The audited adoption: those records move to the namespace (the guard allows it
+-- only with kafka_idem.admin_action = 'adopt', and nothing else changes).
+UPDATE {table} u
+SET namespace = %(ns)s
+FROM unnest(%(topics)s::text[], %(handlers)s::text[]) AS p(topic, handler)
+WHERE u.kafka_topic = p.topic AND u.handler = p.handler
+  AND u.namespace = ''
+  AND NOT EXISTS (SELECT 1 FROM {table} n
+                  WHERE n.namespace = %(ns)s AND n.idempotency_key = u.idempotency_key)
+RETURNING u.kafka_topic, u.handler;

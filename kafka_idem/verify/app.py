@@ -56,6 +56,7 @@ KEY_TEMPLATE = "{tenant_id}:verify:{order_id}"
 HASH_FIELDS = ("amount", "currency")
 HANDLER = "intent"
 ENV_PREFIX = "IDEM_VERIFY_"
+APP_NAME = "kafka-idem-verify"  # also the namespace of its records
 
 
 class Intent(BaseModel):
@@ -177,7 +178,7 @@ def _gateway_client(config: Config) -> Any:
 def build_app(config: Config, **settings: Any) -> App:
     """The verify app for ``config``; ``settings`` override Settings fields."""
     settings.setdefault("schemas_dir", SCHEMAS_DIR)
-    application = App("kafka-idem-verify", **settings)
+    application = App(APP_NAME, **{"namespace": APP_NAME, **settings})
     gateway = _gateway_client(config) if config.gateway_url else None
     mode = "leased" if gateway is not None else config.mode
     ledger = sql.Identifier(config.biz_schema, "ledger")

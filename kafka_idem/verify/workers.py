@@ -69,7 +69,8 @@ def race_one(conf: dict[str, Any], value: bytes, offset: int, barrier: Any, queu
         app = build_app(config, database_url=conf["dsn"], schema_name=conf["store_schema"],
                         table=conf["table"], lease_seconds=conf["lease"],
                         bootstrap_servers=conf["bootstrap"], group_id=conf["group"])
-        proc = Processor(app, store=Store(schema=conf["store_schema"], table=conf["table"]),
+        proc = Processor(app, store=Store(schema=conf["store_schema"], table=conf["table"],
+                                          namespace=app.namespace),
                          codec=codec(), metrics=Metrics())
         msg = FakeMessage(conf["topic"], 0, offset, b"race", value)
         proc.connection()  # connected before the barrier: the race is on the claim

@@ -23,7 +23,7 @@ import kafka_idem
 from kafka_idem.migrate import migrate
 from kafka_idem.settings import Settings
 from kafka_idem.store import Store
-from kafka_idem.verify.app import ENV_PREFIX, Config, business_tables
+from kafka_idem.verify.app import APP_NAME, ENV_PREFIX, Config, business_tables
 from kafka_idem.verify.kafka import Kafka
 
 TABLE = "task_idempotency"
@@ -120,7 +120,7 @@ class Workspace:
         self.topic = f"kafka-idem-verify.{run_id}.s{sid}"
         self.dlq = f"{self.topic}{settings.dlq_suffix}"
         self.group = f"kafka-idem-verify.{run_id}.s{sid}"
-        self.store = Store(schema=self.store_schema, table=TABLE)
+        self.store = Store(schema=self.store_schema, table=TABLE, namespace=APP_NAME)
         self.logdir = logdir
         self.members: list[Member] = []
         self.schemas: list[str] = []

@@ -168,7 +168,7 @@ def test_rerun_of_a_failed_key_after_the_fix_succeeds_once_with_an_audit_row(
 
 
 def test_rerun_refuses_a_live_processing_record(db: DB) -> None:
-    store = Store(schema="kafka_idem", table="task_idempotency")
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
     conn = connect(db.dsn)
     with conn.transaction():
         store.claim(conn, key="k:live", request_hash="v1:x", delivery=Delivery("t", 0, 0, "h"),
@@ -181,7 +181,7 @@ def test_rerun_refuses_a_live_processing_record(db: DB) -> None:
 
 
 def _records(db: DB, statuses: dict[str, int]) -> None:
-    store = Store(schema="kafka_idem", table="task_idempotency")
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
     conn = connect(db.dsn)
     for status, n in statuses.items():
         for i in range(n):
@@ -222,7 +222,7 @@ def test_purge_deletes_old_terminal_records_in_audited_batches_only(db: DB) -> N
 def test_purge_warns_when_the_window_is_shorter_than_topic_retention(db: DB,
                                                                      topics: Topics) -> None:
     topic = topics(partitions=1)
-    store = Store(schema="kafka_idem", table="task_idempotency")
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
     conn = connect(db.dsn)
     with conn.transaction():
         c = store.claim(conn, key="k", request_hash="v1:x", delivery=Delivery(topic, 0, 0, "h"),

@@ -38,7 +38,7 @@ class Hostile:
 @pytest.fixture
 def hostile(db: DB, topics: Topics) -> Hostile:
     source = topics(partitions=1)
-    store = Store(schema="kafka_idem", table="task_idempotency")
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
     conn = connect(db.dsn)
     with conn.transaction():
         claim = store.claim(conn, key=KEY, request_hash="v1:x",

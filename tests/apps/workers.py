@@ -31,7 +31,8 @@ def processor(dsn: str, topic: str, mode: str, hold: float = 0.0) -> Processor:
             return result
 
         app.handlers[topic].fn = slow
-    return Processor(app, store=Store(schema="kafka_idem", table="task_idempotency"),
+    return Processor(app, store=Store(schema="kafka_idem", table="task_idempotency",
+                                      namespace=app.namespace),
                      codec=payments.codec(), metrics=Metrics())
 
 

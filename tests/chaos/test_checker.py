@@ -180,9 +180,10 @@ def stuck_processing(run: Run) -> str:
     [(part, off)] = produce(run.topic, [(key, value)])
     intent = PaymentsDecoder(run.topic)(value)
     assert not isinstance(intent, str)
-    run.sql("INSERT INTO kafka_idem.task_idempotency (idempotency_key, request_hash, status,"
-            " owner_token, lease_until, attempts) VALUES (%s, %s, 'processing', %s,"
-            " now() + interval '1 hour', 1)", (intent.key, intent.request_hash, uuid.uuid4()))
+    run.sql("INSERT INTO kafka_idem.task_idempotency (namespace, idempotency_key, request_hash,"
+            " status, owner_token, lease_until, attempts) VALUES ('payments', %s, %s,"
+            " 'processing', %s, now() + interval '1 hour', 1)",
+            (intent.key, intent.request_hash, uuid.uuid4()))
     run.commit_offset(part, off + 1)
     return "t4:charge:o97: still processing"
 

@@ -179,7 +179,7 @@ def assert_dead_letter(
 
 def record_in(db: DB, status: str) -> str:
     """The key of a new record driven through legal transitions into ``status``."""
-    store = Store(schema="kafka_idem", table="task_idempotency")
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
     key = f"k:{uuid.uuid4().hex}"
     conn = connect(db.dsn)
     with conn.transaction():

@@ -163,7 +163,8 @@ def _claimed_elsewhere(
     handler = proc.app.handlers[TOPIC]
     (msg,) = batches.msgs(order)
     prep = proc.prepare(handler, msg)
-    store = Store(schema="kafka_idem", table="task_idempotency")
+    store = Store(schema="kafka_idem", table="task_idempotency",
+                  namespace=proc.app.namespace)
     other = connect(db.dsn)
     with other.transaction():
         theirs = store.claim(other, key=prep.key, request_hash=prep.request_hash,

@@ -104,7 +104,8 @@ def processor(db: DB, fn: Callable[[payments.ChargeRequested, Context], Any], *,
               errors: dict[type[BaseException], ErrorKind] | None = None) -> Processor:
     app = charge_app(db, TOPIC, "classify", fn, mode=mode, errors=errors,
                      retry=RetryPolicy(base=0.1, cap=0.1, max_attempts=max_attempts))
-    return Processor(app, store=Store(schema="kafka_idem", table="task_idempotency"),
+    return Processor(app, store=Store(schema="kafka_idem", table="task_idempotency",
+                                      namespace=app.namespace),
                      codec=payments.codec(), metrics=Metrics())
 
 

@@ -117,7 +117,7 @@ def test_offsets_never_pass_a_message_that_is_still_pending(db: DB, topics: Topi
     items = intents(4)
     produce(topic, messages(items))
     # Another owner holds o0's key with a live lease: o0 is busy, o1..o3 must wait behind it.
-    store = Store(schema="kafka_idem", table="task_idempotency")
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="payments")
     conn = connect(db.dsn)
     from kafka_idem.keys import request_hash
 

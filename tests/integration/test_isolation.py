@@ -86,7 +86,7 @@ def _waiting_on_a_lock(dsn: str) -> bool:
 def test_a_heartbeat_racing_the_completion_commit_is_not_a_lost_lease(db: DB) -> None:
     """The heartbeat's extension waits on the completion's row lock and finds the
     record succeeded once the owner commits: its own finished work, not a loss."""
-    store = Store(schema="kafka_idem", table="task_idempotency")
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
     key = f"t:{uuid.uuid4().hex}"
     owner = connect(db.dsn)
     claim = _claim(store, owner, key, offset=0, lease_seconds=30)
@@ -108,7 +108,7 @@ def test_a_heartbeat_racing_the_completion_commit_is_not_a_lost_lease(db: DB) ->
 
 
 def test_a_heartbeat_finding_the_key_taken_over_reports_the_loss(db: DB) -> None:
-    store = Store(schema="kafka_idem", table="task_idempotency")
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
     key = f"t:{uuid.uuid4().hex}"
     conn = connect(db.dsn)
     first = _claim(store, conn, key, offset=0, lease_seconds=0.01)

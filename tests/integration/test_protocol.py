@@ -88,7 +88,7 @@ def _ledger_write(conn: Any, who: str) -> None:
 
 
 def test_stale_owner_cannot_commit_after_lease_takeover(db: DB) -> None:
-    store = Store(schema="kafka_idem", table="task_idempotency")
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
     a_conn, b_conn = connect(db.dsn), connect(db.dsn)
     a = _claim(store, a_conn, lease=0.2)
     assert a.outcome is Outcome.CLAIMED and a.attempts == 1
@@ -122,7 +122,7 @@ def test_stale_owner_cannot_commit_after_lease_takeover(db: DB) -> None:
 
 
 def test_database_refuses_completion_with_a_stale_token_even_in_plain_sql(db: DB) -> None:
-    store = Store(schema="kafka_idem", table="task_idempotency")
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
     conn = connect(db.dsn)
     claim = _claim(store, conn, lease=30)
     with psycopg.connect(db.dsn) as raw, pytest.raises(psycopg.Error) as err:
@@ -135,7 +135,7 @@ def test_database_refuses_completion_with_a_stale_token_even_in_plain_sql(db: DB
 
 
 def test_repeat_after_success_replays_the_stored_result_exactly(db: DB) -> None:
-    store = Store(schema="kafka_idem", table="task_idempotency")
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
     conn = connect(db.dsn)
     for result in (0, False, [], None, {"a": 1}):  # falsy results are results (never mistaken for "no result")
         key = f"t1:charge:{uuid.uuid4().hex}"
@@ -191,14 +191,14 @@ def test_database_rejects_silent_deletes_and_new_rows_not_processing(db: DB) -> 
 
 
 def test_store_error_translation_maps_transition_refusal(db: DB) -> None:
-    store = Store(schema="kafka_idem", table="task_idempotency")
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
     key = record_in(db, "failed")
     conn = connect(db.dsn)
     with pytest.raises(IllegalTransition), conn.transaction():
         # failed -> processing through the store's own SQL is refused by the guard
         from kafka_idem.store import translate_errors
         with translate_errors(key=key):
-            conn.execute(store.q["claim_take"], {"key": key, "token": uuid.uuid4(), "lease": 30,
+            conn.execute(store.q["claim_take"], {"ns": store.ns, "key": key, "token": uuid.uuid4(), "lease": 30,
                                                  "charge": 1, "handler": "h", "topic": TOPIC,
                                                  "partition": 0, "offset": 0})
     conn.close()

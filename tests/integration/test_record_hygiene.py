@@ -11,7 +11,7 @@ from kafka_idem.store import Delivery, Store, connect
 from tests.conftest import DB, InProcess, Topics, caught_up, committed, headers, produce, wait_for
 from tests.integration.support import charge_app, dlq_records, parse_ts
 
-STORE = Store(schema="kafka_idem", table="task_idempotency")
+STORE = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
 
 
 def _claim(conn: object, key: str) -> uuid.UUID:

@@ -27,8 +27,10 @@ def state(status: str, error_kind: str | None = "exhausted", *, action: str | No
 
 def decide(rec: DlqRecord, st: dict[str, Any] | None, *, include_permanent: bool = False,
            redriven: frozenset[str] = frozenset(), start: int = 0) -> str:
-    return _classify(rec, st, group=GROUP, include_permanent=include_permanent,
-                     redriven=set(redriven), starts={0: start})
+    # the key's record is in namespace "app" (a replay looks it up there)
+    states = [] if st is None else [{"namespace": "app", "idempotency_key": "k", **st}]
+    return _classify(rec, states, group=GROUP, include_permanent=include_permanent,
+                     redriven={("app", k) for k in redriven}, starts={0: start})
 
 
 @pytest.mark.parametrize(("rec", "st", "extra", "expected"), [
@@ -56,3 +58,15 @@ def decide(rec: DlqRecord, st: dict[str, Any] | None, *, include_permanent: bool
 def test_each_state_has_one_outcome(rec: DlqRecord, st: dict[str, Any] | None,
                                     extra: dict[str, Any], expected: str) -> None:
     assert decide(rec, st, **extra) == expected
+
+
+def test_a_key_redriven_in_another_namespace_is_not_a_duplicate() -> None:
+    assert _classify(letter(), [{"namespace": "app", "idempotency_key": "k", **state("failed")}],
+                     group=GROUP, include_permanent=False, redriven={("other", "k")},
+                     starts={0: 0}) == "rerun"
+
+
+def test_a_letter_from_before_namespaces_whose_key_is_in_two_is_left_alone() -> None:
+    both = [{"namespace": ns, "idempotency_key": "k", **state("failed")} for ns in ("a", "b")]
+    assert _classify(letter(), both, group=GROUP, include_permanent=False, redriven=set(),
+                     starts={0: 0}) == "skipped_ambiguous"
