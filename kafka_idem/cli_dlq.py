@@ -162,12 +162,13 @@ def list_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, limit: 
     table = Table(title=cell(f"{topic}: {len(records)} record(s)"
                              + (" (--limit reached)" if more else "")))
     for col in ("partition", "offset", "last failure (UTC)", "kind", "class", "key",
-                "handler", "attempts", "message"):
+                "namespace", "handler", "attempts", "message"):
         table.add_column(col, overflow="fold")
     for r in records:
         table.add_row(*(cell(v) for v in (
             r.partition, r.offset, _time(r.last_failure_at), r.kind, r.error_class,
-            r.idempotency_key, r.handler, r.attempts, _short(r.error_message),
+            r.idempotency_key, r.namespace or "", r.handler, r.attempts,
+            _short(r.error_message),
         )))
     Console(soft_wrap=False).print(table)
 

@@ -143,7 +143,8 @@ class Processor:
     ) -> None:
         self.app = app
         self.settings = app.settings
-        self.store = store
+        # the app's keys live in its namespace (a store built without one gets it here)
+        self.store = store if store.namespace is not None else store.scoped(app.namespace)
         self.codec = codec
         self.metrics = metrics
         self.leases = leases

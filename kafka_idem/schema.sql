@@ -81,10 +81,7 @@ BEGIN
         -- only an unassigned record, only to a real namespace, only in an audited
         -- adoption, and nothing else about it changes
         IF NOT (OLD.namespace = '' AND NEW.namespace <> '' AND admin = 'adopt'
-                AND NEW.status IS NOT DISTINCT FROM OLD.status
-                AND NEW.attempts IS NOT DISTINCT FROM OLD.attempts
-                AND NEW.owner_token IS NOT DISTINCT FROM OLD.owner_token
-                AND NEW.completed_token IS NOT DISTINCT FROM OLD.completed_token) THEN
+                AND (to_jsonb(NEW) - 'namespace') IS NOT DISTINCT FROM (to_jsonb(OLD) - 'namespace')) THEN
             RAISE EXCEPTION USING ERRCODE = 'KI001',
                 MESSAGE = format('kafka_idem: the namespace of %s is immutable outside an audited adoption of an unassigned record', OLD.idempotency_key);
         END IF;

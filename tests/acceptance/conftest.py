@@ -71,10 +71,12 @@ class Result:
         return json.loads(self.out)
 
 
-def kafka_idem(*args: str, db: DB | None = None, timeout: float = 60.0) -> Result:
-    """Run ``kafka-idem [--database-url DB] ARGS...`` and return its exit code and output."""
+def kafka_idem(*args: str, db: DB | None = None, timeout: float = 60.0,
+               env: dict[str, str] | None = None) -> Result:
+    """Run ``kafka-idem [--database-url DB] ARGS...`` (``env``: more variables) and
+    return its exit code and output."""
     env = {**os.environ, "KAFKA_IDEM_BOOTSTRAP_SERVERS": BOOTSTRAP, "COLUMNS": "250",
-           "KAFKA_IDEM_ACTOR": "acceptance"}
+           "KAFKA_IDEM_ACTOR": "acceptance", **(env or {})}
     env.pop("KAFKA_IDEM_DATABASE_URL", None)
     cmd = [*KAFKA_IDEM, *(["--database-url", db.dsn] if db is not None else []), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,

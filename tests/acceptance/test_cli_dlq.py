@@ -144,6 +144,7 @@ def test_list_shows_every_dead_lettered_record_with_its_metadata(
         row, h = by_pos[(m.partition(), m.offset())], headers_of(m)
         kind_, key, handler = EXPECTED_DLQ[m.key()]
         assert (row["kind"], row["idempotency_key"], row["handler"]) == (kind_, key, handler)
+        assert row["namespace"] == h["idem.namespace"] == "payments"
         assert row["error_class"] == h["idem.error.class"]
         assert row["error_message"] == h["idem.error.message"]
         assert row["attempts"] == int(h["idem.attempts"])

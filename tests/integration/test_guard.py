@@ -4,6 +4,7 @@ plpgsql function runs only for rows that need checking."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import psycopg
@@ -290,3 +291,89 @@ def test_the_guard_function_runs_only_for_rows_that_need_checking(db: DB) -> Non
         conn.rollback()
     finally:
         conn.close()
+
+
+def _unassigned(db: DB, schema: str) -> None:
+    """A store at 0004 with records 'u1', 'u2' (succeeded), migrated to 0005: unassigned."""
+    table = sql.Identifier(schema, TABLE)
+    with psycopg.connect(db.dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        for migration in migrations():
+            if migration.version <= 4:
+                conn.execute(render(migration, schema, TABLE))
+        for key in ("u1", "u2"):
+            conn.execute(sql.SQL(
+                "INSERT INTO {} (idempotency_key, request_hash, status, owner_token, "
+                "lease_until, attempts) VALUES (%s, 'v1:x', 'processing', gen_random_uuid(), "
+                "now() + interval '1 minute', 1)").format(table), (key,))
+            conn.execute(sql.SQL(
+                "UPDATE {} SET status = 'succeeded', completed_token = owner_token, "
+                "owner_token = NULL, lease_until = NULL WHERE idempotency_key = %s"
+            ).format(table), (key,))
+        for migration in migrations():
+            if migration.version > 4:
+                conn.execute(render(migration, schema, TABLE))
+
+
+IMMUTABLE = "kafka_idem: the namespace of u1 is immutable"
+NAMESPACE_CHANGES = [
+    # (admin action, SET clause, the refusal's message start or None when allowed)
+    ("", "namespace = 'app'", IMMUTABLE),
+    ("rerun", "namespace = 'app'", IMMUTABLE),
+    ("adopt", "namespace = 'app', status = 'processing', owner_token = gen_random_uuid(), "
+     "lease_until = now() + interval '1 minute'", IMMUTABLE),
+    ("adopt", "namespace = 'app', attempts = attempts + 1", IMMUTABLE),
+    # no namespace change: the usual rules (a succeeded record never changes)
+    ("adopt", "namespace = ''", "kafka_idem: illegal transition succeeded -> succeeded"),
+    ("adopt", "namespace = 'app', result_json = '1'", IMMUTABLE),
+    ("adopt", "namespace = 'app'", None),
+]
+
+
+@pytest.mark.parametrize(("admin", "change", "refusal"), NAMESPACE_CHANGES)
+def test_only_an_audited_adoption_assigns_an_unassigned_record(
+    db: DB, admin: str, change: str, refusal: str | None
+) -> None:
+    schema = f"ns_{uuid.uuid4().hex[:8]}"
+    _unassigned(db, schema)
+    table = sql.Identifier(schema, TABLE)
+    with psycopg.connect(db.dsn) as conn:
+        conn.execute("SELECT set_config('kafka_idem.admin_action', %s, true)", (admin,))
+        stmt = sql.SQL(f"UPDATE {{}} SET {change} WHERE idempotency_key = 'u1'").format(table)
+        if refusal is not None:
+            with pytest.raises(psycopg.Error) as err:
+                conn.execute(stmt)
+            assert err.value.sqlstate == "KI001"
+            assert (err.value.diag.message_primary or "").startswith(refusal)
+        else:
+            assert conn.execute(stmt).rowcount == 1
+            conn.commit()
+            assert db.value(sql.SQL("SELECT namespace FROM {} WHERE idempotency_key = 'u1'")
+                            .format(table).as_string()) == "app"
+
+
+def test_an_assigned_record_never_changes_namespace(db: DB) -> None:
+    schema = f"ns_{uuid.uuid4().hex[:8]}"
+    _unassigned(db, schema)
+    table = sql.Identifier(schema, TABLE)
+    with psycopg.connect(db.dsn) as conn:
+        conn.execute("SELECT set_config('kafka_idem.admin_action', 'adopt', true)")
+        conn.execute(sql.SQL("UPDATE {} SET namespace = 'app' WHERE idempotency_key = 'u1'")
+                     .format(table))
+        conn.commit()
+        for target in ("", "other"):
+            with conn.transaction():
+                conn.execute("SELECT set_config('kafka_idem.admin_action', 'adopt', true)")
+                with pytest.raises(psycopg.Error) as err, conn.transaction():
+                    conn.execute(sql.SQL("UPDATE {} SET namespace = %s "
+                                         "WHERE idempotency_key = 'u1'").format(table), (target,))
+                assert err.value.sqlstate == "KI001"
+        # a new record cannot be unassigned
+        with pytest.raises(psycopg.Error) as err:
+            conn.execute(sql.SQL(
+                "INSERT INTO {} (namespace, idempotency_key, request_hash, status, owner_token, "
+                "lease_until) VALUES ('', 'new', 'v1:x', 'processing', gen_random_uuid(), "
+                "now() + interval '1 minute')").format(table))
+        assert err.value.sqlstate == "KI001"
+        assert (err.value.diag.message_primary or "").startswith(
+            "kafka_idem: a new record needs a namespace")
