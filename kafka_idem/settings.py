@@ -43,17 +43,18 @@ _PROTECTED_PRODUCER = {
 }
 
 
-NAMESPACE_MAX = 200  # characters; with a key of key_max_bytes it still fits an index entry
+NAMESPACE_MAX = 200  # UTF-8 bytes: with a key of key_max_bytes (<= 2000) the primary
+# key's index entry stays under PostgreSQL's limit (about 2700 bytes)
 
 
 def check_namespace(value: str) -> str:
     """A namespace is non-empty printable text without surrounding spaces, at most
-    NAMESPACE_MAX characters ('' is reserved for records written before namespaces)."""
+    NAMESPACE_MAX UTF-8 bytes ('' is reserved for records written before namespaces)."""
     if (not value.strip() or value != value.strip() or not value.isprintable()
-            or len(value) > NAMESPACE_MAX):
+            or len(value.encode("utf-8", "surrogatepass")) > NAMESPACE_MAX):
         raise ValueError(
             f"{value!r} is not a usable namespace: it must be non-empty, at most "
-            f"{NAMESPACE_MAX} characters, without leading or trailing spaces, newlines or "
+            f"{NAMESPACE_MAX} bytes (UTF-8), without leading or trailing spaces, newlines or "
             "other control characters"
         )
     return value

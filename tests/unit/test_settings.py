@@ -248,6 +248,7 @@ def test_a_malformed_database_url_is_a_config_error_that_hides_the_password(url:
     ("schema_name", "payments\n"), ("table", "task_idempotency\n"), ("schema_name", "\nx"),
     ("group_id", "payments\n"), ("group_id", ""), ("group_id", " payments"),
     ("group_id", "pay\x1bments"), ("dlq_suffix", ".dlq\n"), ("metrics_addr", "127.0.0.1\n"),
+    ("namespace", ""), ("namespace", "shop\n"), ("namespace", " shop"), ("namespace", "é" * 101),
 ])
 def test_a_name_with_a_trailing_newline_or_control_character_is_refused(
     setting: str, value: str
@@ -273,3 +274,14 @@ def test_invalid_json_in_kafka_is_a_config_error_naming_the_variable(
     text = str(info.value)
     assert "invalid setting kafka (KAFKA_IDEM_KAFKA): not valid JSON" in text
     assert "kafka-pw-123" not in text
+
+
+def test_an_app_namespace_defaults_to_its_name_and_is_checked() -> None:
+    from kafka_idem import App
+
+    assert App("shop").namespace == "shop"
+    assert App("shop", namespace="shared").namespace == "shared"
+    assert App("é" * 100).namespace == "é" * 100  # 200 bytes: the limit
+    with pytest.raises(ConfigError) as info:
+        _ = App("bad\nname").namespace
+    assert "KAFKA_IDEM_NAMESPACE" in str(info.value) and "'bad\\nname'" in str(info.value)
