@@ -21,6 +21,7 @@ from psycopg import sql
 from consumers.payments import encode_charge
 from kafka_idem.migrate import migrations, render
 from tests.acceptance.conftest import headers_of, kafka_idem, read_all
+from tests.acceptance.test_cli_redrive import consumed_all
 from tests.apps.twin import CREATE
 from tests.conftest import (
     DB,
@@ -134,6 +135,55 @@ def test_two_apps_on_one_store_each_run_their_own_handler_for_every_key(
     assert {ns for ns, _ in records(db)} == {"twin-a"}
     [audit] = db.rows("SELECT * FROM kafka_idem.admin_audit WHERE action = 'purge'")
     assert (audit["namespace"], audit["counts"]) == ("twin-b", {"deleted": 10})
+
+
+def test_replay_re_drives_one_app_s_failed_keys_when_another_app_did_them(
+    db: DB, topics: Topics, members: Members
+) -> None:
+    """Both apps dead-letter into the same DLQ topic; each dead letter names its
+    namespace, so the replay re-runs twin-a's failed keys although twin-b's records of
+    the same keys succeeded (looked up by key alone, they would be skipped)."""
+    with psycopg.connect(db.dsn, autocommit=True) as conn:
+        conn.execute(CREATE)
+        conn.execute("INSERT INTO twin.blocked VALUES ('twin-a')")
+    topic = topics(partitions=1)
+    names = orders(5)
+    keys = [f"t1:charge:{o}" for o in names]
+    produce_orders(topic, names)
+    groups = {app: f"{app}-{uuid.uuid4().hex[:8]}" for app in ("twin-a", "twin-b")}
+    fast = {"KAFKA_IDEM_MAX_ATTEMPTS": "2", "KAFKA_IDEM_BACKOFF_BASE_SECONDS": "0.05",
+            "KAFKA_IDEM_BACKOFF_CAP_SECONDS": "0.1"}
+    procs = {app: members.start(TWIN, twin_env(db, topic, app, **fast), group=groups[app])
+             for app in ("twin-a", "twin-b")}
+    wait_for(lambda: all(caught_up(g, topic) for g in groups.values())
+             and all(records(db).get(("twin-a", k), {}).get("status") == "failed"
+                     for k in keys), timeout=90, what="twin-a exhausted, twin-b done")
+    letters = read_all(f"{topic}.dlq")
+    assert sorted(headers_of(m)["idem.key"] for m in letters) == keys
+    assert {headers_of(m)["idem.namespace"] for m in letters} == {"twin-a"}
+    assert effects(db) == {("twin-b", k): 1 for k in keys}
+
+    with psycopg.connect(db.dsn, autocommit=True) as conn:  # the fix
+        conn.execute("DELETE FROM twin.blocked")
+    r = kafka_idem("dlq", "replay", "--dlq", f"{topic}.dlq", "--kind", "exhausted",
+                   "--reason", "unblocked", "--no-progress", "--json", db=db)
+    assert r.code == 0, r.err
+    assert (r.json()["rerun"], r.json()["skipped_succeeded"], r.json()["sent"]) == (5, 0, 5)
+    # (the replay's records come in a Kafka transaction: its marker is never consumed)
+    wait_for(lambda: consumed_all(groups["twin-a"], topic)
+             and all(records(db)[("twin-a", k)]["status"] == "succeeded" for k in keys),
+             timeout=90, what="twin-a's keys succeeded")
+    wait_for(lambda: consumed_all(groups["twin-b"], topic), timeout=60,
+             what="twin-b consumed the replayed messages")
+    # each app ran each key exactly once; twin-b answered the replayed messages itself
+    assert effects(db) == {(app, k): 1 for app in ("twin-a", "twin-b") for k in keys}
+    audit = db.rows("SELECT namespace, idempotency_key FROM kafka_idem.admin_audit "
+                    "WHERE action = 'rerun'")
+    assert sorted((a["namespace"], a["idempotency_key"]) for a in audit) == [
+        ("twin-a", k) for k in keys]
+    assert len(read_all(f"{topic}.dlq")) == 5
+    for proc in procs.values():
+        assert proc.poll() is None
 
 
 # --- a store from before namespaces -----------------------------------------------------
