@@ -48,7 +48,6 @@ from kafka_idem.dlq import DeadLetterer
 from kafka_idem.errors import BrokerError
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.metrics import Metrics, Sampler
-from kafka_idem.processing import Processor
 from kafka_idem.store import Store, connect
 
 
@@ -64,9 +63,6 @@ class Runner:
         self.leases: LeaseKeeper | None = None
         if any(h.mode == "leased" for h in app.handlers.values()):
             self.leases = LeaseKeeper(self.store, s.dsn, s.lease_seconds)
-        self.processor = Processor(
-            app, store=self.store, codec=self.codec, metrics=self.metrics, leases=self.leases
-        )
         self.stopping = threading.Event()
         self.parts = Partitions()
         self.units = Units(
@@ -278,7 +274,6 @@ class Runner:
         if self.leases is not None:
             self.leases.stop()
         self.sampler.stopped.set()
-        self.processor.close()
         log.info("consumer stopped", extra={"action": "stopped"})
 
 
