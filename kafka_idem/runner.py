@@ -1,23 +1,20 @@
-"""The consumer loop of one group member.
+"""The consumer loop of one group member: its lifecycle and its rounds.
 
 Each round, in the order a message travels:
 
 1. ``consume()`` a batch (rebalance callbacks run in here, on the loop thread) and
-   append each message to its partition's in-memory queue
-   (:mod:`~kafka_idem.consume.partitions`).
-2. Harvest the units of work that finished (:mod:`~kafka_idem.consume.units`):
-   produce their dead letters and wait for the acks
-   (:mod:`~kafka_idem.consume.letters`); then, per partition, pop the finished
-   prefix of the queue and note the offset after it: offsets only advance over
-   messages whose effect is durable, replayed or dead-lettered, and never past a
-   message still pending (that would lose it on a crash).
-3. Dispatch the partitions that are due (not waiting on a backoff) and not
-   already in flight as units of work; a unit run in the loop thread applies at once.
-4. Commit the noted offsets (:mod:`~kafka_idem.consume.offsets`; asynchronously,
-   acknowledged in ``on_commit``).
+   queue each message on its partition (:mod:`~kafka_idem.consume.partitions`).
+2. Harvest the finished units of work (:mod:`~kafka_idem.consume.units`): their
+   dead letters are produced and acknowledged first
+   (:mod:`~kafka_idem.consume.letters`), then each partition's finished prefix
+   leaves its queue and the offset after it becomes committable. Offsets never
+   pass a message still pending (that would lose it on a crash).
+3. Dispatch the due partitions that are not in flight; a unit run in the loop
+   thread (local mode, ``local_workers = 0``) applies at once.
+4. Commit the committable offsets (:mod:`~kafka_idem.consume.offsets`).
 5. Pause partitions that wait on a backoff or whose queue is full (polling
-   goes on, so ``max.poll.interval.ms`` is never exceeded and the member is not evicted);
-   resume them when they are due and drained.
+   goes on, so ``max.poll.interval.ms`` is never exceeded and the member is not
+   evicted); resume them when they are due and drained.
 
 A revoke, a loss or a close first waits for the units in flight and applies
 their results, so callbacks never race with processing of the partitions they
@@ -104,16 +101,10 @@ class Runner:
         if self.leases is not None:
             self.leases.start()
         self.sampler.start()
-        self.consumer.subscribe(
-            self.app.topics,
-            on_assign=self._on_assign,
-            on_revoke=self._on_revoke,
-            on_lost=self._on_lost,
-        )
-        log.info(
-            "consumer started",
-            extra={"action": "started", "topic": ",".join(self.app.topics)},
-        )
+        self.consumer.subscribe(self.app.topics, on_assign=self._on_assign,
+                                on_revoke=self._on_revoke, on_lost=self._on_lost)
+        log.info("consumer started",
+                 extra={"action": "started", "topic": ",".join(self.app.topics)})
 
     def _check_schema(self) -> None:
         """Refuse to run on a store older than this code (deploy-before-migrate)."""
