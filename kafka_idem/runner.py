@@ -45,6 +45,7 @@ from kafka_idem.dlq import DeadLetterer
 from kafka_idem.errors import BrokerError
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.metrics import Metrics, Sampler
+from kafka_idem.processing import Result
 from kafka_idem.store import Store, connect
 
 
@@ -62,6 +63,7 @@ class Runner:
             self.leases = LeaseKeeper(self.store, s.dsn, s.lease_seconds)
         self.stopping = threading.Event()
         self.parts = Partitions()
+        self.offsets = Offsets(self.parts)
         self.units = Units(
             app, self.parts, store=self.store, codec=self.codec, metrics=self.metrics,
             leases=self.leases, stopping=self.stopping,
@@ -69,7 +71,6 @@ class Runner:
         self.lag = Lag(self.metrics)
         self.newly_assigned: list[TopicPartition] = []
         self.consumer: Consumer | None = None
-        self.offsets: Offsets | None = None
         self.producer: Producer | None = None
         self.dlq: DeadLetterer | None = None
         self._fatal: str | None = None
@@ -95,7 +96,6 @@ class Runner:
         conf["error_cb"] = self._on_error
         conf["on_commit"] = self._on_commit
         self.consumer = Consumer(conf)
-        self.offsets = Offsets(self.consumer, self.parts)
         self.producer = Producer({**s.producer_config(), "error_cb": self._on_error})
         self.dlq = DeadLetterer(self.producer, header_limit=s.error_message_max)
         if self.leases is not None:
@@ -182,20 +182,23 @@ class Runner:
         """Apply the results of the units that finished (all of them, waiting, with
         ``wait_all``): dead letters acknowledged first, then the queues' prefixes."""
         results = self.units.harvest(wait_all=wait_all)
-        if not results:
+        if results is None:
             return
         assert self.dlq is not None
         send_letters(self.dlq, self.metrics, results)
-        # Delays count from the decision, not from the start of the round.
-        counts = self.parts.apply(results, time.monotonic())
+        self._apply(results, time.monotonic())  # delays count from the decision, not the round
+
+    def _apply(self, results: dict[TP, list[Result]], now: float) -> None:
+        """Pop each queue's finished prefix, schedule its deferred message, count outcomes."""
+        counts = self.parts.apply(results, now)
         for (topic, outcome), n in counts.items():
             self.metrics.outcome(topic, self.app.handlers[topic].name, outcome, n)
 
     def _commit_pending(self, *, sync: bool = False) -> None:
         """Commit each partition's finished prefix (asynchronously in the loop,
         synchronously when closing)."""
-        if self.offsets is not None:
-            self.offsets.commit(sync=sync)
+        if self.consumer is not None:
+            self.offsets.commit(self.consumer, sync=sync)
 
     def _pause_resume(self) -> None:
         assert self.consumer is not None
@@ -211,13 +214,12 @@ class Runner:
         log.info("assigned %s", _names(partitions), extra={"action": "assigned"})
         self.newly_assigned.extend(partitions)
 
-    def _on_revoke(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
+    def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         log.info("revoked %s", _names(partitions), extra={"action": "revoked"})
         self._drain(partitions)  # their work in flight finishes first, then their offsets
         tps = _tps(partitions)
         self.lag.forget(tps)
-        if self.offsets is not None:
-            self.offsets.commit_leaving(tps)
+        self.offsets.commit_leaving(consumer, tps)
 
     def _on_lost(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
         log.warning("lost %s", _names(partitions), extra={"action": "lost"})
@@ -227,8 +229,7 @@ class Runner:
         self.lag.forget(tps)
 
     def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
-        if self.offsets is not None:
-            self.offsets.acknowledged(err, partitions)
+        self.offsets.acknowledged(err, partitions)
 
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal():
@@ -257,7 +258,7 @@ class Runner:
                 self.consumer.close()  # leaves the group: partitions move at once
             except (KafkaException, RuntimeError):
                 log.warning("consumer close failed", exc_info=True, extra={"action": "close"})
-            self.consumer = self.offsets = None
+            self.consumer = None
         if self.producer is not None:
             self.producer.flush(10)
             self.producer = None

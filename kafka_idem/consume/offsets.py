@@ -5,7 +5,8 @@ replayed or dead-lettered and acknowledged): :class:`Offsets` commits what
 :class:`~kafka_idem.consume.partitions.Partitions` says is pending, in the loop
 (asynchronously, acknowledged in :meth:`Offsets.acknowledged`), on a revoke and
 on close (synchronously). It needs only ``commit`` of the consumer
-(:class:`Committer`), so a stub stands in for Kafka in unit tests.
+(:class:`Committer`), passed on each call, so a stub stands in for Kafka in unit
+tests. On a revoke it commits through the consumer the callback was given.
 """
 
 from __future__ import annotations
@@ -51,37 +52,36 @@ def _positions(pending: Sequence[tuple[TP, int]]) -> list[TopicPartition]:
 class Offsets:
     """Commits each partition's finished prefix, and nothing else commits."""
 
-    def __init__(self, consumer: Committer, parts: Partitions) -> None:
-        self.consumer = consumer
+    def __init__(self, parts: Partitions) -> None:
         self.parts = parts
 
-    def commit(self, *, sync: bool = False) -> None:
+    def commit(self, consumer: Committer, *, sync: bool = False) -> None:
         """Asynchronous in the loop (acknowledged in :meth:`acknowledged`); synchronous
         when closing."""
         if sync:
-            self._commit_sync()
+            self._commit_sync(consumer)
         else:
-            self._commit_async()
+            self._commit_async(consumer)
 
-    def _commit_async(self) -> None:
+    def _commit_async(self, consumer: Committer) -> None:
         pending = self.parts.pending_commits(in_flight_too=False)
         if not pending:
             return
         for tp, offset in pending:
             self._state(tp).commit_sent(offset)
         try:
-            self.consumer.commit(offsets=_positions(pending), asynchronous=True)
+            consumer.commit(offsets=_positions(pending), asynchronous=True)
         except KafkaException as exc:
             log.warning("commit failed, will retry: %s", exc, extra={"action": "commit"})
             for tp, _offset in pending:
                 self._state(tp).commit_not_sent()
 
-    def _commit_sync(self) -> None:
+    def _commit_sync(self, consumer: Committer) -> None:
         pending = self.parts.pending_commits(in_flight_too=True)
         if not pending:
             return
         try:
-            self.consumer.commit(offsets=_positions(pending), asynchronous=False)
+            consumer.commit(offsets=_positions(pending), asynchronous=False)
         except KafkaException as exc:
             err = exc.args[0]
             if err.code() in OWNERSHIP_LOST:
@@ -103,7 +103,7 @@ class Offsets:
         if err is not None and err.code() != KafkaError._NO_OFFSET:
             log.warning("commit failed, will retry: %s", err, extra={"action": "commit"})
 
-    def commit_leaving(self, tps: Sequence[TP]) -> None:
+    def commit_leaving(self, consumer: Committer, tps: Sequence[TP]) -> None:
         """Commit what is finished of partitions being revoked, synchronously, and forget
         them: the next owner starts after their finished prefixes."""
         pending = self.parts.pending_commits(in_flight_too=True, of=tps)
@@ -111,7 +111,7 @@ class Offsets:
         if not pending:
             return
         try:
-            self.consumer.commit(offsets=_positions(pending), asynchronous=False)
+            consumer.commit(offsets=_positions(pending), asynchronous=False)
         except KafkaException as exc:
             # The records are durable; the new owner replays them from the store.
             log.warning("commit on revoke failed: %s", exc, extra={"action": "commit"})

@@ -152,11 +152,15 @@ class Units:
             if leaving is None or leaving & unit.states.keys():
                 unit.cancel.set()
 
-    def harvest(self, *, wait_all: bool = False) -> Results:
+    def harvest(self, *, wait_all: bool = False) -> Results | None:
         """The results of the units that finished (all of them, waiting, with
-        ``wait_all``), for the partitions still assigned to the states they ran from."""
+        ``wait_all``), for the partitions still assigned to the states they ran from;
+        None when no unit finished."""
+        done = [u for u in self.in_flight if wait_all or u.future.done()]
+        if not done:
+            return None
         results: Results = {}
-        for unit in [u for u in self.in_flight if wait_all or u.future.done()]:
+        for unit in done:
             self.in_flight.remove(unit)
             try:
                 got = unit.future.result()

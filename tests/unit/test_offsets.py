@@ -61,7 +61,7 @@ def setup(*partitions: int, offsets: int = 5) -> tuple[Partitions, StubConsumer,
         for o in range(offsets):
             parts.add(Msg(p, o), 0.0)
     consumer = StubConsumer()
-    return parts, consumer, Offsets(consumer, parts)
+    return parts, consumer, Offsets(parts)
 
 
 def finish(parts: Partitions, p: int, n: int, then: Deferred | None = None) -> None:
@@ -72,8 +72,8 @@ def finish(parts: Partitions, p: int, n: int, then: Deferred | None = None) -> N
 def test_nothing_finished_commits_nothing() -> None:
     parts, consumer, offsets = setup(0)
     finish(parts, 0, 0, then=Deferred(1.0, "busy"))
-    offsets.commit()
-    offsets.commit(sync=True)
+    offsets.commit(consumer)
+    offsets.commit(consumer, sync=True)
     assert consumer.calls == []
 
 
@@ -81,22 +81,22 @@ def test_the_offset_after_each_finished_prefix_is_committed_asynchronously() -> 
     parts, consumer, offsets = setup(0, 1)
     finish(parts, 0, 3, then=Deferred(1.0, "busy"))
     finish(parts, 1, 1)
-    offsets.commit()
+    offsets.commit(consumer)
     assert consumer.calls == [(True, {0: 3, 1: 1})]
 
 
 def test_one_commit_in_flight_per_partition_until_it_is_acknowledged() -> None:
     parts, consumer, offsets = setup(0)
     finish(parts, 0, 1)
-    offsets.commit()
+    offsets.commit(consumer)
     finish(parts, 0, 1)
-    offsets.commit()  # the first is not acknowledged yet: nothing sent
+    offsets.commit(consumer)  # the first is not acknowledged yet: nothing sent
     assert consumer.calls == [(True, {0: 1})]
     offsets.acknowledged(None, [Ack(T, 0, 1)])  # type: ignore[list-item]
-    offsets.commit()  # the newest finished offset goes now
+    offsets.commit(consumer)  # the newest finished offset goes now
     assert consumer.calls == [(True, {0: 1}), (True, {0: 2})]
     offsets.acknowledged(None, [Ack(T, 0, 2)])  # type: ignore[list-item]
-    offsets.commit()
+    offsets.commit(consumer)
     assert len(consumer.calls) == 2  # all acknowledged: nothing pending
 
 
@@ -104,32 +104,32 @@ def test_a_failed_acknowledgement_sends_the_offset_again() -> None:
     parts, consumer, offsets = setup(0, 1)
     finish(parts, 0, 2)
     finish(parts, 1, 2)
-    offsets.commit()
+    offsets.commit(consumer)
     offsets.acknowledged(None, [Ack(T, 0, 2, KafkaError(KafkaError.REQUEST_TIMED_OUT)),
                                 Ack(T, 1, 2)])  # type: ignore[list-item]
-    offsets.commit()
+    offsets.commit(consumer)
     assert consumer.calls == [(True, {0: 2, 1: 2}), (True, {0: 2})]
 
 
 def test_a_whole_failed_commit_is_logged_and_retried(caplog: pytest.LogCaptureFixture) -> None:
     parts, consumer, offsets = setup(0)
     finish(parts, 0, 2)
-    offsets.commit()
+    offsets.commit(consumer)
     with caplog.at_level(logging.WARNING, logger="kafka_idem.runner"):
         offsets.acknowledged(KafkaError(KafkaError.REBALANCE_IN_PROGRESS),
                              [Ack(T, 0, 2)])  # type: ignore[list-item]
     assert "commit failed, will retry" in caplog.text
-    offsets.commit()
+    offsets.commit(consumer)
     assert consumer.calls == [(True, {0: 2}), (True, {0: 2})]
 
 
 def test_an_acknowledgement_of_an_older_offset_keeps_the_newer_one_pending() -> None:
     parts, consumer, offsets = setup(0)
     finish(parts, 0, 1)
-    offsets.commit()
+    offsets.commit(consumer)
     finish(parts, 0, 2)  # offset 3 finished while the commit of 1 was in flight
     offsets.acknowledged(None, [Ack(T, 0, 1)])  # type: ignore[list-item]
-    offsets.commit()
+    offsets.commit(consumer)
     assert consumer.calls == [(True, {0: 1}), (True, {0: 3})]
 
 
@@ -137,20 +137,20 @@ def test_an_async_commit_that_raises_is_not_in_flight_and_goes_again() -> None:
     parts, consumer, offsets = setup(0)
     finish(parts, 0, 1)
     consumer.fail_with = KafkaError(KafkaError._NO_OFFSET)
-    offsets.commit()
+    offsets.commit(consumer)
     consumer.fail_with = None
-    offsets.commit()
+    offsets.commit(consumer)
     assert consumer.calls == [(True, {0: 1})]
 
 
 def test_a_sync_commit_includes_offsets_in_flight_and_settles_them() -> None:
     parts, consumer, offsets = setup(0, 1)
     finish(parts, 0, 1)
-    offsets.commit()  # in flight, never acknowledged (the member is closing)
+    offsets.commit(consumer)  # in flight, never acknowledged (the member is closing)
     finish(parts, 1, 4)
-    offsets.commit(sync=True)
+    offsets.commit(consumer, sync=True)
     assert consumer.calls[-1] == (False, {0: 1, 1: 4})
-    offsets.commit(sync=True)
+    offsets.commit(consumer, sync=True)
     assert len(consumer.calls) == 2  # nothing left to commit
 
 
@@ -161,10 +161,10 @@ def test_a_sync_commit_refused_for_lost_ownership_keeps_its_offsets(
     finish(parts, 0, 2)
     consumer.fail_with = KafkaError(KafkaError.ILLEGAL_GENERATION)
     with caplog.at_level(logging.WARNING, logger="kafka_idem.runner"):
-        offsets.commit(sync=True)
+        offsets.commit(consumer, sync=True)
     assert "commit refused, ownership lost" in caplog.text
     consumer.fail_with = None
-    offsets.commit(sync=True)
+    offsets.commit(consumer, sync=True)
     assert consumer.calls == [(False, {0: 2})]
 
 
@@ -173,8 +173,8 @@ def test_a_revoke_commits_the_leaving_partitions_and_forgets_them() -> None:
     finish(parts, 0, 2, then=Deferred(5.0, "retry"))
     finish(parts, 1, 3)
     finish(parts, 2, 4)
-    offsets.commit()  # partition 2's commit is in flight: a revoke commits it anyway
-    offsets.commit_leaving([(T, 2), (T, 0)])
+    offsets.commit(consumer)  # partition 2's commit is in flight: a revoke commits it anyway
+    offsets.commit_leaving(consumer, [(T, 2), (T, 0)])
     assert consumer.calls == [(True, {0: 2, 1: 3, 2: 4}), (False, {2: 4, 0: 2})]
     assert parts.get((T, 0)) is None and parts.get((T, 2)) is None
     st = parts.get((T, 1))
@@ -183,7 +183,7 @@ def test_a_revoke_commits_the_leaving_partitions_and_forgets_them() -> None:
 
 def test_a_revoke_with_nothing_finished_commits_nothing_and_still_forgets() -> None:
     parts, consumer, offsets = setup(0)
-    offsets.commit_leaving([(T, 0), (T, 9)])
+    offsets.commit_leaving(consumer, [(T, 0), (T, 9)])
     assert consumer.calls == []
     assert parts.get((T, 0)) is None
 
@@ -195,7 +195,7 @@ def test_a_failed_commit_on_revoke_still_hands_the_partition_over(
     finish(parts, 0, 1)
     consumer.fail_with = KafkaError(KafkaError.UNKNOWN_MEMBER_ID)
     with caplog.at_level(logging.WARNING, logger="kafka_idem.runner"):
-        offsets.commit_leaving([(T, 0)])
+        offsets.commit_leaving(consumer, [(T, 0)])
     assert "commit on revoke failed" in caplog.text
     assert parts.get((T, 0)) is None
 
@@ -203,9 +203,9 @@ def test_a_failed_commit_on_revoke_still_hands_the_partition_over(
 def test_an_acknowledgement_for_a_forgotten_partition_is_ignored() -> None:
     parts, consumer, offsets = setup(0)
     finish(parts, 0, 1)
-    offsets.commit()
+    offsets.commit(consumer)
     parts.forget([(T, 0)])
     offsets.acknowledged(None, [Ack(T, 0, 1)])  # type: ignore[list-item]
     parts.add(Msg(0, 1), 2.0)  # assigned again
-    offsets.commit()
+    offsets.commit(consumer)
     assert consumer.calls == [(True, {0: 1})]
