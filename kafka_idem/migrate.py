@@ -24,6 +24,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from kafka_idem.errors import ConfigError
 from kafka_idem.sql import identifiers
 from kafka_idem.store import translate_errors
 
@@ -63,6 +64,19 @@ def applied_versions(conn: psycopg.Connection[Any], schema: str) -> list[int]:
         sql.SQL("SELECT version FROM {} ORDER BY version").format(names["migrations"])
     ).fetchall()
     return [int(r[0]) for r in rows]
+
+
+def require_current(conn: psycopg.Connection[Any], schema: str) -> None:
+    """Raise :class:`ConfigError` when the store lacks migrations this code needs
+    (a deploy before its migrate): run `kafka-idem migrate` first."""
+    have = set(applied_versions(conn, schema))
+    missing = [m for m in migrations() if m.version not in have]
+    if missing:
+        names = ", ".join(f"{m.version:04d}_{m.name}" for m in missing)
+        raise ConfigError(
+            f"store schema {schema!r} lacks migrations {names}: run `kafka-idem migrate`",
+            setting="schema_name",
+        )
 
 
 def full_schema() -> str:

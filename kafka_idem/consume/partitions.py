@@ -1,0 +1,229 @@
+"""Per-partition bookkeeping of one member, with no Kafka calls and no threads.
+
+For each partition it has fetched from, the loop keeps the messages not finished
+yet (in order), when the partition may run again after a deferral, whether it is
+paused or part of a unit in flight, the live claim tokens of deferred messages,
+and the offset after its finished prefix that is not committed yet. A
+:class:`PartitionState` owns those fields: only its methods change them.
+:class:`Partitions` is the table of them and the decisions taken over all
+partitions at once (what is due, how long the loop may wait, what to pause and
+resume, what is pending to commit). The loop turns those decisions into Kafka
+calls; nothing here needs a broker, so it runs on stub messages in unit tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+from kafka_idem.processing import Deferred, Finished, Result
+
+TP = tuple[str, int]
+
+
+class Message(Protocol):
+    """What the bookkeeping needs of a fetched message (a delivered one, not an error)."""
+
+    def topic(self) -> str: ...
+
+    def partition(self) -> int: ...
+
+    def offset(self) -> int: ...
+
+
+class PartitionState:
+    """One partition's queue of unfinished messages and the decisions that hang on it."""
+
+    def __init__(self, *, jitter: Callable[[float, float], float] = random.uniform) -> None:
+        self.queue: deque[Any] = deque()
+        self.not_before = 0.0  # deferred: not run again before this (monotonic) time
+        self.paused = False
+        self.framework_failures = 0  # consecutive deferrals that were our own fault
+        self.tokens: dict[int, Any] = {}  # offset -> our live claim token
+        self.last_queued = -1
+        self.to_commit: int | None = None  # next offset to commit, not yet acknowledged
+        self.committing: int | None = None  # the offset of an asynchronous commit in flight
+        self.busy = False  # part of a unit in flight
+        self.since = 0.0  # when the queued messages started to wait for a batch
+        self._jitter = jitter
+
+    # --- fetched -------------------------------------------------------------
+
+    def add(self, msg: Message, now: float) -> None:
+        if msg.offset() <= self.last_queued:
+            return  # already queued (a re-fetch after a rewind)
+        if not self.queue:
+            self.since = now
+        self.queue.append(msg)
+        self.last_queued = msg.offset()
+
+    # --- run -----------------------------------------------------------------
+
+    def due(self, now: float) -> bool:
+        return bool(self.queue) and not self.busy and self.not_before <= now
+
+    def prefix(self, n: int | None = None) -> list[Any]:
+        """The first ``n`` queued messages (all without ``n``); they stay queued until
+        their results apply."""
+        return list(self.queue if n is None else itertools.islice(self.queue, n))
+
+    def first_offset(self) -> int | None:
+        return self.queue[0].offset() if self.queue else None
+
+    def enter_unit(self) -> None:
+        self.busy = True
+
+    def leave_unit(self) -> None:
+        self.busy = False
+
+    def apply(self, results: Sequence[Result], now: float) -> list[str]:
+        """Pop the finished prefix (its offsets become committable) and schedule the first
+        deferred message; return the outcome names to count."""
+        outcomes: list[str] = []
+        self.since = now  # what is left waits anew for its batch (a deferral: below)
+        for res in results:
+            msg = self.queue[0]
+            if isinstance(res, Finished):
+                self.queue.popleft()
+                self.tokens.pop(msg.offset(), None)
+                self.framework_failures = 0
+                self.to_commit = msg.offset() + 1
+                outcomes.append(res.outcome)
+                continue
+            self.not_before = now + self._delay(res)
+            self.since = 0.0  # due at once when its delay ends
+            if res.token is not None:
+                self.tokens[msg.offset()] = res.token
+            if res.reason in ("busy", "retry"):
+                outcomes.append("busy" if res.reason == "busy" else "retried")
+            break
+        return outcomes
+
+    def _delay(self, res: Deferred) -> float:
+        if res.reason in ("framework", "dlq"):
+            # Our own surroundings failed: wait with jittered growth, never charge the message.
+            self.framework_failures += 1
+            return self._jitter(0.1, min(10.0, 0.2 * 2 ** min(self.framework_failures, 6)))
+        return res.delay
+
+    # --- commit --------------------------------------------------------------
+
+    def commit_sent(self, offset: int) -> None:
+        self.committing = offset
+
+    def commit_not_sent(self) -> None:
+        self.committing = None
+
+    def committed(self, offset: int) -> None:
+        """A synchronous commit of ``offset`` succeeded."""
+        if self.to_commit == offset:
+            self.to_commit = None
+
+    def acknowledged(self, offset: int, *, failed: bool) -> None:
+        """The broker answered an asynchronous commit of ``offset``."""
+        if self.committing == offset:
+            self.committing = None  # the next round sends the newest offset, if any
+        if not failed and self.to_commit == offset:
+            self.to_commit = None
+
+    # --- flow control ----------------------------------------------------------
+
+    def waiting(self, now: float) -> bool:
+        """Holding messages that may not run yet (a deferral's backoff)."""
+        return bool(self.queue) and not self.busy and self.not_before > now
+
+    def pause_if(self, now: float, full: int) -> bool:
+        if self.paused or not (self.waiting(now) or len(self.queue) >= full):
+            return False
+        self.paused = True
+        return True
+
+    def resume_if(self, now: float, low: int) -> bool:
+        if not self.paused or self.waiting(now) or len(self.queue) > low:
+            return False
+        self.paused = False
+        return True
+
+
+class Partitions:
+    """The member's partitions: the table of :class:`PartitionState` by (topic, partition)."""
+
+    def __init__(self, *, jitter: Callable[[float, float], float] = random.uniform) -> None:
+        self._states: dict[TP, PartitionState] = {}
+        self._jitter = jitter
+
+    def get(self, tp: TP) -> PartitionState | None:
+        return self._states.get(tp)
+
+    def items(self) -> Iterable[tuple[TP, PartitionState]]:
+        return self._states.items()
+
+    def values(self) -> Iterable[PartitionState]:
+        return self._states.values()
+
+    def add(self, msg: Message, now: float) -> None:
+        tp = (msg.topic(), msg.partition())
+        st = self._states.get(tp)
+        if st is None:
+            st = self._states[tp] = PartitionState(jitter=self._jitter)
+        st.add(msg, now)
+
+    def due(self, now: float) -> list[tuple[TP, PartitionState]]:
+        return [(tp, st) for tp, st in self._states.items() if st.due(now)]
+
+    def wait_time(self, now: float, max_wait: float) -> float:
+        """Until the next backoff ends or a partly filled batch has waited ``max_wait``."""
+        deadlines = [
+            max(st.not_before, st.since + max_wait) for st in self._states.values()
+            if st.queue and not st.busy
+        ]
+        wait_s = max_wait
+        if deadlines:
+            wait_s = min(wait_s, max(min(deadlines) - now, 0.0))
+        return max(wait_s, 0.001)
+
+    def apply(self, results: dict[TP, list[Result]], now: float) -> Counter[tuple[str, str]]:
+        """Apply units' results; return how many of each (topic, outcome) they hold."""
+        counts: Counter[tuple[str, str]] = Counter()
+        for tp, rs in results.items():
+            st = self._states.get(tp)
+            if st is None:
+                continue  # revoked meanwhile
+            counts.update((tp[0], outcome) for outcome in st.apply(rs, now))
+        return counts
+
+    def pending_commits(
+        self, *, in_flight_too: bool, of: Iterable[TP] | None = None
+    ) -> list[tuple[TP, int]]:
+        """Each partition's (or each of ``of``'s) offset after its finished prefix, not
+        acknowledged yet. Without ``in_flight_too``, not a partition with an asynchronous
+        commit in flight: during a rebalance the broker holds commits, and piling them
+        up only multiplies the failures."""
+        out = []
+        for tp in self._states if of is None else of:
+            st = self._states.get(tp)
+            if st is None or st.to_commit is None:
+                continue
+            if in_flight_too or st.committing is None:
+                out.append((tp, st.to_commit))
+        return out
+
+    def pause_resume(self, now: float, batch_size: int) -> tuple[list[TP], list[TP]]:
+        """Which partitions to pause and which to resume. Pause one that waits on a
+        backoff, or whose queue holds two batches (memory stays bounded while its units
+        run); resume it when it is due and down to one batch."""
+        pause, resume = [], []
+        for tp, st in self._states.items():
+            if st.pause_if(now, 2 * batch_size):
+                pause.append(tp)
+            elif st.resume_if(now, batch_size):
+                resume.append(tp)
+        return pause, resume
+
+    def forget(self, tps: Iterable[TP]) -> None:
+        """Drop revoked or lost partitions (a later assignment starts afresh)."""
+        for tp in tps:
+            self._states.pop(tp, None)

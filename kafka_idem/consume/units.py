@@ -1,0 +1,241 @@
+"""Work in flight: units of work, the thread pools they run on, and their results.
+
+A unit is some partitions' queued prefixes handed to a processor. Leased mode:
+one partition per unit, on a pool of ``leased_workers`` threads (one database
+connection each), so commit waits and remote calls overlap while the loop goes
+on consuming. Local mode: one batch (one database transaction) of all due
+partitions, run in the loop thread (``local_workers = 0``, the default:
+consume() filled the batch, librdkafka prefetches meanwhile); or up to
+``local_workers`` batches over disjoint partitions on threads, each dispatched
+when full or when its oldest message has waited ``batch_max_wait_seconds``.
+
+A partition is in at most one unit at a time, and a unit stops at the
+partition's first deferred message, so each partition stays in order. Workers
+get copies of what they need (the messages, the claim tokens); only the loop
+thread touches the partition states.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+from kafka_idem.app import App
+from kafka_idem.codec import AvroCodec
+from kafka_idem.consume import log
+from kafka_idem.consume.partitions import TP, Partitions, PartitionState
+from kafka_idem.lease import LeaseKeeper
+from kafka_idem.metrics import Metrics
+from kafka_idem.processing import Deferred, Processor, Result
+from kafka_idem.store import Store
+
+Results = dict[TP, list[Result]]
+
+
+@dataclass
+class Unit:
+    """Work in flight on a worker thread: some partitions' queued prefixes."""
+
+    future: Future[Results]
+    states: dict[TP, PartitionState]  # the states it was taken from (identity checked)
+    cancel: threading.Event  # set on revoke/close: a leased unit stops between messages
+
+
+class Units:
+    """The units in flight, and the pools and per-thread processors that run them."""
+
+    def __init__(
+        self,
+        app: App,
+        parts: Partitions,
+        *,
+        store: Store,
+        codec: AvroCodec,
+        metrics: Metrics,
+        leases: LeaseKeeper | None,
+        stopping: threading.Event,
+    ) -> None:
+        self.app = app
+        self.settings = app.settings
+        self.parts = parts
+        self.store = store
+        self.codec = codec
+        self.metrics = metrics
+        self.leases = leases
+        self.stopping = stopping
+        self.in_flight: list[Unit] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._local_pool: ThreadPoolExecutor | None = None
+        self._thread_local = threading.local()
+        self._processors: list[Processor] = []
+        self._processors_lock = threading.Lock()
+
+    # --- dispatch ----------------------------------------------------------------
+
+    def dispatch(self, now: float) -> None:
+        """Hand the due partitions that are not in flight to the workers."""
+        due = self.parts.due(now)
+        if not due:
+            return
+        local: list[tuple[TP, PartitionState]] = []
+        for tp, st in due:
+            if self._mode(tp) == "leased":
+                self._dispatch_leased(tp, st)
+            else:
+                local.append((tp, st))
+        if local and self.settings.local_workers == 0:
+            self._run_inline(local)
+        elif local:
+            self._dispatch_local(local, now)
+
+    def _dispatch_leased(self, tp: TP, st: PartitionState) -> None:
+        # Leased partitions run on the worker pool (one connection each), so their
+        # commit waits and remote calls overlap.
+        cancel = threading.Event()
+        future = self._workers().submit(
+            self._run_leased_partition, tp, st.prefix(self.settings.batch_size),
+            dict(st.tokens), cancel,
+        )
+        self._start(Unit(future, {tp: st}, cancel))
+
+    def _run_inline(self, local: list[tuple[TP, PartitionState]]) -> None:
+        """In the loop thread, as one batch: consume() has already waited to fill it."""
+        done: Future[Results] = Future()
+        try:
+            done.set_result(self._run_local_batch([(tp, st.prefix()) for tp, st in local]))
+        except Exception as exc:  # a defect: harvest defers the partitions
+            done.set_exception(exc)
+        self._start(Unit(done, dict(local), threading.Event()))
+
+    def _dispatch_local(self, local: list[tuple[TP, PartitionState]], now: float) -> None:
+        free = self.settings.local_workers - sum(
+            1 for u in self.in_flight if self._mode(next(iter(u.states))) == "local"
+        )
+        # Oldest first, each batch filled up to batch_size from whole partition
+        # prefixes; a partly filled batch waits until its oldest message has waited
+        # batch_max_wait (as consume() would have waited to fill it).
+        local.sort(key=lambda item: item[1].since)
+        while local and free > 0:
+            taken: list[tuple[TP, PartitionState]] = []
+            parts: list[tuple[TP, list[Any]]] = []
+            room = self.settings.batch_size
+            while local and room > 0:
+                tp, st = local.pop(0)
+                msgs = st.prefix(room)
+                room -= len(msgs)
+                taken.append((tp, st))
+                parts.append((tp, msgs))
+            oldest = min(st.since for _, st in taken)
+            if room > 0 and now - oldest < self.settings.batch_max_wait_seconds:
+                return  # the rest are younger still
+            batch = self._local_workers().submit(self._run_local_batch, parts)
+            self._start(Unit(batch, dict(taken), threading.Event()))
+            free -= 1
+
+    def _start(self, unit: Unit) -> None:
+        for st in unit.states.values():
+            st.enter_unit()
+        self.in_flight.append(unit)
+
+    # --- results -------------------------------------------------------------------
+
+    def wait_any(self, timeout: float) -> None:
+        """Block until a unit finishes or ``timeout`` passes."""
+        wait([u.future for u in self.in_flight], timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def cancel(self, leaving: set[TP] | None) -> None:
+        """Stop leased units between two messages when their partitions are leaving
+        (all of them with ``None``: the member is closing)."""
+        for unit in self.in_flight:
+            if leaving is None or leaving & unit.states.keys():
+                unit.cancel.set()
+
+    def harvest(self, *, wait_all: bool = False) -> Results | None:
+        """The results of the units that finished (all of them, waiting, with
+        ``wait_all``), for the partitions still assigned to the states they ran from;
+        None when no unit finished."""
+        done = [u for u in self.in_flight if wait_all or u.future.done()]
+        if not done:
+            return None
+        results: Results = {}
+        for unit in done:
+            self.in_flight.remove(unit)
+            try:
+                got = unit.future.result()
+            except Exception:  # a defect, never a message's fault: retry the partitions
+                log.exception(
+                    "work unit failed; will retry %s",
+                    ", ".join(f"{t}[{p}]@{'?' if (o := st.first_offset()) is None else o}"
+                              for (t, p), st in unit.states.items()),
+                    extra={"action": "unit_failed"},
+                )
+                got = {tp: [Deferred(0.0, "framework")] for tp in unit.states}
+            for tp, st in unit.states.items():
+                st.leave_unit()
+                # A partition revoked and assigned again meanwhile has a new state.
+                if self.parts.get(tp) is st and tp in got:
+                    results[tp] = got[tp]
+        return results
+
+    # --- the workers -----------------------------------------------------------------
+
+    def _workers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=self.settings.leased_workers, thread_name_prefix="kafka-idem-worker"
+            )
+        return self._pool
+
+    def _local_workers(self) -> ThreadPoolExecutor:
+        if self._local_pool is None:
+            self._local_pool = ThreadPoolExecutor(
+                max_workers=self.settings.local_workers, thread_name_prefix="kafka-idem-batch"
+            )
+        return self._local_pool
+
+    def _worker_processor(self) -> Processor:
+        """This thread's processor (its own database connection)."""
+        proc: Processor | None = getattr(self._thread_local, "processor", None)
+        if proc is None:
+            proc = Processor(
+                self.app, store=self.store, codec=self.codec, metrics=self.metrics,
+                leases=self.leases,
+            )
+            self._thread_local.processor = proc
+            with self._processors_lock:
+                self._processors.append(proc)
+        return proc
+
+    def _run_local_batch(self, parts: list[tuple[TP, list[Any]]]) -> Results:
+        """Local-mode partitions in one database transaction (on a batch worker)."""
+        return self._worker_processor().run_local(parts)
+
+    def _run_leased_partition(
+        self, tp: TP, msgs: list[Any], tokens: dict[int, Any], cancel: threading.Event
+    ) -> Results:
+        """One partition's due messages, in order, stopping at the first deferred one
+        (or between two messages, when the partition is leaving or the member stops)."""
+        proc = self._worker_processor()
+        out: list[Result] = []
+        for msg in msgs:
+            if cancel.is_set() or self.stopping.is_set():
+                break
+            res = proc.run_leased(msg, reentrant=tokens.get(msg.offset()))
+            out.append(res)
+            if isinstance(res, Deferred):
+                break
+        return {tp: out}
+
+    def _mode(self, tp: TP) -> str:
+        return self.app.handlers[tp[0]].mode
+
+    def close(self) -> None:
+        """Wait for the pools' threads and close every thread's connection."""
+        for pool in (self._pool, self._local_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._local_pool = None
+        for proc in self._processors:
+            proc.close()
