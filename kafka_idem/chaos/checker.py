@@ -14,6 +14,8 @@ This module is the checker's public face and command line (``python -m
 kafka_idem.chaos.checker --topic T --group G``); the parts are:
 
 * :mod:`~kafka_idem.chaos.checks`: :func:`check`, the nine checks (listed there);
+* :mod:`~kafka_idem.chaos.evidence`: :func:`gather`, the durable state read once,
+  decoded and indexed (:class:`Evidence`);
 * :mod:`~kafka_idem.chaos.report`: :class:`Check`, :class:`Report` (tables,
   JSON) and :class:`Liveness`, the run's measurement for check 9;
 * :mod:`~kafka_idem.chaos.kafka_state`: :func:`read_topic`,
