@@ -39,13 +39,13 @@ from kafka_idem.consume import log
 from kafka_idem.consume.gauges import Lag, sample_store
 from kafka_idem.consume.letters import send_letters
 from kafka_idem.consume.offsets import Offsets
+from kafka_idem.consume.outcome import Result
 from kafka_idem.consume.partitions import TP, Partitions
 from kafka_idem.consume.units import Units
 from kafka_idem.dlq import DeadLetterer
 from kafka_idem.errors import BrokerError
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.metrics import Metrics, Sampler
-from kafka_idem.processing import Result
 from kafka_idem.store import Store, connect
 
 

@@ -454,7 +454,7 @@ class Store:
             ).fetchone()
         return row is not None
 
-    # --- the batch path (kafka_idem.batch) ---------------------------------------
+    # --- the batch path (kafka_idem.consume.batch) ---------------------------------------
 
     def claim_batch(
         self, conn: Conn, *, lease_seconds: float, keys: Sequence[str],

@@ -10,10 +10,10 @@ and the offset never moves past a message with no outcome anywhere.
 from __future__ import annotations
 
 from kafka_idem.consume import log
+from kafka_idem.consume.outcome import Deferred, Finished, Result
 from kafka_idem.consume.partitions import TP
 from kafka_idem.dlq import DeadLetterer
 from kafka_idem.metrics import Metrics
-from kafka_idem.processing import Deferred, Finished, Result
 
 
 def send_letters(dlq: DeadLetterer, metrics: Metrics, results: dict[TP, list[Result]]) -> None:

@@ -19,7 +19,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from kafka_idem.processing import Deferred, Finished, Result
+from kafka_idem.consume.outcome import Deferred, Finished, Result
 
 TP = tuple[str, int]
 

@@ -25,10 +25,11 @@ from typing import Any
 from kafka_idem.app import App
 from kafka_idem.codec import AvroCodec
 from kafka_idem.consume import log
+from kafka_idem.consume.executor import Processor
+from kafka_idem.consume.outcome import Deferred, Result
 from kafka_idem.consume.partitions import TP, Partitions, PartitionState
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.metrics import Metrics
-from kafka_idem.processing import Deferred, Processor, Result
 from kafka_idem.store import Store
 
 Results = dict[TP, list[Result]]

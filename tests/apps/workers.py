@@ -8,8 +8,9 @@ from typing import Any
 
 from consumers import payments
 from kafka_idem import Context
+from kafka_idem.consume.executor import Processor
+from kafka_idem.consume.outcome import Deferred, Finished
 from kafka_idem.metrics import Metrics
-from kafka_idem.processing import Deferred, Finished, Processor
 from kafka_idem.store import Store
 from kafka_idem.verify.workers import FakeMessage
 

@@ -26,8 +26,9 @@ from kafka_idem import (
     no_wait,
 )
 from kafka_idem.app import ErrorKind, Handler
+from kafka_idem.consume.executor import Processor
+from kafka_idem.consume.outcome import Deferred, Finished, Result
 from kafka_idem.metrics import Metrics
-from kafka_idem.processing import Deferred, Finished, Processor, Result
 from kafka_idem.store import Store
 from tests.apps.workers import FakeMessage
 from tests.conftest import DB

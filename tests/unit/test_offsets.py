@@ -12,8 +12,8 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from kafka_idem.consume.offsets import Offsets
+from kafka_idem.consume.outcome import Deferred, Finished
 from kafka_idem.consume.partitions import Partitions
-from kafka_idem.processing import Deferred, Finished
 
 T = "orders"
 

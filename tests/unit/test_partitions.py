@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from kafka_idem.consume.outcome import Deferred, Finished
 from kafka_idem.consume.partitions import Partitions
-from kafka_idem.processing import Deferred, Finished
 
 T = "orders"
 TP0 = (T, 0)

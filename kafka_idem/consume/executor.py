@@ -1,0 +1,96 @@
+"""The message path's one entry point: :class:`Processor` runs a unit of work through
+the right path and says, per message, what became of it.
+
+* local mode: the batch path (:mod:`~kafka_idem.consume.batch`) when every handler
+  of the unit allows it, else (or when it falls back) the per-message path
+  (:mod:`~kafka_idem.consume.local`);
+* leased mode: :mod:`~kafka_idem.consume.leased`, one message at a time.
+
+The result is :class:`Finished` (the offset may advance, after the DLQ record if any
+is acknowledged) or :class:`Deferred` (the partition waits; retry later). Kafka is
+not touched here: the runner owns the consumer.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import psycopg
+
+from kafka_idem.app import App, Handler
+from kafka_idem.codec import AvroCodec
+from kafka_idem.consume.batch import BatchPath, Fallback
+from kafka_idem.consume.database import Database
+from kafka_idem.consume.leased import LeasedPath
+from kafka_idem.consume.local import LocalPath
+from kafka_idem.consume.outcome import Message, Parts, Prepared, Result, Results
+from kafka_idem.consume.steps import Steps, log
+from kafka_idem.errors import FrameworkError, MessageError, StoreUnavailable
+from kafka_idem.lease import LeaseKeeper
+from kafka_idem.metrics import Metrics
+from kafka_idem.store import Conn, Store, classify_db_error
+
+
+class Processor:
+    """One processor per thread: it owns one database connection, which its paths share."""
+
+    def __init__(
+        self,
+        app: App,
+        *,
+        store: Store,
+        codec: AvroCodec,
+        metrics: Metrics,
+        leases: LeaseKeeper | None = None,
+    ) -> None:
+        self.app = app
+        self.settings = app.settings
+        # the app's keys live in its namespace (a store built without one gets it here)
+        self.store = store if store.namespace is not None else store.scoped(app.namespace)
+        self.codec = codec
+        self.metrics = metrics
+        self.leases = leases
+        self.group_id = app.group_id
+        self.db = Database(self.settings, application_name=f"kafka_idem:{app.name}")
+        self.steps = Steps(app, store=self.store, codec=codec, metrics=metrics, db=self.db)
+        self.local_path = LocalPath(self.steps, self.db)
+        self.leased_path = LeasedPath(self.steps, self.db, leases)
+        self.batch_path = BatchPath(self.steps, self.db)
+
+    def connection(self) -> Conn:
+        return self.db.connection()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def prepare(self, handler: Handler[Any], msg: Message) -> Prepared:
+        """Decode, validate, build key and hash; raise a MessageError when impossible."""
+        return self.steps.prepare(handler, msg)
+
+    def run_local(self, parts: Parts) -> Results:
+        """The batch path when it applies, else (or on fallback) the per-message path."""
+        handlers = {self.app.handlers[tp[0]] for tp, _ in parts}
+        if self.settings.batch_path and all(h.batch for h in handlers):
+            try:
+                return self.batch_path.run(parts)
+            except Fallback as exc:
+                log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
+            except (FrameworkError, MessageError, psycopg.Error) as exc:
+                # A message's data refused by the database (DataRejected) falls back too:
+                # the per-message path isolates the one message it belongs to.
+                if isinstance(exc, StoreUnavailable) or classify_db_error(exc) is StoreUnavailable:
+                    return self.steps.defer_all(parts, exc)
+                log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
+            except Exception:
+                # A defect of the optimisation must not take the member down: the
+                # per-message path is the reference and decides the batch.
+                log.exception("batch path failed; falling back", extra={"action": "batch_fallback"})
+        return self.run_local_safe(parts)
+
+    def run_local_safe(self, parts: Parts) -> Results:
+        """The per-message path alone (see :meth:`LocalPath.run`)."""
+        return self.local_path.run(parts)
+
+    def run_leased(self, msg: Message, *, reentrant: uuid.UUID | None = None) -> Result:
+        return self.leased_path.run(msg, reentrant=reentrant)

@@ -1,0 +1,91 @@
+"""Leased mode: for handlers with effects outside this database.
+
+Step 1, a short claim transaction commits ``processing`` with an owner token and a
+lease (kept alive by a heartbeat while the handler runs). Step 2, the handler's
+writes and the completion fenced by that token commit together, or roll back
+together when the token lost the key to a newer owner.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+
+from kafka_idem.consume.database import Database
+from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
+from kafka_idem.consume.steps import Steps, log
+from kafka_idem.consume.verdicts import where
+from kafka_idem.errors import FrameworkError, MessageError, StaleOwner
+from kafka_idem.lease import LeaseKeeper
+from kafka_idem.store import Claim, Conn, Outcome, describe
+
+
+class LeasedPath:
+    def __init__(self, steps: Steps, db: Database, leases: LeaseKeeper | None) -> None:
+        self.steps = steps
+        self.db = db
+        self.leases = leases  # None: no heartbeat (the lease must outlast the handler)
+
+    def run(self, msg: Message, *, reentrant: uuid.UUID | None = None) -> Result:
+        """``reentrant`` is our own claim of ``msg``'s key from an earlier try that
+        was deferred with its lease still live: re-entered, not waited for."""
+        steps = self.steps
+        handler = steps.handler(msg)
+        try:
+            prep = steps.prepare(handler, msg)
+        except MessageError as exc:
+            verdict = steps.undecodable(handler, msg, exc)
+            verdict.note.write(log)
+            return verdict.result
+        except FrameworkError as exc:  # e.g. the schema registry is down: not the message's fault
+            steps.metrics.framework_errors.labels(type(exc).__name__).inc()
+            log.warning("cannot decode now (%s); will retry", describe(exc),
+                        extra={"action": "deferred", **where(msg)})
+            return Deferred(steps.settings.busy_retry_seconds, Reason.FRAMEWORK, token=reentrant)
+        claim: Claim | None = None
+        try:
+            with self.db.unavailable():
+                conn = self.db.connection()
+                claim = self._claim(conn, msg, prep, reentrant)
+                return self._run_claimed(conn, msg, prep, claim)
+        except MessageError as exc:  # the claim refused the message's data: no record
+            verdict = steps.undecodable(handler, msg, exc, key=prep.key)
+            verdict.note.write(log)
+            return verdict.result
+        except StaleOwner:
+            return Deferred(steps.settings.busy_retry_seconds, Reason.BUSY)
+        except (FrameworkError, psycopg.Error) as exc:
+            # Our surroundings failed (database down, a store error): never charged.
+            steps.metrics.framework_errors.labels(type(exc).__name__).inc()
+            log.warning(
+                "store error (%s); will retry", describe(exc),
+                extra={"action": "deferred", "key": prep.key, **where(msg)},
+            )
+            token = claim.token if claim is not None else reentrant
+            return Deferred(steps.settings.busy_retry_seconds, Reason.FRAMEWORK, token=token)
+
+    def _claim(
+        self, conn: Conn, msg: Message, prep: Prepared, reentrant: uuid.UUID | None
+    ) -> Claim:
+        """Claim and commit: a new key in one round trip, else the full claim."""
+        handler = self.steps.handler(msg)
+        if reentrant is None:
+            claim = self.steps.claim_new(conn, handler, msg, prep)
+            if claim is not None:
+                return claim
+        with conn.transaction():
+            return self.steps.claim(conn, handler, msg, prep, reentrant=reentrant)
+
+    def _run_claimed(self, conn: Conn, msg: Message, prep: Prepared, claim: Claim) -> Result:
+        steps = self.steps
+        handler = steps.handler(msg)
+        if claim.outcome is not Outcome.CLAIMED:
+            verdict = steps.not_claimed(handler, msg, prep, claim)
+            verdict.note.write(log)
+            return verdict.result
+        assert claim.token is not None
+        if self.leases is None:
+            return steps.execute(conn, handler, msg, prep, claim, pipelined=True)
+        with self.leases.hold(claim.key, claim.token) as hold:
+            return steps.execute(conn, handler, msg, prep, claim, hold=hold, pipelined=True)

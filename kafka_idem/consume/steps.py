@@ -1,0 +1,305 @@
+"""The steps every path shares: decode a message, claim its key, build the handler's
+context, run the handler with its fenced completion, record a failure.
+
+A step that a batch may later roll back (:meth:`Steps.undecodable`,
+:meth:`Steps.not_claimed`, :meth:`Steps.record_failure`) returns a :class:`Verdict`
+and logs nothing: the caller logs the note once the decision stands.
+:meth:`Steps.execute` belongs to the per-message paths only, whose decisions stand
+at once, so it logs what it decides itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from pydantic import ValidationError
+
+from kafka_idem.app import App, Context, Done, Handler
+from kafka_idem.codec import AvroCodec
+from kafka_idem.consume.database import Database
+from kafka_idem.consume.outcome import (
+    Deferred,
+    Ended,
+    Finished,
+    Message,
+    Parts,
+    Prepared,
+    Reason,
+    Result,
+    Results,
+)
+from kafka_idem.consume.verdicts import (
+    Letters,
+    Verdict,
+    after_failure,
+    error_of,
+    failing,
+    not_claimed,
+    undecodable,
+)
+from kafka_idem.errors import (
+    FrameworkError,
+    InvalidPayload,
+    MessageError,
+    RetryLimitReached,
+    StaleOwner,
+    TransientStoreError,
+)
+from kafka_idem.keys import check_key, hash_payload
+from kafka_idem.lease import Hold
+from kafka_idem.metrics import Metrics
+from kafka_idem.store import (
+    Claim,
+    Conn,
+    Delivery,
+    Outcome,
+    Store,
+    classify_db_error,
+    describe,
+)
+
+# Every part of the message path logs under the name it always had, so log filters
+# and dashboards that select "kafka_idem.processing" keep seeing all of it.
+log = logging.getLogger("kafka_idem.processing")
+
+
+class Steps:
+    def __init__(
+        self, app: App, *, store: Store, codec: AvroCodec, metrics: Metrics, db: Database
+    ) -> None:
+        self.app = app
+        self.settings = app.settings
+        self.store = store
+        self.codec = codec
+        self.metrics = metrics
+        self.db = db
+
+    def handler(self, msg: Message) -> Handler[Any]:
+        return self.app.handlers[msg.topic()]
+
+    # --- decoding ------------------------------------------------------------------
+
+    def prepare(self, handler: Handler[Any], msg: Message) -> Prepared:
+        """Decode, validate, build key and hash; raise a MessageError when impossible."""
+        _name, record = self.codec.decode(msg.value(), reader=handler.schema)
+        try:
+            model = handler.model.model_validate(record)
+        except ValidationError as exc:
+            # Field paths and reasons only: never echo payload values.
+            reasons = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+            )
+            raise InvalidPayload(f"payload does not validate: {reasons}") from exc
+        key = check_key(handler.key.build(model), self.settings.key_max_bytes,
+                        escaped=handler.key.escapes)
+        try:
+            digest = hash_payload(model, handler.hash_fields)
+        except (ValueError, TypeError, ArithmeticError) as exc:  # NaN, infinity, naive datetime
+            raise InvalidPayload(f"the request hash cannot be computed: {exc}") from exc
+        return Prepared(model, key, digest)
+
+    def key_of(self, handler: Handler[Any], msg: Message) -> str | None:
+        """``msg``'s key, or ``None`` when none can be built."""
+        try:
+            return self.prepare(handler, msg).key
+        except (MessageError, FrameworkError):
+            return None
+
+    # --- verdicts --------------------------------------------------------------------
+
+    def letters(self, handler: Handler[Any]) -> Letters:
+        return Letters(dlq_topic=self.app.dlq_topic(handler), group=self.app.group_id,
+                       handler=handler.name, namespace=self.store.namespace,
+                       message_max=self.settings.error_message_max)
+
+    def undecodable(
+        self, handler: Handler[Any], msg: Message, exc: MessageError, key: str | None = None
+    ) -> Verdict:
+        return undecodable(self.letters(handler), msg, exc, key)
+
+    def not_claimed(
+        self, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim
+    ) -> Verdict:
+        if claim.outcome is Outcome.EXHAUSTED:  # counted as the claim moves it to failed
+            self.metrics.exhausted.labels(msg.topic(), handler.name).inc()
+        return not_claimed(claim, letters=self.letters(handler), msg=msg, prep=prep,
+                           busy_retry_seconds=self.settings.busy_retry_seconds)
+
+    def defer_all(self, parts: Parts, exc: BaseException) -> Results:
+        """Every partition waits: the transaction failed and nothing was committed."""
+        where = ", ".join(
+            f"{msgs[0].topic()}[{msgs[0].partition()}]@{msgs[0].offset()}"
+            for _, msgs in parts if msgs
+        )
+        log.warning(
+            "batch transaction failed (%s); will retry %s",
+            describe(exc), where,
+            extra={"action": "batch_failed", "kind": type(exc).__name__},
+        )
+        self.metrics.framework_errors.labels(type(exc).__name__).inc()
+        return {tp: [Deferred(0.0, Reason.FRAMEWORK)] for tp, _ in parts}
+
+    # --- claim -----------------------------------------------------------------------
+
+    def claim_new(
+        self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared
+    ) -> Claim | None:
+        """A new key claimed and committed in one round trip (autocommit), or ``None``."""
+        conn.autocommit = True
+        try:
+            return self.store.claim_new(
+                conn, key=prep.key, request_hash=prep.request_hash,
+                delivery=delivery(handler, msg), lease_seconds=self.settings.lease_seconds,
+            )
+        finally:
+            if not conn.closed:
+                conn.autocommit = False
+
+    def claim(
+        self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared,
+        reentrant: uuid.UUID | None = None,
+    ) -> Claim:
+        policy = self.app.retry_policy(handler)
+        return self.store.claim(
+            conn,
+            key=prep.key,
+            request_hash=prep.request_hash,
+            delivery=delivery(handler, msg),
+            lease_seconds=self.settings.lease_seconds,
+            max_attempts=policy.max_attempts,
+            max_elapsed_seconds=policy.max_elapsed,
+            reentrant_token=reentrant,
+            reconcile_first=handler.reconcile is not None,
+        )
+
+    # --- the handler ------------------------------------------------------------------
+
+    @contextmanager
+    def handler_time(self, handler: Handler[Any]) -> Iterator[None]:
+        """The one place the handler-time histogram is observed (every path's handler
+        calls, bulk calls included, run inside it)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.metrics.handler_seconds.labels(handler.topic, handler.name).observe(
+                time.perf_counter() - started
+            )
+
+    def execute(
+        self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
+        hold: Hold | None = None, pipelined: bool = False,
+    ) -> Result:
+        """Run the handler and the fenced completion in one transaction (a savepoint
+        in local mode); on an error, record the failure. ``pipelined`` (leased mode)
+        sends BEGIN, the handler's statements and the completion together: one sync
+        after the handler, so its own errors are still told apart from the completion's."""
+        assert claim.token is not None
+        ctx = context(conn, handler, msg, prep, claim)
+        if hold is not None:
+            ctx._lease_lost = hold.lost
+        with self.handler_time(handler):
+            try:
+                with contextlib.ExitStack() as stack:
+                    pipe = stack.enter_context(conn.pipeline()) if pipelined else None
+                    stack.enter_context(conn.transaction())  # rolled back alone on failure
+                    result, how = self._call(handler, prep, ctx, claim)
+                    if pipe is not None:
+                        pipe.sync()  # the handler's statements answer here
+                    self.store.complete(conn, key=prep.key, token=claim.token, result=result)
+                    if hold is not None:
+                        hold.release()  # before the commit (see LeaseKeeper.hold)
+            except (FrameworkError, StaleOwner):
+                raise
+            except Exception as exc:
+                if hold is not None:
+                    hold.release()  # the attempt is over; its failure is recorded next
+                return self._failed(conn, handler, msg, prep, claim, exc)
+        log.debug(how, extra={"action": how, "key": prep.key, "attempts": claim.attempts})
+        return Finished(Ended.SUCCEEDED, key=prep.key)
+
+    def _failed(
+        self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
+        exc: Exception,
+    ) -> Result:
+        self.db.raise_if_gone(exc)
+        if classify_db_error(exc) is TransientStoreError:
+            # Deadlocks and serialization failures come from contention between
+            # transactions (batches), not from the message: retried, not charged.
+            raise TransientStoreError(str(exc), key=prep.key) from exc
+        with conn.transaction():  # a savepoint in local mode, its own commit in leased
+            verdict = self.record_failure(conn, handler, msg, prep, claim, exc)
+        verdict.note.write(log)
+        return verdict.result
+
+    def _call(
+        self, handler: Handler[Any], prep: Prepared, ctx: Context, claim: Claim
+    ) -> tuple[Any, str]:
+        if handler.reconcile is not None and claim.previous_error_kind in (
+            "unknown_outcome",
+            "lease_expired",
+        ):
+            done = handler.reconcile(prep.model, ctx)
+            if isinstance(done, Done):
+                log.info("reconciled", extra={"action": "reconciled", "key": prep.key})
+                return done.result, "reconciled"
+        if claim.last_chance:
+            raise RetryLimitReached(
+                f"{claim.attempts} attempts used; the last one's outcome was unknown and "
+                "reconcile found no effect",
+                key=prep.key,
+            )
+        return handler(prep.model, ctx), "succeeded"
+
+    def record_failure(
+        self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
+        exc: BaseException,
+    ) -> Verdict:
+        """Record ``exc`` as the attempt's failure (retry later, or failed and dead-lettered)."""
+        assert claim.token is not None
+        max_ = self.settings.error_message_max
+        error_class, message = error_of(exc, max_)
+        f = failing(handler.classify(exc), claim=claim, policy=self.app.retry_policy(handler),
+                    limit_reached=isinstance(exc, RetryLimitReached),
+                    reconciler=handler.reconcile is not None)
+        stored = f.stored_message(message, max_)
+        recorded = self.store.fail(conn, key=prep.key, token=claim.token, status=f.status,
+                                   kind=f.kind, error_class=error_class, error_message=stored,
+                                   delay=f.delay)
+        if f.exhausted:
+            self.metrics.exhausted.labels(msg.topic(), handler.name).inc()
+        elif f.status == "retryable_failed":
+            self.metrics.retries.labels(msg.topic(), handler.name).inc()
+        return after_failure(f, recorded, letters=self.letters(handler), msg=msg, key=prep.key,
+                             claim=claim, error_class=error_class, message=stored)
+
+
+def delivery(handler: Handler[Any], msg: Message) -> Delivery:
+    """Where ``msg`` came from, as the record keeps it (its last delivery)."""
+    return Delivery(msg.topic(), msg.partition(), msg.offset(), handler.name)
+
+
+def context(
+    conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim
+) -> Context:
+    """What the handler gets for ``msg``: the open transaction and the message's facts."""
+    ts_type, ts = msg.timestamp()
+    return Context(
+        tx=conn,
+        idempotency_key=prep.key,
+        request_hash=prep.request_hash,
+        attempt=claim.attempts,
+        handler=handler.name,
+        topic=msg.topic(),
+        partition=msg.partition(),
+        offset=msg.offset(),
+        timestamp=ts if ts_type else None,
+        kafka_key=msg.key(),
+        headers={k: v or b"" for k, v in (msg.headers() or [])},
+    )
