@@ -17,8 +17,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from psycopg.rows import dict_row
-
 from kafka_idem import audit
 from kafka_idem.errors import KafkaIdemError
 from kafka_idem.store import Conn, Store, translate_errors
@@ -80,11 +78,8 @@ class Status:
 def status(conn: Conn, store: Store, *, long_running_seconds: float,
            namespace: str | None = None) -> Status:
     """Counts over ``namespace`` (``None``: every namespace), and per namespace."""
-    params = {"ns": namespace, "long_running": long_running_seconds}
-    with translate_errors():
-        cur = conn.cursor(row_factory=dict_row)
-        rows = cur.execute(store.q["status_summary"], params).fetchall()
-        kinds = cur.execute(store.q["failed_by_kind"], params).fetchall()
+    rows, kinds = store.status_rows(conn, namespace=namespace,
+                                    long_running_seconds=long_running_seconds)
     totals: dict[str, int] = dict.fromkeys(STATUSES, 0)
     by_namespace: dict[str, dict[str, int]] = {}
     for r in rows:
@@ -173,8 +168,7 @@ def rerun(
     if not reason.strip():
         raise Refused("a reason is required for a re-run", key=key)
     with translate_errors(key=key):
-        cur = conn.cursor(row_factory=dict_row)
-        rec = cur.execute(store.q["lock_record"], {"ns": store.ns, "key": key}).fetchone()
+        rec = store.lock_record(conn, key)
         if rec is None:
             raise Refused("no record with this key", key=key)
         state = rec["status"]
@@ -204,8 +198,7 @@ def rerun_if_failed(
     if not reason.strip():
         raise Refused("a reason is required for a re-run", key=key)
     with translate_errors(key=key):
-        cur = conn.cursor(row_factory=dict_row)
-        rec = cur.execute(store.q["lock_record"], {"ns": store.ns, "key": key}).fetchone()
+        rec = store.lock_record(conn, key)
         if rec is None or rec["status"] != "failed":
             return None
         audit_id = _rerun_locked(conn, store, rec, actor=actor, reason=reason,
@@ -217,7 +210,7 @@ def _rerun_locked(conn: Conn, store: Store, rec: dict[str, Any], *, actor: str, 
                   selection: dict[str, Any] | None) -> int:
     key = rec["idempotency_key"]
     _set_admin_action(conn, "rerun")
-    conn.execute(store.q["rerun"], {"ns": store.ns, "key": key})
+    store.rerun(conn, key)
     previous_error = f"{rec['error_kind']}: {rec['error_class']}: {rec['error_message']}"
     return audit.record(
         conn, store, actor=actor, action="rerun", key=key, reason=reason,
@@ -226,9 +219,7 @@ def _rerun_locked(conn: Conn, store: Store, rec: dict[str, Any], *, actor: str, 
 
 
 def topics_seen(conn: Conn, store: Store) -> list[str]:
-    with translate_errors():
-        return [r[0] for r in conn.execute(
-            store.q["topics_seen"], {"ns": store.namespace}).fetchall()]
+    return store.topics_seen(conn)
 
 
 def purge(
@@ -253,11 +244,8 @@ def purge(
     while True:
         with translate_errors(), conn.transaction():
             _set_admin_action(conn, "purge")
-            deleted = conn.execute(
-                store.q["purge_batch"],
-                {"ns": store.namespace, "statuses": statuses, "older_than": older_than,
-                 "batch": batch_size},
-            ).rowcount
+            deleted = store.purge_batch(conn, statuses=statuses, older_than=older_than,
+                                        batch_size=batch_size)
             if deleted:
                 audit.record(conn, store, actor=actor, action="purge", selection=selection,
                              reason=reason, counts={"deleted": deleted})

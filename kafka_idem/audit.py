@@ -10,10 +10,7 @@ import getpass
 import os
 from typing import Any
 
-from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
-
-from kafka_idem.store import Conn, Store, translate_errors
+from kafka_idem.store import Conn, Store
 
 
 def default_actor() -> str:
@@ -40,28 +37,10 @@ def record(
 ) -> int:
     """Append one audit row inside the caller's transaction; return its id. The row's
     namespace is the store's (``None`` for an action over every namespace)."""
-    with translate_errors(key=key):
-        row = conn.execute(
-            store.q["audit_insert"],
-            {
-                "ns": store.namespace,
-                "actor": actor,
-                "action": action,
-                "key": key,
-                "selection": Jsonb(selection) if selection is not None else None,
-                "reason": reason,
-                "previous_status": previous_status,
-                "previous_error": previous_error,
-                "counts": Jsonb(counts) if counts is not None else None,
-            },
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
+    return store.audit_insert(
+        conn, actor=actor, action=action, key=key, selection=selection, reason=reason,
+        previous_status=previous_status, previous_error=previous_error, counts=counts)
 
 
 def trail(conn: Conn, store: Store, key: str) -> list[dict[str, Any]]:
-    with translate_errors(key=key):
-        cur = conn.cursor(row_factory=dict_row)
-        return cur.execute(
-            store.q["audit_for_key"], {"ns": store.ns, "key": key}
-        ).fetchall()
+    return store.audit_for_key(conn, key)

@@ -36,18 +36,14 @@ class Pending:
     records: int
 
 
-def _pairs(app: App) -> dict[str, list[str]]:
-    handlers = list(app.handlers.values())
-    return {"topics": [h.topic for h in handlers], "handlers": [h.name for h in handlers]}
+def _pairs(app: App) -> list[tuple[str, str]]:
+    return [(h.topic, h.name) for h in app.handlers.values()]
 
 
 def unassigned(conn: Conn, store: Store, app: App) -> list[Pending]:
     """The unassigned records ``app`` would adopt, per (topic, handler)."""
-    with translate_errors():
-        rows = conn.execute(
-            store.q["unassigned"], {"ns": app.namespace, **_pairs(app)}
-        ).fetchall()
-    return [Pending(topic, handler, int(n)) for topic, handler, n in rows]
+    rows = store.scoped(app.namespace).unassigned(conn, _pairs(app))
+    return [Pending(r["kafka_topic"], r["handler"], int(r["n"])) for r in rows]
 
 
 def refuse_unassigned(conn: Conn, store: Store, app: App) -> None:
@@ -70,10 +66,11 @@ def adopt(conn: Conn, store: Store, app: App, *, actor: str) -> list[Pending]:
     one transaction; return what moved, per (topic, handler)."""
     with translate_errors(), conn.transaction():
         conn.execute("SELECT set_config('kafka_idem.admin_action', 'adopt', true)")
-        rows = conn.execute(store.q["adopt"], {"ns": app.namespace, **_pairs(app)}).fetchall()
+        rows = store.scoped(app.namespace).adopt(conn, _pairs(app))
         counts: dict[tuple[str, str], int] = {}
-        for topic, handler in rows:
-            counts[(topic, handler)] = counts.get((topic, handler), 0) + 1
+        for r in rows:
+            pair = (r["kafka_topic"], r["handler"])
+            counts[pair] = counts.get(pair, 0) + 1
         moved = [Pending(t, h, n) for (t, h), n in sorted(counts.items())]
         if moved:
             audit.record(

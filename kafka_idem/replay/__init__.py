@@ -19,6 +19,8 @@ transaction (the steps are in :mod:`kafka_idem.replay.run`).
 * :mod:`~kafka_idem.replay.republishing` — :func:`republish` with lineage headers,
   the target topic, :class:`TokenBucket`, :class:`Deliveries` (delivery reports
   latched) and :func:`republish_acknowledged`;
+* :mod:`~kafka_idem.replay.redrive` — what the replay does with each record (the
+  re-drive's decisions, :data:`OUTCOMES` and :data:`WHY`);
 * :mod:`~kafka_idem.replay.run` — :func:`replay`: the resumable, transactional,
   audited run.
 
@@ -35,6 +37,7 @@ from kafka_idem.replay.reading import (
     scan,
 )
 from kafka_idem.replay.records import DlqRecord, Header, Selection, display_bytes, dlq_topic_for
+from kafka_idem.replay.redrive import OUTCOMES, SENDS, SKIPS, WHY
 from kafka_idem.replay.republishing import (
     Deliveries,
     TokenBucket,
@@ -45,11 +48,7 @@ from kafka_idem.replay.republishing import (
     target_of,
 )
 from kafka_idem.replay.run import (
-    OUTCOMES,
     REPLAY_GROUP_PREFIX,
-    SENDS,
-    SKIPS,
-    WHY,
     ReplaySummary,
     replay,
     replay_group,

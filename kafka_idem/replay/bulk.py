@@ -24,14 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import Producer
-from psycopg.rows import dict_row
 
 from kafka_idem import admin
 from kafka_idem.replay.reading import kafka_errors, scan
 from kafka_idem.replay.records import DlqRecord, Selection, dlq_topic_for
 from kafka_idem.replay.republishing import Deliveries, delivery_wait, republish
 from kafka_idem.settings import Settings
-from kafka_idem.store import Conn, Store, translate_errors
+from kafka_idem.store import Conn, Store
 
 BATCH = 200
 RecordId = tuple[str, str]  # (namespace, idempotency key)
@@ -85,12 +84,9 @@ class BulkSummary:
 
 
 def select_failed(conn: Conn, store: Store, flt: Filter) -> list[dict[str, Any]]:
-    with translate_errors():
-        cur = conn.cursor(row_factory=dict_row)
-        rows = cur.execute(store.q["failed_selection"], {
-            "ns": flt.namespace, "kind": flt.kind, "handler": flt.handler, "since": flt.since,
-            "until": flt.until, "prefix": flt.key_prefix, "limit": flt.limit,
-        }).fetchall()
+    rows = store.failed_selection(
+        conn, namespace=flt.namespace, kind=flt.kind, handler=flt.handler, since=flt.since,
+        until=flt.until, key_prefix=flt.key_prefix, limit=flt.limit)
     conn.rollback()
     return rows
 

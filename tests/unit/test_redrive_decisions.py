@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kafka_idem.replay.records import DlqRecord
-from kafka_idem.replay.run import _classify
+from kafka_idem.replay.redrive import classify as _classify
 
 GROUP = "kafka-idem-replay.t.dlq.abc"
 

@@ -29,200 +29,24 @@ translated in :func:`translate_errors` only.
 from __future__ import annotations
 
 import datetime as dt
-import enum
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from kafka_idem.errors import (
-    DataRejected,
-    IllegalTransition,
-    KafkaIdemError,
-    StaleOwner,
-    StoreError,
-    StoreUnavailable,
-    TransientStoreError,
-)
-from kafka_idem.redact import redact
+from kafka_idem.errors import StaleOwner, TransientStoreError
 from kafka_idem.sql import compile_queries
-
-Conn = psycopg.Connection[Any]
-
-# SQLSTATEs, never message text (message text changes
-# between versions and locales).
-TRANSIENT_SQLSTATES = frozenset(
-    {
-        "40001",  # serialization_failure
-        "40P01",  # deadlock_detected
-        "55P03",  # lock_not_available
-        "57014",  # query_canceled (statement/lock timeout)
-        "53300",  # too_many_connections
-    }
-)
-UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "08000", "08003", "08006"})
-ILLEGAL_TRANSITION = "KI001"
-STALE_OWNER = "KI002"
+from kafka_idem.store.admin import AdminQueries
+from kafka_idem.store.errors import storable, translate_errors
+from kafka_idem.store.types import Claim, Conn, Delivery, Failure, Outcome
 
 
-# Errors caused by the data a message brought, not by the database's state: retrying
-# the same message can never succeed, so it is dead-lettered (DataRejected). Class 22
-# is "data exception" (invalid byte sequence, NUL in jsonb, numeric overflow, value
-# too long), class 23 "integrity constraint violation" (check, not-null, foreign key);
-# 54000 is "program limit exceeded" (an index entry over PostgreSQL's B-tree limit).
-DATA_SQLSTATE_CLASSES = ("22", "23")
-DATA_SQLSTATES = frozenset({"54000"})
-
-
-def is_data_error(exc: BaseException) -> bool:
-    """True when ``exc`` is the database (or psycopg, before sending) refusing a value.
-
-    psycopg itself refuses a NUL in text and a string it cannot encode, with no SQLSTATE.
-    """
-    if isinstance(exc, UnicodeEncodeError | DataRejected):
-        return True
-    if not isinstance(exc, psycopg.Error):
-        return False
-    state = exc.sqlstate or ""
-    if state:
-        return state[:2] in DATA_SQLSTATE_CLASSES or state in DATA_SQLSTATES
-    return isinstance(exc, psycopg.DataError)
-
-
-def data_error_text(exc: BaseException) -> str:
-    """What the database said about the value, without the value itself: the SQLSTATE
-    and primary message (never DETAIL/CONTEXT, which may quote the parameters)."""
-    if isinstance(exc, psycopg.Error):
-        primary = exc.diag.message_primary or str(exc).splitlines()[0]
-        state = exc.sqlstate or "client-side"
-        return f"SQLSTATE {state}: {primary}"
-    return f"{type(exc).__name__}: {exc.reason if isinstance(exc, UnicodeEncodeError) else exc}"
-
-
-def rejected(exc: BaseException, **context: Any) -> DataRejected:
-    """``exc``, a data error of the database (:func:`is_data_error`), as the message's
-    own :class:`DataRejected` (an existing one is returned as it is)."""
-    if isinstance(exc, DataRejected):
-        return exc
-    return DataRejected(
-        f"the database rejected the message's data ({data_error_text(exc)})", **context)
-
-
-def storable(text: str) -> str:
-    """``text`` as PostgreSQL ``text`` can hold it: NUL removed, lone surrogates
-    replaced (error messages quote handler exceptions, which may quote payloads)."""
-    if "\x00" in text:
-        text = text.replace("\x00", "\\x00")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
-
-
-def describe(exc: BaseException) -> str:
-    """One line about ``exc`` for a log: a database error's SQLSTATE and primary
-    message (also when it is the ``__cause__`` of one of ours), else the class and
-    the first line of its text."""
-    cause = exc if isinstance(exc, psycopg.Error) else exc.__cause__
-    if isinstance(cause, psycopg.Error) and cause.sqlstate:
-        return f"{type(exc).__name__}: SQLSTATE {cause.sqlstate}: {cause.diag.message_primary}"
-    lines = str(exc).strip().splitlines()
-    # A connection error can quote its connection string.
-    return redact(f"{type(exc).__name__}: {lines[0]}") if lines else type(exc).__name__
-
-
-def classify_db_error(exc: BaseException) -> type[KafkaIdemError] | None:
-    """The kafka_idem error class for a psycopg error, by SQLSTATE (never by message
-    text); ``None`` if not a database error."""
-    if is_data_error(exc):
-        return DataRejected
-    if not isinstance(exc, psycopg.Error):
-        return None
-    state = exc.sqlstate or ""
-    if state == ILLEGAL_TRANSITION:
-        return IllegalTransition
-    if state == STALE_OWNER:
-        return StaleOwner
-    if state in TRANSIENT_SQLSTATES:
-        return TransientStoreError
-    if state in UNAVAILABLE_SQLSTATES or state.startswith("08"):
-        return StoreUnavailable
-    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) and not state:
-        return StoreUnavailable  # connection lost, no server answer
-    return StoreError
-
-
-@contextmanager
-def translate_errors(**context: Any) -> Iterator[None]:
-    """The one place psycopg errors become kafka_idem errors (``__cause__`` kept)."""
-    try:
-        yield
-    except (psycopg.Error, UnicodeEncodeError) as exc:
-        cls = classify_db_error(exc) or StoreError
-        if cls is DataRejected:
-            raise rejected(exc, **context) from exc
-        summary = (cls.__doc__ or "").strip().splitlines()[0]
-        raise cls(redact(f"{summary}: {exc}"), **context) from exc
-
-
-class Outcome(enum.StrEnum):
-    CLAIMED = "claimed"
-    REPLAY = "replay"
-    BUSY = "busy"
-    CONFLICT = "conflict"
-    DEAD = "dead"
-    EXHAUSTED = "exhausted"
-
-
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    """Where the message being processed came from (stored as the last delivery)."""
-
-    topic: str
-    partition: int
-    offset: int
-    handler: str
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    outcome: Outcome
-    key: str
-    token: uuid.UUID | None = None
-    attempts: int = 0
-    budget_used: int = 1  # attempts counted against the retry limit (since the last re-run)
-    result: Any = None
-    retry_in: float = 0.0
-    backoff: bool = False  # busy because a retry is not due yet (not someone's live lease)
-    failing_for: float = 0.0  # seconds since the first failure, by the database clock
-    took_over: bool = False
-    last_chance: bool = False  # limit reached: reconcile, then succeed or be exhausted
-    previous_error_kind: str | None = None
-    error_kind: str | None = None
-    error_class: str | None = None
-    error_message: str | None = None
-    first_failure_at: dt.datetime | None = None
-    last_failure_at: dt.datetime | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """What :meth:`Store.fail` recorded."""
-
-    attempts: int
-    next_attempt_at: dt.datetime | None
-    first_failure_at: dt.datetime
-    last_failure_at: dt.datetime
-
-
-class Store:
-    """Runs the protocol's SQL on a connection the caller owns.
+class Store(AdminQueries):
+    """Runs the protocol's SQL (and, through :class:`AdminQueries`, the admin tools')
+    on a connection the caller owns.
 
     Methods never commit: the caller decides the transaction boundaries (one
     for claim+handler+complete in local mode, two in leased mode).
@@ -243,12 +67,6 @@ class Store:
         other.namespace = namespace
         return other
 
-    @property
-    def ns(self) -> str:
-        """The namespace every runtime query runs in (a store without one is a bug)."""
-        if self.namespace is None:
-            raise TypeError("this Store has no namespace; use store.scoped(namespace)")
-        return self.namespace
 
     # --- claim ---------------------------------------------------------------
 
@@ -500,19 +318,6 @@ class Store:
         """The record of ``key`` in this store's namespace."""
         found = self.find(conn, key, [self.ns])
         return found[0] if found else None
-
-    def find(self, conn: Conn, key: str, namespaces: Sequence[str]) -> list[dict[str, Any]]:
-        """The records of ``key`` in any of ``namespaces`` (admin), by namespace."""
-        with translate_errors(key=key):
-            cur = conn.cursor(row_factory=dict_row)
-            return cur.execute(
-                self.q["get_record"], {"nss": list(namespaces), "key": key}
-            ).fetchall()
-
-    def namespaces(self, conn: Conn) -> list[str]:
-        """Every namespace that has records ('' = written before namespaces, unassigned)."""
-        with translate_errors():
-            return [r[0] for r in conn.execute(self.q["namespaces"]).fetchall()]
 
     def succeeded(self, conn: Conn, keys: Sequence[str]) -> dict[str, tuple[str, Any]]:
         """``{key: (request_hash, result)}`` for the keys among ``keys`` that succeeded."""

@@ -1,0 +1,380 @@
+"""The ``kafka-idem`` operations commands: ``status``, ``inspect``, ``rerun``, ``purge``.
+
+Each reads or changes the store through :mod:`kafka_idem.admin` (audited admin
+actions) and prints plain, escaped text (:mod:`kafka_idem.cli_text`); refusals are
+one line and exit 1. Registered on the command group by :mod:`kafka_idem.cli`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Protocol
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from kafka_idem import admin, audit
+from kafka_idem.app import App
+from kafka_idem.cli_errors import ServiceError, warn
+from kafka_idem.cli_text import cell, plain
+from kafka_idem.errors import FrameworkError
+from kafka_idem.settings import Settings
+from kafka_idem.store import Store, connect
+
+
+class _Obj(Protocol):
+    def settings(self, app: App | None = None) -> Settings: ...
+
+
+def _store(s: Settings) -> Store:
+    return Store(schema=s.schema_name, table=s.table)
+
+
+def _print_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+_NAMESPACE_HELP = ("Only records of this namespace (default: every namespace; an app's "
+                   "namespace is its `namespace` setting, else its name).")
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--long-running", "long_running", help="Threshold, e.g. 10m (default: settings).")
+@click.option("--namespace", help=_NAMESPACE_HELP)
+@click.pass_obj
+def status(obj: _Obj, as_json: bool, long_running: str | None, namespace: str | None) -> None:
+    """Counts by status, leases, long-running records, failures by kind, retry backlog;
+    and the records of each namespace by status. Exit 1 for an unknown --namespace."""
+    s = obj.settings()
+    threshold = _duration(long_running) if long_running else s.long_running_seconds
+    store = _store(s)
+    conn = connect(s.dsn)
+    try:
+        if namespace is not None:
+            admin.require_namespace(conn, store, namespace)
+        st = admin.status(conn, store, long_running_seconds=threshold, namespace=namespace)
+    except admin.Refused as exc:
+        warn(f"refused: {exc}")
+        sys.exit(1)
+    finally:
+        conn.close()
+    if as_json:
+        _print_json(st.to_json())
+        return
+    console = Console()
+    scope = f" namespace {namespace}" if namespace is not None else ""
+    table = Table(title=cell(f"kafka_idem store {s.schema_name}.{s.table}{scope}"))
+    table.add_column("what")
+    table.add_column("count", justify="right")
+    rows: list[tuple[str, object]] = [(name, n) for name, n in st.by_status.items()]
+    rows += [("processing, live lease", st.processing_live),
+             ("processing, expired lease", st.processing_expired),
+             (f"long-running (> {threshold:.0f}s)", st.long_running)]
+    rows += [(f"failed: {kind}", n) for kind, n in st.failed_by_kind.items()]
+    rows += [("retry backlog (due now)", f"{st.retry_backlog} ({st.retry_due_now})"),
+             ("next retry due", st.next_retry_at.isoformat() if st.next_retry_at else "-")]
+    for what, value in rows:
+        table.add_row(cell(what), cell(value))
+    console.print(table)
+    spaces = Table(title="records by namespace")
+    spaces.add_column("namespace")
+    for name in admin.STATUSES:
+        spaces.add_column(name, justify="right")
+    for ns, counts in st.by_namespace.items():
+        spaces.add_row(cell(admin.shown(ns)), *(cell(counts[n]) for n in admin.STATUSES))
+    console.print(spaces)
+
+
+@click.command()
+@click.argument("key")
+@click.option("--namespace", help=_NAMESPACE_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (one record: "
+              "give --namespace when the key is in several).")
+@click.pass_obj
+def inspect(obj: _Obj, key: str, namespace: str | None, as_json: bool) -> None:
+    """The key's record (status, hash, attempts, owner, lease, result, error, last
+    delivery) and its audit trail, in each namespace that holds the key. Exit 1 when the
+    key or the --namespace is unknown."""
+    s = obj.settings()
+    conn = connect(s.dsn)
+    try:
+        recs = admin.inspect(conn, _store(s), key, namespace)
+    except admin.Refused as exc:
+        warn(f"refused: {exc}")
+        sys.exit(1)
+    finally:
+        conn.close()
+    if not recs:
+        where = f" in namespace {namespace!r}" if namespace is not None else ""
+        click.echo(plain(f"no record with key {key!r}{where}"), err=True)
+        sys.exit(1)
+    if as_json:
+        if len(recs) > 1:
+            names = ", ".join(repr(r["namespace"]) for r in recs)
+            warn(plain(f"refused: {key}: the key exists in namespaces {names}: give --namespace"))
+            sys.exit(1)
+        _print_json(recs[0])
+        return
+    for rec in recs:
+        _print_record(key, rec)
+
+
+def _print_record(key: str, rec: dict[str, Any]) -> None:
+    console = Console()
+    table = Table(title=cell(f"{key}  (namespace {admin.shown(rec['namespace'])})"),
+                  show_header=False)
+    table.add_column("field")
+    table.add_column("value")
+    for name in ("namespace", "status", "request_hash", "attempts", "owner_token", "lease_until",
+                 "lease_live", "next_attempt_at", "result_json", "error_kind", "error_class",
+                 "error_message", "first_failure_at", "last_failure_at", "completed_token",
+                 "handler", "kafka_topic", "kafka_partition", "kafka_offset", "created_at",
+                 "updated_at", "completed_at"):
+        value = rec.get(name)
+        table.add_row(name, cell(json.dumps(value, default=str) if name == "result_json"
+                                 else value))
+    console.print(table)
+    trail = Table(title="audit trail")
+    columns = ("at", "actor", "action", "reason", "previous_status", "previous_error")
+    for col in columns:
+        trail.add_column(col)
+    for row in rec["audit"]:
+        trail.add_row(*(cell(row[c] or "") for c in columns))
+    console.print(trail)
+
+
+def _iso_time(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    from kafka_idem.cli_dlq import _when
+
+    return _when(ctx, param, value)
+
+
+@click.command()
+@click.argument("key", required=False)
+@click.option("--reason", help="Why (kept in the audit trail); required unless --dry-run.")
+@click.option("--actor", default=None, help="Who (default: KAFKA_IDEM_ACTOR or the OS user).")
+@click.option("--dlq", "dlq_topic", help="DLQ topic to find the messages in "
+              "(default: each record's topic + dlq suffix).")
+@click.option("--kind", type=click.Choice(["exhausted", "permanent"]),
+              help="Bulk: failed records of this error kind.")
+@click.option("--since", metavar="ISO-DATETIME", callback=_iso_time,
+              help="Bulk: last failure at or after this time (ISO 8601; UTC if no offset).")
+@click.option("--until", metavar="ISO-DATETIME", callback=_iso_time,
+              help="Bulk: last failure before this time (ISO 8601; UTC if no offset).")
+@click.option("--handler", help="Bulk: failed records of this handler.")
+@click.option("--namespace", help="The key's namespace (needed when the key is in several); "
+              "bulk: only records of this namespace (default: every namespace).")
+@click.option("--key-prefix", help="Bulk: keys starting with this text.")
+@click.option("--limit", type=click.IntRange(min=1), help="Bulk: at most this many keys "
+              "(oldest failure first); run again for the next ones.")
+@click.option("--dry-run", is_flag=True, help="Bulk: print what would be re-run; change "
+              "and send nothing.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Bulk: print the summary as JSON.")
+@click.pass_obj
+def rerun(obj: _Obj, key: str | None, reason: str | None, actor: str | None,
+          dlq_topic: str | None, kind: str | None, since: Any, until: Any,
+          handler: str | None, namespace: str | None, key_prefix: str | None,
+          limit: int | None, dry_run: bool, no_progress: bool, as_json: bool) -> None:
+    """Audited admin re-run of failed keys: failed -> retryable_failed (fresh retry budget),
+    and each key's latest dead-lettered message republished so the consumer group runs
+    it again.
+
+    With KEY, that one key: the state change and its audit row commit only once the
+    broker acknowledged the message (if republishing fails, nothing changes: exit 3,
+    and a later rerun works); refuses succeeded and live processing records (exit 1).
+
+    Without KEY, every failed record the filters select (--kind, --since, --until,
+    --handler, --key-prefix, --limit): the DLQ topics are read once, then keys are
+    re-run and republished in batches, each committed after its messages were
+    acknowledged. Keys re-run before and not failed again are not selected, so a
+    repeat is safe. Exit 1 when nothing matches."""
+    filters = {"--kind": kind, "--since": since, "--until": until, "--handler": handler,
+               "--key-prefix": key_prefix, "--limit": limit}
+    if key is not None:
+        given = [name for name, value in filters.items() if value is not None]
+        given += [name for name, on in (("--dry-run", dry_run), ("--json", as_json)) if on]
+        if given:
+            raise click.UsageError(f"{', '.join(given)}: bulk options; give either KEY or "
+                                   "filters")
+        _rerun_one(obj, key, reason or "", actor, dlq_topic, namespace)
+        return
+    _rerun_bulk(obj, reason, actor, dlq_topic, kind=kind, since=since, until=until,
+                handler=handler, namespace=namespace, key_prefix=key_prefix, limit=limit,
+                dry_run=dry_run, progress=not no_progress, as_json=as_json)
+
+
+def _rerun_one(obj: _Obj, key: str, reason: str, actor: str | None,
+               dlq_topic: str | None, namespace: str | None) -> None:
+    from confluent_kafka import Producer
+
+    from kafka_idem import replay
+
+    s = obj.settings()
+    who = actor or audit.default_actor()
+    conn = connect(s.dsn)
+    try:
+        if not reason.strip():
+            raise admin.Refused("a reason is required for a re-run: give --reason TEXT",
+                                key=key)
+        store = admin.resolve(conn, _store(s), key, namespace)  # the key's namespace
+        rec = store.get(conn, key)
+        conn.rollback()
+        if rec is None:
+            raise admin.Refused(f"no record with this key in namespace {store.ns!r}", key=key)
+        topic = dlq_topic or f"{rec['kafka_topic']}{s.dlq_suffix}"
+        letter = (replay.latest_for_key(s, topic, key, store.ns) if rec["status"] == "failed"
+                  else None)
+        if rec["status"] == "failed" and letter is None:
+            raise admin.Refused(f"no dead-lettered message for this key in {topic}", key=key)
+        if letter is not None and letter.truncated is not None:
+            raise admin.Refused(
+                f"its dead letter {topic}[{letter.partition}]@{letter.offset} was written without "
+                f"its {letter.truncated} (too large for the DLQ); the original message is "
+                f"{letter.original_topic}[{letter.original_partition}]@{letter.original_offset}",
+                key=key)
+        with conn.transaction():
+            # The record stays locked until the message is acknowledged: a consumer that
+            # receives it first waits for this commit; a refused message rolls it all back.
+            admin.rerun(conn, store, key=key, actor=who, reason=reason)
+            assert letter is not None
+            conf = s.producer_config()
+            try:
+                target = replay.republish_acknowledged(
+                    Producer(conf), letter, actor=who, timeout=replay.delivery_wait(conf))
+            except FrameworkError as exc:
+                raise ServiceError(f"re-run not recorded, {key} is still failed: {exc}; "
+                                   "fix the cause and run the same rerun again") from exc
+    except admin.Refused as exc:
+        warn(f"refused: {exc}")
+        sys.exit(1)
+    finally:
+        conn.close()
+    click.echo(plain(f"{key}: failed -> retryable_failed by {who}; message republished to "
+                     f"{target} from {topic}[{letter.partition}]@{letter.offset}"))
+
+
+def _rerun_bulk(obj: _Obj, reason: str | None, actor: str | None, dlq_topic: str | None, *,
+                kind: str | None, since: Any, until: Any, handler: str | None,
+                namespace: str | None, key_prefix: str | None, limit: int | None,
+                dry_run: bool, progress: bool, as_json: bool) -> None:
+    from kafka_idem.replay.bulk import Filter, bulk_rerun
+
+    flt = Filter(kind=kind, handler=handler, since=since, until=until,
+                 key_prefix=key_prefix, limit=limit, namespace=namespace)
+    if not flt.to_json() or list(flt.to_json()) == ["limit"]:
+        raise click.UsageError("give KEY, or at least one filter (--kind, --since, --until, "
+                               "--handler, --namespace, --key-prefix) to re-run in bulk")
+    s = obj.settings()
+    who = actor or audit.default_actor()
+    conn = connect(s.dsn)
+    try:
+        if namespace is not None:
+            admin.require_namespace(conn, _store(s), namespace)
+            conn.rollback()
+        summary = bulk_rerun(s, conn, _store(s), flt, dlq_topic=dlq_topic, actor=who,
+                             reason=reason, dry_run=dry_run, progress=progress)
+    except admin.Refused as exc:
+        warn(f"refused: {exc}")
+        sys.exit(1)
+    finally:
+        conn.close()
+    if as_json:
+        _print_json(summary.to_json())
+    else:
+        verb = "would re-run" if dry_run else "re-run"
+        count = summary.ready if dry_run else summary.rerun
+        click.echo(plain(
+            f"{'dry run: ' if dry_run else ''}selected {summary.selected} failed key(s), "
+            f"{verb} {count}"
+            + (f", no longer failed {summary.not_failed}" if summary.not_failed else "")
+            + (f", no dead letter found {len(summary.no_dead_letter)}"
+               if summary.no_dead_letter else "")
+            + (f", dead letter without its value {len(summary.truncated)}"
+               if summary.truncated else "")))
+        for topic, n in sorted(summary.dlq_topics.items()):
+            click.echo(plain(f"  from {topic}: {n}"))
+        for k in summary.no_dead_letter[:20]:
+            click.echo(plain(f"  no dead letter: {k}"))
+        for k in summary.truncated[:20]:
+            click.echo(plain(f"  without its value (re-run from the source topic): {k}"))
+    if summary.selected == 0:
+        click.echo(plain(f"no failed record matches {json.dumps(flt.to_json())}"), err=True)
+        sys.exit(1)
+
+
+@click.command()
+@click.option("--older-than", required=True, help="Age of records to delete, e.g. 30d.")
+@click.option("--include-failed", is_flag=True, help="Also purge old failed records.")
+@click.option("--batch-size", type=click.IntRange(1, 100_000), default=5000, show_default=True)
+@click.option("--actor", default=None, help="Who (default: KAFKA_IDEM_ACTOR or the OS user).")
+@click.option("--reason", default=None, help="Why (kept in the audit trail).")
+@click.option("--namespace", help=_NAMESPACE_HELP)
+@click.pass_obj
+def purge(obj: _Obj, older_than: str, include_failed: bool, batch_size: int,
+          actor: str | None, reason: str | None, namespace: str | None) -> None:
+    """Retention: delete succeeded (and with --include-failed, failed) records older than
+    the window, in audited batches. Never touches processing or retryable_failed records.
+    Warns when the window is shorter than a source topic's retention. Exit 1 for an
+    unknown --namespace."""
+    s = obj.settings()
+    seconds = _duration(older_than)
+    store = _store(s) if namespace is None else _store(s).scoped(namespace)
+    conn = connect(s.dsn)
+    try:
+        if namespace is not None:
+            try:
+                admin.require_namespace(conn, store, namespace)
+            except admin.Refused as exc:
+                warn(f"refused: {exc}")
+                sys.exit(1)
+        _warn_retention(s, admin.topics_seen(conn, store), seconds)
+        conn.rollback()
+        deleted = admin.purge(conn, store, older_than=seconds, include_failed=include_failed,
+                              batch_size=batch_size, actor=actor or audit.default_actor(),
+                              reason=reason)
+    finally:
+        conn.close()
+    scope = f" in namespace {namespace}" if namespace is not None else ""
+    click.echo(plain(f"purged {deleted} records older than {older_than}{scope}"))
+
+
+def _duration(text: str) -> float:
+    try:
+        return admin.parse_duration(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+def _warn_retention(s: Settings, topics: list[str], window: float) -> None:
+    """A duplicate older than the window would run again: say so when the topic keeps
+    messages longer than the window."""
+    if not topics:
+        return
+    from confluent_kafka.admin import (  # type: ignore[attr-defined]
+        AdminClient,
+        ConfigResource,
+    )
+
+    client = AdminClient(s.admin_config())
+    resources = [ConfigResource(ConfigResource.Type.TOPIC, t) for t in topics]
+    try:
+        futures = client.describe_configs(resources, request_timeout=10)
+    except Exception as exc:  # the warning is advisory; never block retention on it
+        warn(f"warning: could not read topic retention: {exc}")
+        return
+    for res, fut in futures.items():
+        try:
+            config = fut.result(timeout=10)
+        except Exception:  # topic deleted since: nothing to compare
+            continue
+        retention_ms = int(config["retention.ms"].value)
+        if retention_ms < 0 or retention_ms / 1000 > window:
+            shown = "forever" if retention_ms < 0 else f"{retention_ms / 86_400_000:.1f} days"
+            warn(
+                f"warning: topic {res.name} keeps messages for {shown}, longer than the purge "
+                f"window; a duplicate older than the window would be processed again"
+            )

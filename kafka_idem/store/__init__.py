@@ -1,0 +1,50 @@
+"""The idempotency store: every statement kafka_idem runs on its own tables.
+
+* :mod:`~kafka_idem.store.protocol` — :class:`Store`: the claim / complete / fail
+  protocol with fencing tokens, the batch path's statements, :func:`connect`;
+* :mod:`~kafka_idem.store.admin` — the admin tools' queries (a base of :class:`Store`);
+* :mod:`~kafka_idem.store.errors` — the one translation of database errors;
+* :mod:`~kafka_idem.store.types` — :class:`Claim`, :class:`Outcome`,
+  :class:`Delivery`, :class:`Failure`.
+"""
+
+from kafka_idem.store.errors import (
+    DATA_SQLSTATE_CLASSES,
+    DATA_SQLSTATES,
+    ILLEGAL_TRANSITION,
+    STALE_OWNER,
+    TRANSIENT_SQLSTATES,
+    UNAVAILABLE_SQLSTATES,
+    classify_db_error,
+    data_error_text,
+    describe,
+    is_data_error,
+    rejected,
+    storable,
+    translate_errors,
+)
+from kafka_idem.store.protocol import Store, connect
+from kafka_idem.store.types import Claim, Conn, Delivery, Failure, Outcome
+
+__all__ = [
+    "DATA_SQLSTATES",
+    "DATA_SQLSTATE_CLASSES",
+    "ILLEGAL_TRANSITION",
+    "STALE_OWNER",
+    "TRANSIENT_SQLSTATES",
+    "UNAVAILABLE_SQLSTATES",
+    "Claim",
+    "Conn",
+    "Delivery",
+    "Failure",
+    "Outcome",
+    "Store",
+    "classify_db_error",
+    "connect",
+    "data_error_text",
+    "describe",
+    "is_data_error",
+    "rejected",
+    "storable",
+    "translate_errors",
+]

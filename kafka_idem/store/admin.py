@@ -1,0 +1,132 @@
+"""The store's admin queries: status, inspect, audited re-run and purge, the audit
+trail, the re-drive's record states, the bulk re-run's selection and the adoption
+of records written before namespaces. Methods of :class:`~kafka_idem.store.Store`
+(this is its base class), so every statement kafka_idem runs on its own tables
+goes through the store; the callers (``admin``, ``audit``, ``namespaces``,
+``replay``) decide, the store runs SQL.
+
+Like the protocol's methods they never commit: the caller owns the transaction.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from psycopg import sql
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from kafka_idem.store.errors import translate_errors
+from kafka_idem.store.types import Conn
+
+Rows = list[dict[str, Any]]
+
+
+class AdminQueries:
+    q: dict[str, sql.Composed]
+    namespace: str | None
+
+    @property
+    def ns(self) -> str:
+        """The namespace every runtime query runs in (a store without one is a bug)."""
+        if self.namespace is None:
+            raise TypeError("this Store has no namespace; use store.scoped(namespace)")
+        return self.namespace
+
+    def _rows(self, conn: Conn, name: str, params: dict[str, Any] | None = None) -> Rows:
+        with translate_errors(key=(params or {}).get("key")):
+            cur = conn.cursor(row_factory=dict_row)
+            return cur.execute(self.q[name], params).fetchall()
+
+    # --- status and the records ------------------------------------------------
+
+    def status_rows(self, conn: Conn, *, namespace: str | None,
+                    long_running_seconds: float) -> tuple[Rows, Rows]:
+        """Counts per (namespace, status), and failed records per (namespace, kind)."""
+        params = {"ns": namespace, "long_running": long_running_seconds}
+        return (self._rows(conn, "status_summary", params),
+                self._rows(conn, "failed_by_kind", params))
+
+    def namespaces(self, conn: Conn) -> list[str]:
+        """Every namespace that has records ('' = written before namespaces, unassigned)."""
+        return [r["namespace"] for r in self._rows(conn, "namespaces")]
+
+    def find(self, conn: Conn, key: str, namespaces: Sequence[str]) -> Rows:
+        """The records of ``key`` in any of ``namespaces``, by namespace."""
+        return self._rows(conn, "get_record", {"nss": list(namespaces), "key": key})
+
+    def lock_record(self, conn: Conn, key: str) -> dict[str, Any] | None:
+        """Lock ``key``'s record in this namespace (``FOR UPDATE``) and read it."""
+        rows = self._rows(conn, "lock_record", {"ns": self.ns, "key": key})
+        return rows[0] if rows else None
+
+    def rerun(self, conn: Conn, key: str) -> None:
+        """``failed -> retryable_failed``, due now, a fresh budget (the caller has set
+        the admin action and writes the audit row in the same transaction)."""
+        with translate_errors(key=key):
+            conn.execute(self.q["rerun"], {"ns": self.ns, "key": key})
+
+    def topics_seen(self, conn: Conn) -> list[str]:
+        """The source topics of this namespace's records (every namespace's if none)."""
+        return [r["kafka_topic"] for r in
+                self._rows(conn, "topics_seen", {"ns": self.namespace})]
+
+    def purge_batch(self, conn: Conn, *, statuses: Sequence[str], older_than: float,
+                    batch_size: int) -> int:
+        """Delete one batch of old terminal records; how many went."""
+        with translate_errors():
+            return conn.execute(self.q["purge_batch"], {
+                "ns": self.namespace, "statuses": list(statuses), "older_than": older_than,
+                "batch": batch_size}).rowcount
+
+    # --- the audit trail ---------------------------------------------------------
+
+    def audit_insert(self, conn: Conn, *, actor: str, action: str, key: str | None,
+                     selection: dict[str, Any] | None, reason: str | None,
+                     previous_status: str | None, previous_error: str | None,
+                     counts: dict[str, Any] | None) -> int:
+        """Append one row (namespace: this store's, ``None`` for every namespace)."""
+        with translate_errors(key=key):
+            row = conn.execute(self.q["audit_insert"], {
+                "ns": self.namespace, "actor": actor, "action": action, "key": key,
+                "selection": Jsonb(selection) if selection is not None else None,
+                "reason": reason, "previous_status": previous_status,
+                "previous_error": previous_error,
+                "counts": Jsonb(counts) if counts is not None else None,
+            }).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def audit_for_key(self, conn: Conn, key: str) -> Rows:
+        return self._rows(conn, "audit_for_key", {"ns": self.ns, "key": key})
+
+    # --- re-drive and bulk re-run --------------------------------------------------
+
+    def redrive_states(self, conn: Conn, pairs: Sequence[tuple[str, str]]) -> Rows:
+        """The state and latest audit row of each (namespace, key) that has a record."""
+        return self._rows(conn, "redrive_states", {
+            "nss": [p[0] for p in pairs], "keys": [p[1] for p in pairs]})
+
+    def failed_selection(self, conn: Conn, *, namespace: str | None, kind: str | None,
+                         handler: str | None, since: dt.datetime | None,
+                         until: dt.datetime | None, key_prefix: str | None,
+                         limit: int | None) -> Rows:
+        """The failed records a bulk re-run's filter selects, oldest failure first."""
+        return self._rows(conn, "failed_selection", {
+            "ns": namespace, "kind": kind, "handler": handler, "since": since,
+            "until": until, "prefix": key_prefix, "limit": limit})
+
+    # --- records written before namespaces ------------------------------------------
+
+    def unassigned(self, conn: Conn, pairs: Sequence[tuple[str, str]]) -> Rows:
+        """Unassigned records of these (topic, handler) pairs that this namespace would
+        adopt: ``kafka_topic``, ``handler``, ``n``."""
+        return self._rows(conn, "unassigned", {
+            "ns": self.ns, "topics": [p[0] for p in pairs], "handlers": [p[1] for p in pairs]})
+
+    def adopt(self, conn: Conn, pairs: Sequence[tuple[str, str]]) -> Rows:
+        """Move them into this namespace (admin action 'adopt' set by the caller)."""
+        return self._rows(conn, "adopt", {
+            "ns": self.ns, "topics": [p[0] for p in pairs], "handlers": [p[1] for p in pairs]})

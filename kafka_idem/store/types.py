@@ -1,0 +1,63 @@
+"""What the store's protocol answers: a claim's outcome, a delivery, a failure."""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+Conn = psycopg.Connection[Any]
+
+
+class Outcome(enum.StrEnum):
+    CLAIMED = "claimed"
+    REPLAY = "replay"
+    BUSY = "busy"
+    CONFLICT = "conflict"
+    DEAD = "dead"
+    EXHAUSTED = "exhausted"
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """Where the message being processed came from (stored as the last delivery)."""
+
+    topic: str
+    partition: int
+    offset: int
+    handler: str
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    outcome: Outcome
+    key: str
+    token: uuid.UUID | None = None
+    attempts: int = 0
+    budget_used: int = 1  # attempts counted against the retry limit (since the last re-run)
+    result: Any = None
+    retry_in: float = 0.0
+    backoff: bool = False  # busy because a retry is not due yet (not someone's live lease)
+    failing_for: float = 0.0  # seconds since the first failure, by the database clock
+    took_over: bool = False
+    last_chance: bool = False  # limit reached: reconcile, then succeed or be exhausted
+    previous_error_kind: str | None = None
+    error_kind: str | None = None
+    error_class: str | None = None
+    error_message: str | None = None
+    first_failure_at: dt.datetime | None = None
+    last_failure_at: dt.datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What :meth:`Store.fail` recorded."""
+
+    attempts: int
+    next_attempt_at: dt.datetime | None
+    first_failure_at: dt.datetime
+    last_failure_at: dt.datetime
