@@ -18,14 +18,14 @@ never re-run twice.
 from __future__ import annotations
 
 import datetime as dt
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import Producer
 
 from kafka_idem import admin
+from kafka_idem.replay.progress import Progress
 from kafka_idem.replay.reading import kafka_errors, scan
 from kafka_idem.replay.records import DlqRecord, Selection, dlq_topic_for
 from kafka_idem.replay.republishing import Deliveries, delivery_wait, republish
@@ -164,7 +164,7 @@ def bulk_rerun(
     conf = settings.producer_config()
     producer = Producer(conf)
     wait = delivery_wait(conf)
-    with _Progress(progress, len(ready)) as advance:
+    with Progress(progress, len(ready), "re-running") as advance:
         for start in range(0, len(ready), batch_size):
             chunk = ready[start:start + batch_size]
             _batch(conn, store, producer, chunk, summary, actor=actor, reason=reason,
@@ -200,27 +200,3 @@ def _batch(conn: Conn, store: Store, producer: Producer,
     for rec in sent:
         target = rec.original_topic or "-"
         summary.targets[target] = summary.targets.get(target, 0) + 1
-
-
-class _Progress:
-    """A rich progress bar on stderr when asked for and stderr is a terminal."""
-
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.bar: Any = None
-        if enabled and sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-            self.bar = Progress(TextColumn("re-running"), BarColumn(), MofNCompleteColumn(),
-                                console=Console(stderr=True))
-            self.task = self.bar.add_task("re-running", total=total)
-
-    def __enter__(self) -> Callable[[int], None]:
-        if self.bar is None:
-            return lambda n: None
-        self.bar.start()
-        return lambda n: self.bar.update(self.task, advance=n)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.bar is not None:
-            self.bar.stop()

@@ -150,6 +150,16 @@ def classify(rec: DlqRecord, states: list[dict[str, Any]], *, group: str,
     return "skipped_in_progress"
 
 
+@dataclass
+class _Decided:
+    """Each matching record's outcome, and which dead letter of a re-driven key is its
+    latest (the one sent)."""
+
+    outcome: dict[tuple[int, int], str] = field(default_factory=dict)
+    ident: dict[int, RecordId] = field(default_factory=dict)  # id(record) -> its record
+    latest: dict[RecordId, DlqRecord] = field(default_factory=dict)
+
+
 def decide(
     conn: Conn,
     store: Store,
@@ -167,19 +177,17 @@ def decide(
     records = [DlqRecord.from_message(m) for m in msgs]
     matching = [r for r in records if not is_foreign(r) and selection.matches(r)]
     states = _states(conn, store, matching, selection)
-    outcome: dict[tuple[int, int], str] = {}
-    ident: dict[int, RecordId] = {}  # id(record) -> (namespace, key) of a re-driven one
-    latest: dict[RecordId, DlqRecord] = {}  # per re-driven key, its latest dead letter
+    decided = _Decided()
     for rec in matching:
         found = states.get(id(rec), [])
         what = classify(rec, found, group=group, include_permanent=include_permanent,
-                         redriven=redriven, starts=starts)
-        outcome[(rec.partition, rec.offset)] = what
+                        redriven=redriven, starts=starts)
+        decided.outcome[(rec.partition, rec.offset)] = what
         if what in ("rerun", "resend"):
-            rid = ident[id(rec)] = (found[0]["namespace"], found[0]["idempotency_key"])
-            held = latest.get(rid)
+            rid = decided.ident[id(rec)] = (found[0]["namespace"], found[0]["idempotency_key"])
+            held = decided.latest.get(rid)
             if held is None or _latest_key(rec) > _latest_key(held):
-                latest[rid] = rec
+                decided.latest[rid] = rec
         if what == "skipped_ambiguous":
             log.warning(
                 "not replayed: %s[%s]@%s names key %s, written before namespaces, which "
@@ -188,6 +196,12 @@ def decide(
                 ", ".join(repr(f["namespace"]) for f in found),
                 extra={"action": "replay_skipped", "key": rec.idempotency_key},
             )
+    return _batch(records, decided, selection, to_topic, remaining)
+
+
+def _batch(records: Sequence[DlqRecord], decided: _Decided, selection: Selection,
+           to_topic: str | None, remaining: int | None) -> Batch:
+    """The records in order, up to the limit: what each one does, once per key."""
     batch = Batch()
     for rec in records:
         if remaining is not None and len(batch.send) >= remaining:
@@ -205,10 +219,10 @@ def decide(
         if not selection.matches(rec):
             continue
         batch.matched += 1
-        what = outcome[(rec.partition, rec.offset)]
+        what = decided.outcome[(rec.partition, rec.offset)]
         if what in ("rerun", "resend"):
-            rid = ident[id(rec)]
-            if latest[rid] is not rec or rid in batch.redriven:
+            rid = decided.ident[id(rec)]
+            if decided.latest[rid] is not rec or rid in batch.redriven:
                 what = "skipped_duplicate"
             else:
                 batch.redriven.add(rid)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -47,6 +46,7 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from kafka_idem import admin, audit
 from kafka_idem.errors import ConfigError
+from kafka_idem.replay.progress import Progress
 from kafka_idem.replay.reading import (
     BATCH_SIZE,
     TIMEOUT,
@@ -241,7 +241,7 @@ def _run(
         bucket = TokenBucket(rate) if rate is not None and producer is not None else None
         # Keep each transaction short (well inside transaction.timeout.ms) when rate-limited.
         size = BATCH_SIZE if rate is None else max(1, min(BATCH_SIZE, int(rate)))
-        with _Progress(progress, total) as advance:
+        with Progress(progress, total, "replaying", sent=True) as advance:
             for msgs in batches(consumer, dlq_topic, starts, ends, size):
                 done = summary.sent + summary.would_send
                 remaining = None if limit is None else limit - done
@@ -404,36 +404,3 @@ def _apply(summary: ReplaySummary, batch: Batch) -> None:
         summary.sent += len(batch.send)
     for _rec, target in batch.send:
         summary.targets[target] = summary.targets.get(target, 0) + 1
-
-
-class _Progress:
-    """A rich progress bar on stderr when asked for and stderr is a terminal."""
-
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.bar: Any = None
-        if enabled and sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self.bar = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("scanned, {task.fields[sent]} sent"), TimeElapsedColumn(),
-                console=Console(stderr=True),
-            )
-            self.task = self.bar.add_task("replaying", total=total, sent=0)
-
-    def __enter__(self) -> Callable[[int, int], None]:
-        if self.bar is None:
-            return lambda scanned, sent: None
-        self.bar.start()
-        return lambda scanned, sent: self.bar.update(self.task, advance=scanned, sent=sent)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.bar is not None:
-            self.bar.stop()

@@ -139,9 +139,9 @@ class Store(AdminQueries):
         reentrant_token: uuid.UUID | None,
         reconcile_first: bool,
     ) -> Claim:
+        """The claim's decision on an existing, locked record (the module doc's 2a-f)."""
         key: str = params["key"]
         status: str = rec["status"]
-        now: dt.datetime = rec["db_now"]
         errors = {
             "error_kind": rec["error_kind"],
             "error_class": rec["error_class"],
@@ -159,17 +159,30 @@ class Store(AdminQueries):
                 errors["first_failure_at"], errors["last_failure_at"] = again
             return Claim(Outcome.DEAD, key, attempts=rec["attempts"], **errors)
         reentrant = reentrant_token is not None and rec["owner_token"] == reentrant_token
-        if status == "processing" and rec["lease_until"] > now and not reentrant:
-            wait = (rec["lease_until"] - now).total_seconds()
-            return Claim(Outcome.BUSY, key, attempts=rec["attempts"], retry_in=wait)
-        if status == "retryable_failed" and rec["next_attempt_at"] and rec["next_attempt_at"] > now:
-            wait = (rec["next_attempt_at"] - now).total_seconds()
-            return Claim(
-                Outcome.BUSY, key, attempts=rec["attempts"], retry_in=wait, backoff=True
-            )
-        took_over = status == "processing" and not reentrant
+        busy = _busy(rec, key, reentrant)
+        if busy is not None:
+            return busy
+        return self._take(conn, rec, params, errors, reentrant=reentrant,
+                          max_attempts=max_attempts, max_elapsed_seconds=max_elapsed_seconds,
+                          reconcile_first=reconcile_first)
+
+    def _take(
+        self,
+        conn: Conn,
+        rec: dict[str, Any],
+        params: dict[str, Any],
+        errors: dict[str, Any],
+        *,
+        reentrant: bool,
+        max_attempts: int,
+        max_elapsed_seconds: float,
+        reconcile_first: bool,
+    ) -> Claim:
+        """Take the record over (2f), or exhaust it when its budget is used up (2e)."""
+        key: str = params["key"]
+        took_over = rec["status"] == "processing" and not reentrant
         first = rec["first_failure_at"]
-        failing_for = (now - first).total_seconds() if first is not None else 0.0
+        failing_for = (rec["db_now"] - first).total_seconds() if first is not None else 0.0
         elapsed_out = first is not None and failing_for >= max_elapsed_seconds
         used = rec["attempts"] - rec["attempt_base"]  # since the last audited re-run
         last_chance = False
@@ -326,6 +339,19 @@ class Store(AdminQueries):
                 self.q["succeeded_results"], {"ns": self.ns, "keys": list(keys)}
             ).fetchall()
         return {r[0]: (r[1], r[2]) for r in rows if r[3] == "succeeded"}
+
+
+def _busy(rec: dict[str, Any], key: str, reentrant: bool) -> Claim | None:
+    """Someone else's live lease, or a retry not due yet: busy for that long (2d)."""
+    now: dt.datetime = rec["db_now"]
+    if rec["status"] == "processing" and rec["lease_until"] > now and not reentrant:
+        wait = (rec["lease_until"] - now).total_seconds()
+        return Claim(Outcome.BUSY, key, attempts=rec["attempts"], retry_in=wait)
+    due = rec["next_attempt_at"]
+    if rec["status"] == "retryable_failed" and due and due > now:
+        return Claim(Outcome.BUSY, key, attempts=rec["attempts"],
+                     retry_in=(due - now).total_seconds(), backoff=True)
+    return None
 
 
 def connect(
