@@ -56,9 +56,6 @@ def status(obj: _Obj, as_json: bool, long_running: str | None, namespace: str | 
         if namespace is not None:
             admin.require_namespace(conn, store, namespace)
         st = admin.status(conn, store, long_running_seconds=threshold, namespace=namespace)
-    except admin.Refused as exc:
-        warn(f"refused: {exc}")
-        sys.exit(1)
     finally:
         conn.close()
     if as_json:
@@ -102,9 +99,6 @@ def inspect(obj: _Obj, key: str, namespace: str | None, as_json: bool) -> None:
     conn = connect(s.dsn)
     try:
         recs = admin.inspect(conn, _store(s), key, namespace)
-    except admin.Refused as exc:
-        warn(f"refused: {exc}")
-        sys.exit(1)
     finally:
         conn.close()
     if not recs:
@@ -248,9 +242,6 @@ def _rerun_one(obj: _Obj, key: str, reason: str, actor: str | None,
             except FrameworkError as exc:
                 raise ServiceError(f"re-run not recorded, {key} is still failed: {exc}; "
                                    "fix the cause and run the same rerun again") from exc
-    except admin.Refused as exc:
-        warn(f"refused: {exc}")
-        sys.exit(1)
     finally:
         conn.close()
     click.echo(plain(f"{key}: failed -> retryable_failed by {who}; message republished to "
@@ -277,9 +268,6 @@ def _rerun_bulk(obj: _Obj, reason: str | None, actor: str | None, dlq_topic: str
             conn.rollback()
         summary = bulk_rerun(s, conn, _store(s), flt, dlq_topic=dlq_topic, actor=who,
                              reason=reason, dry_run=dry_run, progress=progress)
-    except admin.Refused as exc:
-        warn(f"refused: {exc}")
-        sys.exit(1)
     finally:
         conn.close()
     if as_json:
@@ -326,11 +314,7 @@ def purge(obj: _Obj, older_than: str, include_failed: bool, batch_size: int,
     conn = connect(s.dsn)
     try:
         if namespace is not None:
-            try:
-                admin.require_namespace(conn, store, namespace)
-            except admin.Refused as exc:
-                warn(f"refused: {exc}")
-                sys.exit(1)
+            admin.require_namespace(conn, store, namespace)
         _warn_retention(s, admin.topics_seen(conn, store), seconds)
         conn.rollback()
         deleted = admin.purge(conn, store, older_than=seconds, include_failed=include_failed,

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kafka_idem import admin, audit, replay
+from kafka_idem import audit, replay
 from kafka_idem.cli_errors import warn
 from kafka_idem.cli_text import cell, plain
 from kafka_idem.dlq import ERROR_KINDS
@@ -260,16 +260,12 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
                       "idempotency_key": rec.idempotency_key, "kind": rec.kind,
                       "target": target, "action": action})
 
-    try:
-        summary = replay.replay(
-            s, None, topic, selection, to_topic=to_topic, dry_run=dry_run, rate=rate,
-            limit=limit, actor=actor or audit.default_actor(), progress=not no_progress,
-            group=group, on_action=on_action if dry_run else None,
-            include_permanent=include_permanent, reason=reason,
-        )
-    except admin.Refused as exc:
-        warn(f"refused: {exc}")
-        click.get_current_context().exit(1)
+    summary = replay.replay(  # a refusal (no --reason...) is one line, exit 1 (cli_errors)
+        s, None, topic, selection, to_topic=to_topic, dry_run=dry_run, rate=rate,
+        limit=limit, actor=actor or audit.default_actor(), progress=not no_progress,
+        group=group, on_action=on_action if dry_run else None,
+        include_permanent=include_permanent, reason=reason,
+    )
     if as_json:
         _echo_json({**summary.to_json(), **({"would_send_records": would} if dry_run else {})})
     else:

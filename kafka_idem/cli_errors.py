@@ -25,6 +25,7 @@ import click
 import psycopg
 from confluent_kafka import KafkaException
 
+from kafka_idem.admin import Refused
 from kafka_idem.cli_text import one_line
 from kafka_idem.errors import ConfigError, FrameworkError, StoreError, StoreUnavailable
 from kafka_idem.redact import option_secrets, redact, secrets_in
@@ -105,6 +106,8 @@ def warn(text: str) -> None:
 
 def describe(exc: BaseException) -> tuple[int, str]:
     """The exit code and the one-line message for an exception that ended a command."""
+    if isinstance(exc, Refused):
+        return CHECK_FAILED, str(exc)
     if isinstance(exc, ConfigError):
         return USAGE, str(exc)
     if isinstance(exc, StoreUnavailable):
@@ -141,7 +144,9 @@ def fail(exc: BaseException) -> int:
     if STATE.debug:
         text = "".join(traceback.format_exception(exc))
         sys.stderr.write(redact(text, STATE.secrets))
-    click.echo(f"error: {show(message)}", err=True)
+    # an admin action refused is the operator's answer, not a failure
+    click.echo(f"{'refused' if isinstance(exc, Refused) else 'error'}: {show(message)}",
+               err=True)
     return code
 
 
