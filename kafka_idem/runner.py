@@ -34,7 +34,6 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from kafka_idem.app import App
-from kafka_idem.codec import AvroCodec
 from kafka_idem.consume import log
 from kafka_idem.consume.gauges import Lag, sample_store
 from kafka_idem.consume.letters import send_letters
@@ -57,7 +56,7 @@ class Runner:
         self.settings = s = app.settings
         self.metrics = metrics or Metrics()
         self.store = Store(schema=s.schema_name, table=s.table, namespace=app.namespace)
-        self.codec = AvroCodec.from_dir(s.schemas_dir, registry_url=s.schema_registry_url)
+        self.codec = app.bind_codecs()  # every handler's codec, checked now
         self.leases: LeaseKeeper | None = None
         if any(h.mode == "leased" for h in app.handlers.values()):
             self.leases = LeaseKeeper(self.store, s.dsn, s.lease_seconds)

@@ -56,7 +56,7 @@ def handler(
     app = App("classify", errors=app_errors)
     return app.handler(topic=TOPIC, model=payments.ChargeRequested,
                        key="{tenant_id}:charge:{order_id}", hash_fields=("amount", "currency"),
-                       errors=errors)(payments.charge)
+                       schema=payments.SCHEMA, errors=errors)(payments.charge)
 
 
 @pytest.mark.parametrize(
