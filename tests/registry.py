@@ -67,12 +67,9 @@ class Registry:
 
     def register(self, subject: str, schema: str, schema_type: str = "AVRO") -> int:
         with self.lock:
-            for sid, (text, kind) in self.schemas.items():
-                if text == schema and kind == schema_type:
-                    break
-            else:
-                sid = 100 + len(self.schemas)
-                self.schemas[sid] = (schema, schema_type)
+            known = [i for i, entry in self.schemas.items() if entry == (schema, schema_type)]
+            sid = known[0] if known else 100 + len(self.schemas)
+            self.schemas[sid] = (schema, schema_type)
             versions = self.subjects.setdefault(subject, [])
             if sid not in versions:
                 versions.append(sid)

@@ -3,11 +3,11 @@ through a schema registry; models (pydantic, dataclass, TypedDict)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import io
 import json
 import struct
-import dataclasses
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
