@@ -242,7 +242,7 @@ def test_confluent_framing_with_a_truncated_body_is_undecodable(registry: Regist
 
 
 def test_confluent_framing_without_a_registry_is_undecodable(codec: AvroCodec) -> None:
-    with pytest.raises(Undecodable, match="not Avro single-object encoded.*Confluent-framed"):
+    with pytest.raises(Undecodable, match=r"not Avro single-object encoded.*Confluent-framed"):
         codec.decode(confluent(7, charge()))
 
 
@@ -289,7 +289,7 @@ def test_registry_json_schema_round_trip(registry: Registry) -> None:
     assert kind == "JSON"
     assert json.loads(text)["properties"]["order_id"] == {"title": "Order Id", "type": "string"}
     assert codec.decode(data) == Order(order_id="o1", amount=Decimal("10.5"))
-    with pytest.raises(InvalidPayload, match="registry json .*order_id: Field required"):
+    with pytest.raises(InvalidPayload, match=r"registry json .*order_id: Field required"):
         codec.decode(data[:5] + b'{"amount": 1}')
     with pytest.raises(Undecodable, match=r"registry json \(schema id \d+\): invalid JSON"):
         codec.decode(data[:5] + b'{"amount": ')
@@ -302,7 +302,7 @@ def test_a_protobuf_schema_id_is_undecodable_not_retried(registry: Registry) -> 
 
 
 def test_a_value_that_is_not_confluent_framed_names_what_it_looks_like(registry: Registry) -> None:
-    with pytest.raises(Undecodable, match="registry: not Confluent-framed.*JSON"):
+    with pytest.raises(Undecodable, match=r"registry: not Confluent-framed.*JSON"):
         registry_codec(registry.url).decode(b'{"order_id": "o1"}')
     assert registry.requests == []
 
