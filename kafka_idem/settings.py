@@ -130,7 +130,7 @@ class Settings(BaseSettings):
         "(one with schema= and no format= is Avro single-object, as before formats).",
     )
     payload_max_bytes: int = Field(
-        1_048_576, ge=1,
+        10_485_760, ge=1,
         description="Largest message value decoded; a larger one is dead-lettered as "
         "PayloadTooLarge without being parsed.",
     )
