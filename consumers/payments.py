@@ -156,6 +156,7 @@ def build_app(
         model=ChargeRequested,
         key="{tenant_id}:charge:{order_id}",
         hash_fields=("amount", "currency"),
+        format="avro",  # Avro single-object encoding, reader schema SCHEMA
         schema=SCHEMA,
         mode=mode,  # type: ignore[arg-type]
     )(charge)
@@ -168,6 +169,7 @@ app = build_app()
 
 @functools.cache
 def codec() -> AvroCodec:
+    """The Avro schemas of ``schemas/`` (to write records the model would refuse)."""
     return AvroCodec.from_dir(SCHEMAS_DIR)
 
 
@@ -180,9 +182,9 @@ def encode_charge(
     request_id: str | None = None,
     requested_at: dt.datetime | None = None,
 ) -> bytes:
-    """The Avro single-object bytes of one charge request (what producers send)."""
-    return codec().encode(
-        SCHEMA,
+    """The Avro single-object bytes of one charge request (what producers send), made by
+    the handler's own codec (the one that decodes them)."""
+    return app.handlers[TOPIC].encode(
         {
             "tenant_id": tenant_id,
             "order_id": order_id,

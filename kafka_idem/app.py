@@ -26,14 +26,26 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 import psycopg
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
+from kafka_idem.codec import (
+    FORMATS,
+    AvroCodec,
+    AvroObjectCodec,
+    Codec,
+    JsonCodec,
+    adapter_for,
+    fields_of,
+    validate,
+)
 from kafka_idem.errors import (
     ConfigError,
     MessageError,
+    PayloadTooLarge,
     Permanent,
     Retryable,
     StaleOwner,
+    Undecodable,
     UnknownOutcome,
 )
 from kafka_idem.keys import KeySpec, KeyTemplate
@@ -41,7 +53,9 @@ from kafka_idem.retry import RetryPolicy
 from kafka_idem.settings import TOPIC_CHARS, Settings, check_namespace, load_settings
 from kafka_idem.store import is_data_error
 
-M = TypeVar("M", bound=BaseModel)
+M = TypeVar("M")
+
+Format = Literal["json", "avro", "registry"]
 
 Mode = Literal["local", "leased"]
 ErrorKind = Literal["retryable", "permanent", "unknown_outcome"]
@@ -118,7 +132,7 @@ class Handler(Generic[M]):
         *,
         name: str,
         topic: str,
-        model: type[M],
+        model: type[M] | None,
         key: KeySpec,
         hash_fields: tuple[str, ...],
         mode: Mode,
@@ -127,6 +141,8 @@ class Handler(Generic[M]):
         schema: str | None,
         retry: RetryPolicy | None,
         errors: tuple[tuple[type[BaseException], ErrorKind], ...],
+        format: Format | Codec | None = None,
+        binder: Callable[[Handler[Any]], Codec] | None = None,
     ) -> None:
         self.fn = fn
         self.name = name
@@ -142,12 +158,81 @@ class Handler(Generic[M]):
         self.errors = errors
         self.reconcile: Reconciler | None = None
         self.bulk: BulkHandler | None = None
-        unknown = [f for f in (*self.key.fields, *hash_fields) if f not in model.model_fields]
-        if unknown:
-            raise ConfigError(
-                f"handler {name!r}: fields {unknown} are not fields of {model.__name__}",
-                setting="key/hash_fields",
-            )
+        # Checked now, not at the first message: the model, the format, the fields.
+        self.adapter = adapter_for(model, handler=name)
+        if isinstance(format, str):
+            if format not in FORMATS:
+                raise ConfigError(f"handler {name!r}: format must be one of {list(FORMATS)} "
+                                  f"or a codec object, not {format!r}", setting="format")
+            if format == "avro" and not schema:
+                raise ConfigError(f"handler {name!r}: format 'avro' needs schema= (the Avro "
+                                  "reader schema's full name, from schemas_dir)", setting="schema")
+        elif format is not None and not isinstance(format, Codec):
+            raise ConfigError(f"handler {name!r}: format {format!r} is neither "
+                              f"{list(FORMATS)} nor a codec (name, decode, encode)",
+                              setting="format")
+        self.format = format
+        self._binder = binder
+        self._codec: Codec | None = None
+        self.payload_max_bytes: int | None = None
+        known = fields_of(model)
+        if known is not None:
+            unknown = [f for f in (*self.key.fields, *hash_fields) if f not in known]
+            if unknown:
+                raise ConfigError(
+                    f"handler {name!r}: fields {unknown} are not fields of "
+                    f"{getattr(model, '__name__', model)}",
+                    setting="key/hash_fields",
+                )
+
+    # --- payloads -----------------------------------------------------------
+
+    @property
+    def format_name(self) -> str | None:
+        """The format asked for: ``format=``, else ``"avro"`` with ``schema=``, else
+        ``None`` (the app's ``default_format``)."""
+        if isinstance(self.format, str):
+            return self.format
+        if self.format is not None:
+            return self.format.name
+        return "avro" if self.schema else None
+
+    @property
+    def codec(self) -> Codec:
+        """The handler's bound codec (bound by its app on first use or at start-up)."""
+        if self._codec is None:
+            if self._binder is None:
+                raise ConfigError(f"handler {self.name!r} is not registered with an app",
+                                  setting="format")
+            self._codec = self._binder(self)
+        return self._codec
+
+    def bind(self, codec: Codec, *, payload_max_bytes: int) -> None:
+        self._codec = codec
+        self.payload_max_bytes = payload_max_bytes
+
+    def decode(self, data: bytes | None) -> Any:
+        """The message value as the handler's payload, validated into its model; raise
+        :class:`Undecodable` / :class:`InvalidPayload` naming the format and the problem
+        (or a framework error, e.g. the registry down: retried, never charged)."""
+        codec = self.codec
+        if not data:
+            raise Undecodable(f"{codec.name}: empty message value")
+        limit = self.payload_max_bytes
+        if limit is not None and len(data) > limit:
+            raise PayloadTooLarge(f"{codec.name}: the value is {len(data)} bytes, over the "
+                                  f"limit of {limit} (setting payload_max_bytes)")
+        try:
+            return codec.decode(data)
+        except MessageError as exc:
+            if not exc.message.startswith(codec.name):
+                exc.message = f"{codec.name}: {exc.message}"
+                exc.args = (exc.message,)
+            raise
+
+    def encode(self, payload: Any) -> bytes:
+        """The bytes a producer sends for ``payload`` (a model instance or a mapping)."""
+        return self.codec.encode(payload)
 
     def __call__(self, msg: M, ctx: Context) -> Any:
         return self.fn(msg, ctx)
@@ -205,6 +290,9 @@ class App:
         self._overrides = {"group_id": group_id, **overrides}
         self.errors = tuple((errors or {}).items())
         self.handlers: dict[str, Handler[Any]] = {}
+        self._codec_lock = threading.RLock()
+        self._avro: AvroCodec | None = None
+        self._registry: Any = None
         self.migrations: list[Callable[[psycopg.Connection[Any]], None]] = []
 
     @property
@@ -240,9 +328,10 @@ class App:
         self,
         *,
         topic: str,
-        model: type[M],
+        model: type[M] | None = None,
         key: KeySpec,
         hash_fields: tuple[str, ...] | list[str],
+        format: Format | Codec | None = None,
         mode: Mode = "local",
         batch: bool = True,
         dlq_topic: str | None = None,
@@ -258,6 +347,14 @@ class App:
         ``mode="leased"`` commits the claim first and fences the completion with
         the owner token, with a heartbeat on the lease: for handlers that call
         other systems.
+
+        ``model`` is a pydantic model, a dataclass or a TypedDict (``None``: a dict).
+        ``format`` is ``"json"``, ``"avro"`` (single-object encoding, with ``schema=``
+        the reader schema's name), ``"registry"`` (Confluent wire format through
+        ``schema_registry_url``) or a codec object; not given, ``"avro"`` when
+        ``schema=`` is, else the app's ``default_format`` (``KAFKA_IDEM_DEFAULT_FORMAT``,
+        ``"json"``). A bad model, format or missing schema is a :class:`ConfigError`
+        now or when the app starts, never at the first message.
 
         ``batch=True`` (local mode) lets the batch path run many messages in one
         transaction with pipelined statements; when a batch falls back to the
@@ -289,11 +386,77 @@ class App:
                 schema=schema,
                 retry=retry,
                 errors=mapping,
+                format=format,
+                binder=self.bind_codec,
             )
             self.handlers[topic] = h
             return h
 
         return register
+
+    # --- payload codecs -------------------------------------------------------
+
+    def avro_schemas(self) -> AvroCodec:
+        """The Avro schemas of ``schemas_dir``, loaded once."""
+        with self._codec_lock:
+            if self._avro is None:
+                self._avro = AvroCodec.from_dir(self.settings.schemas_dir)
+            return self._avro
+
+    def registry_client(self) -> Any:
+        """The app's ``SchemaRegistryClient`` (made once; it caches schemas by id)."""
+        from kafka_idem.registry import registry_client
+
+        with self._codec_lock:
+            if self._registry is None:
+                url = self.settings.schema_registry_url
+                if not url:
+                    raise ConfigError("no schema registry: set KAFKA_IDEM_SCHEMA_REGISTRY_URL",
+                                      setting="schema_registry_url")
+                self._registry = registry_client(url, self.settings.schema_registry)
+            return self._registry
+
+    def make_codec(self, handler: Handler[Any]) -> Codec:
+        """The codec ``handler``'s format names, built from the app's settings."""
+        from kafka_idem.registry import RegistryCodec
+
+        fmt = handler.format
+        if fmt is not None and not isinstance(fmt, str):
+            return _Validated(fmt, handler)
+        name = handler.format_name or self.settings.default_format
+        try:
+            if name == "json":
+                return JsonCodec(handler.adapter)
+            schemas = self.avro_schemas() if handler.schema else None
+            if name == "registry":
+                return RegistryCodec(self.registry_client(), handler.adapter, schemas=schemas,
+                                     schema=handler.schema, subject=f"{handler.topic}-value")
+            if schemas is None or handler.schema is None:
+                raise ConfigError("format 'avro' needs schema= (the Avro reader schema's full "
+                                  "name); the app's default_format is 'avro'", setting="schema")
+            framed = None
+            if self.settings.schema_registry_url:  # as before formats: both framings
+                framed = RegistryCodec(self.registry_client(), handler.adapter, schemas=schemas,
+                                       schema=handler.schema, subject=f"{handler.topic}-value")
+            return AvroObjectCodec(schemas, handler.schema, handler.adapter, framed=framed)
+        except ConfigError as exc:
+            raise ConfigError(f"handler {handler.name!r}: {exc.message}",
+                              **exc.context) from exc
+
+    def bind_codec(self, handler: Handler[Any]) -> Codec:
+        with self._codec_lock:
+            codec = self.make_codec(handler)
+            handler.bind(codec, payload_max_bytes=self.settings.payload_max_bytes)
+            return codec
+
+    def bind_codecs(self) -> AvroCodec:
+        """Bind every handler's codec (at start-up: a missing schema, registry setting
+        or schemas folder fails here, naming the handler); return the Avro schemas
+        (empty when no handler uses Avro)."""
+        for handler in self.handlers.values():
+            self.bind_codec(handler)
+        with self._codec_lock:
+            return self._avro if self._avro is not None else AvroCodec()
 
     def migration(self, fn: Callable[[psycopg.Connection[Any]], None]) -> Callable[..., None]:
         """Register the app's own schema set-up, run by ``kafka-idem migrate`` (idempotent SQL)."""
@@ -327,6 +490,21 @@ class App:
     @property
     def topics(self) -> list[str]:
         return list(self.handlers)
+
+
+class _Validated:
+    """A user's codec, its output validated into the handler's model."""
+
+    def __init__(self, codec: Codec, handler: Handler[Any]) -> None:
+        self.codec = codec
+        self.name = codec.name
+        self.adapter = handler.adapter
+
+    def decode(self, data: bytes) -> Any:
+        return validate(self.adapter, self.codec.decode(data), fmt=self.name)
+
+    def encode(self, payload: Any) -> bytes:
+        return self.codec.encode(payload)
 
 
 __all__ = ["App", "Context", "Done", "Handler", "StaleOwner"]

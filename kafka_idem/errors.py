@@ -69,6 +69,10 @@ class Undecodable(MessageError):
     """The message value could not be decoded."""
 
 
+class PayloadTooLarge(Undecodable):
+    """The message value is over the payload size limit (setting payload_max_bytes)."""
+
+
 class InvalidPayload(MessageError):
     """The decoded payload does not validate against the handler's model."""
 

@@ -24,6 +24,7 @@ can coexist with stored v1 digests instead of silently changing them.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import enum
 import hashlib
@@ -92,6 +93,8 @@ def _canonical(value: Any) -> str:
         return json.dumps(value.hex())
     if isinstance(value, BaseModel):
         return _canonical(value.model_dump())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _canonical({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
     if isinstance(value, Mapping):
         items = sorted((str(k), v) for k, v in value.items())
         return "{" + ",".join(f"{json.dumps(k)}:{_canonical(v)}" for k, v in items) + "}"

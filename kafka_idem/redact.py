@@ -57,7 +57,7 @@ _PATTERNS = (_USERINFO, _QUERY, _ASSIGN, _QUOTED)
 _DSN_USERINFO = re.compile(r"^[^/\s]*//[^:@/]*:(?P<value>.*)@", re.DOTALL)
 
 # Option names of librdkafka dicts whose values are never shown.
-_SECRET_OPTION_WORDS = ("password", "secret", "token", "key.pem", ".key")
+_SECRET_OPTION_WORDS = ("password", "secret", "token", "key.pem", ".key", "user.info")
 
 
 def redact(text: str, secrets: Iterable[str] = ()) -> str:

@@ -34,7 +34,6 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from kafka_idem.app import App
-from kafka_idem.codec import AvroCodec
 from kafka_idem.consume import log
 from kafka_idem.consume.gauges import Lag, sample_store
 from kafka_idem.consume.letters import send_letters
@@ -57,7 +56,7 @@ class Runner:
         self.settings = s = app.settings
         self.metrics = metrics or Metrics()
         self.store = Store(schema=s.schema_name, table=s.table, namespace=app.namespace)
-        self.codec = AvroCodec.from_dir(s.schemas_dir, registry_url=s.schema_registry_url)
+        app.bind_codecs()  # every handler's codec, checked now: a bad one fails the start
         self.leases: LeaseKeeper | None = None
         if any(h.mode == "leased" for h in app.handlers.values()):
             self.leases = LeaseKeeper(self.store, s.dsn, s.lease_seconds)
@@ -65,7 +64,7 @@ class Runner:
         self.parts = Partitions()
         self.offsets = Offsets(self.parts)
         self.units = Units(
-            app, self.parts, store=self.store, codec=self.codec, metrics=self.metrics,
+            app, self.parts, store=self.store, metrics=self.metrics,
             leases=self.leases, stopping=self.stopping,
         )
         self.lag = Lag(self.metrics)

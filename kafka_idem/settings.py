@@ -119,6 +119,21 @@ class Settings(BaseSettings):
     schema_registry_url: str | None = Field(
         None, description="Confluent Schema Registry URL; enables Confluent wire framing."
     )
+    schema_registry: dict[str, Any] = Field(
+        default_factory=dict,
+        description="SchemaRegistryClient options passed through (JSON in env): "
+        "basic.auth.user.info, bearer.auth.*, ssl.*, timeout, max.retries, cache.capacity...",
+    )
+    default_format: Literal["json", "avro", "registry"] = Field(
+        "json",
+        description="Payload format of a handler given neither format= nor schema= "
+        "(one with schema= and no format= is Avro single-object, as before formats).",
+    )
+    payload_max_bytes: int = Field(
+        10_485_760, ge=1,
+        description="Largest message value decoded; a larger one is dead-lettered as "
+        "PayloadTooLarge without being parsed.",
+    )
     kafka: dict[str, Any] = Field(
         default_factory=dict, description="librdkafka options passed through (JSON in env)."
     )
@@ -211,7 +226,7 @@ class Settings(BaseSettings):
     def __repr_args__(self) -> Any:
         # repr() and str() show librdkafka secrets (sasl.password...) masked, like redacted().
         for name, value in super().__repr_args__():
-            if name == "kafka":
+            if name in ("kafka", "schema_registry"):
                 value = redact_options(value)
             elif name == "schema_registry_url" and value is not None:
                 value = redact(value)
@@ -271,6 +286,7 @@ class Settings(BaseSettings):
         data = self.model_dump(mode="json")
         data["database_url"] = redact(self.dsn, self.secret_values())
         data["kafka"] = redact_options(self.kafka)
+        data["schema_registry"] = redact_options(self.schema_registry)
         if self.schema_registry_url is not None:
             data["schema_registry_url"] = redact(self.schema_registry_url, self.secret_values())
         return data
@@ -279,7 +295,8 @@ class Settings(BaseSettings):
         """The secrets these settings hold (the database password, secret librdkafka
         options, a registry URL's password): pass them to :func:`kafka_idem.redact.redact`
         so an error text echoing one of them out of context is masked too."""
-        found = secrets_in(self.dsn) + option_secrets(self.kafka)
+        found = secrets_in(self.dsn) + option_secrets(self.kafka) + option_secrets(
+            self.schema_registry)
         if self.schema_registry_url:
             found += secrets_in(self.schema_registry_url)
         return found

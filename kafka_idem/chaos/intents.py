@@ -15,10 +15,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
-from pydantic import ValidationError
-
-from kafka_idem.codec import AvroCodec
-from kafka_idem.errors import MessageError
+from kafka_idem.errors import InvalidPayload, MessageError
 from kafka_idem.keys import hash_payload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,19 +38,17 @@ class PaymentsDecoder:
     def __init__(self, topic: str) -> None:
         if str(ROOT) not in sys.path:
             sys.path.insert(0, str(ROOT))
-        from consumers.payments import CURRENCIES, SCHEMAS_DIR, build_app
+        from consumers.payments import CURRENCIES, build_app
 
         self.handler = build_app(topic=topic).handlers[topic]
-        self.codec = AvroCodec.from_dir(SCHEMAS_DIR)
         self.currencies = CURRENCIES
 
     def __call__(self, value: bytes | None) -> Intent | str:
         h = self.handler
         try:
-            _name, record = self.codec.decode(value, reader=h.schema)
-            model = h.model.model_validate(record)
+            model = h.decode(value)  # the handler's own codec
             key = h.key.build(model)
-        except ValidationError:
+        except InvalidPayload:
             return "invalid payload"
         except MessageError as exc:
             return f"{type(exc).__name__}"

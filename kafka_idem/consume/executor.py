@@ -19,7 +19,6 @@ from typing import Any
 import psycopg
 
 from kafka_idem.app import App, Handler
-from kafka_idem.codec import AvroCodec
 from kafka_idem.consume.batch import BatchPath, Fallback
 from kafka_idem.consume.database import Database
 from kafka_idem.consume.leased import LeasedPath
@@ -40,7 +39,6 @@ class Processor:
         app: App,
         *,
         store: Store,
-        codec: AvroCodec,
         metrics: Metrics,
         leases: LeaseKeeper | None = None,
     ) -> None:
@@ -48,12 +46,11 @@ class Processor:
         self.settings = app.settings
         # the app's keys live in its namespace (a store built without one gets it here)
         self.store = store if store.namespace is not None else store.scoped(app.namespace)
-        self.codec = codec
         self.metrics = metrics
         self.leases = leases
         self.group_id = app.group_id
         self.db = Database(self.settings, application_name=f"kafka_idem:{app.name}")
-        self.steps = Steps(app, store=self.store, codec=codec, metrics=metrics, db=self.db)
+        self.steps = Steps(app, store=self.store, metrics=metrics, db=self.db)
         self.local_path = LocalPath(self.steps, self.db)
         self.leased_path = LeasedPath(self.steps, self.db, leases)
         self.batch_path = BatchPath(self.steps, self.db)

@@ -18,10 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pydantic import ValidationError
-
 from kafka_idem.app import App, Context, Done, Handler
-from kafka_idem.codec import AvroCodec
 from kafka_idem.consume.database import Database
 from kafka_idem.consume.outcome import (
     Deferred,
@@ -71,12 +68,11 @@ log = logging.getLogger("kafka_idem.processing")
 
 class Steps:
     def __init__(
-        self, app: App, *, store: Store, codec: AvroCodec, metrics: Metrics, db: Database
+        self, app: App, *, store: Store, metrics: Metrics, db: Database
     ) -> None:
         self.app = app
         self.settings = app.settings
         self.store = store
-        self.codec = codec
         self.metrics = metrics
         self.db = db
 
@@ -87,15 +83,7 @@ class Steps:
 
     def prepare(self, handler: Handler[Any], msg: Message) -> Prepared:
         """Decode, validate, build key and hash; raise a MessageError when impossible."""
-        _name, record = self.codec.decode(msg.value(), reader=handler.schema)
-        try:
-            model = handler.model.model_validate(record)
-        except ValidationError as exc:
-            # Field paths and reasons only: never echo payload values.
-            reasons = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-            )
-            raise InvalidPayload(f"payload does not validate: {reasons}") from exc
+        model = handler.decode(msg.value())  # the handler's codec: bytes -> validated payload
         key = check_key(handler.key.build(model), self.settings.key_max_bytes,
                         escaped=handler.key.escapes)
         try:

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kafka_idem.app import App
-from kafka_idem.codec import AvroCodec
 from kafka_idem.consume import log
 from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.outcome import Deferred, Result
@@ -53,7 +52,6 @@ class Units:
         parts: Partitions,
         *,
         store: Store,
-        codec: AvroCodec,
         metrics: Metrics,
         leases: LeaseKeeper | None,
         stopping: threading.Event,
@@ -62,7 +60,6 @@ class Units:
         self.settings = app.settings
         self.parts = parts
         self.store = store
-        self.codec = codec
         self.metrics = metrics
         self.leases = leases
         self.stopping = stopping
@@ -201,7 +198,7 @@ class Units:
         proc: Processor | None = getattr(self._thread_local, "processor", None)
         if proc is None:
             proc = Processor(
-                self.app, store=self.store, codec=self.codec, metrics=self.metrics,
+                self.app, store=self.store, metrics=self.metrics,
                 leases=self.leases,
             )
             self._thread_local.processor = proc

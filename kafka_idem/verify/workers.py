@@ -13,7 +13,7 @@ from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.outcome import Deferred, Finished
 from kafka_idem.metrics import Metrics
 from kafka_idem.store import Store
-from kafka_idem.verify.app import Config, build_app, codec
+from kafka_idem.verify.app import Config, build_app
 
 
 @dataclass
@@ -72,7 +72,7 @@ def race_one(conf: dict[str, Any], value: bytes, offset: int, barrier: Any, queu
                         bootstrap_servers=conf["bootstrap"], group_id=conf["group"])
         proc = Processor(app, store=Store(schema=conf["store_schema"], table=conf["table"],
                                           namespace=app.namespace),
-                         codec=codec(), metrics=Metrics())
+                         metrics=Metrics())
         msg = FakeMessage(conf["topic"], 0, offset, b"race", value)
         proc.connection()  # connected before the barrier: the race is on the claim
         barrier.wait(timeout=60)

@@ -34,7 +34,7 @@ def processor(dsn: str, topic: str, mode: str, hold: float = 0.0) -> Processor:
         app.handlers[topic].fn = slow
     return Processor(app, store=Store(schema="kafka_idem", table="task_idempotency",
                                       namespace=app.namespace),
-                     codec=payments.codec(), metrics=Metrics())
+                     metrics=Metrics())
 
 
 def process_one(dsn: str, topic: str, mode: str, value: bytes, offset: int,

@@ -57,7 +57,7 @@ def handler(
     app = App("classify", errors=app_errors)
     return app.handler(topic=TOPIC, model=payments.ChargeRequested,
                        key="{tenant_id}:charge:{order_id}", hash_fields=("amount", "currency"),
-                       errors=errors)(payments.charge)
+                       schema=payments.SCHEMA, errors=errors)(payments.charge)
 
 
 @pytest.mark.parametrize(
@@ -107,7 +107,7 @@ def processor(db: DB, fn: Callable[[payments.ChargeRequested, Context], Any], *,
                      retry=RetryPolicy(base=0.1, cap=0.1, max_attempts=max_attempts))
     return Processor(app, store=Store(schema="kafka_idem", table="task_idempotency",
                                       namespace=app.namespace),
-                     codec=payments.codec(), metrics=Metrics())
+                     metrics=Metrics())
 
 
 def run_until_finished(proc: Processor, msg: FakeMessage, mode: str,

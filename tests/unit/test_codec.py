@@ -1,24 +1,28 @@
-"""Avro codec: single-object encoding, CRC-64-AVRO fingerprints, Confluent framing."""
+"""Codecs: JSON, Avro single-object encoding (CRC-64-AVRO fingerprints), Confluent framing
+through a schema registry; models (pydantic, dataclass, TypedDict)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import io
 import json
 import struct
-import threading
 from collections.abc import Iterator
 from decimal import Decimal
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import fastavro
 import fastavro.schema
 import pytest
+from pydantic import BaseModel
+from typing_extensions import TypedDict
 
-from kafka_idem.codec import AvroCodec
-from kafka_idem.errors import Undecodable
+from kafka_idem.codec import AvroCodec, JsonCodec, adapter_for, fields_of
+from kafka_idem.errors import ConfigError, InvalidPayload, SchemaRegistryUnavailable, Undecodable
+from kafka_idem.registry import RegistryCodec, registry_client
+from tests.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "schemas"
@@ -188,53 +192,13 @@ def test_loading_a_folder_without_it_existing_is_a_config_error(tmp_path: Path) 
         AvroCodec.from_dir(tmp_path)
 
 
-# --- Confluent framing through a (tiny, real) schema registry ---------------------
-
-
-class Registry:
-    """A Schema Registry stand-in on 127.0.0.1: ``GET /schemas/ids/{id}``."""
-
-    def __init__(self, schemas: dict[int, Any]) -> None:
-        self.schemas = schemas
-        self.requests: list[str] = []
-        registry = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                registry.requests.append(self.path)
-                prefix = "/schemas/ids/"
-                sid = self.path[len(prefix):]
-                if self.path.startswith(prefix) and sid.isdigit() and int(sid) in registry.schemas:
-                    body = json.dumps({"schema": json.dumps(registry.schemas[int(sid)])}).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/vnd.schemaregistry.v1+json")
-                else:
-                    body = json.dumps({"error_code": 40403, "message": "Schema not found"}).encode()
-                    self.send_response(404)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> Registry:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
+# --- Confluent framing through a schema registry (tests/registry.py) ---------------
 
 
 @pytest.fixture
 def registry() -> Iterator[Registry]:
-    with Registry({7: CHARGE_SCHEMA}) as reg:
+    with Registry() as reg:
+        reg.schemas[7] = (json.dumps(CHARGE_SCHEMA), "AVRO")
         yield reg
 
 
@@ -245,44 +209,162 @@ def confluent(schema_id: int, record: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
+def registry_codec(url: str, schema: str | None = CHARGE, model: Any = None) -> RegistryCodec:
+    return RegistryCodec(registry_client(url, {"max.retries": 0}), adapter_for(model, handler="h"),
+                         subject="charges-value", schemas=AvroCodec.from_dir(SCHEMAS),
+                         schema=schema)
+
+
 def test_confluent_framing_is_decoded_with_the_registrys_schema(registry: Registry) -> None:
-    codec = AvroCodec.from_dir(SCHEMAS, registry_url=registry.url + "/")
+    codec = registry_codec(registry.url + "/")
     record = charge(amount=Decimal("0.07"))
-    name, decoded = codec.decode(confluent(7, record))
-    assert name == CHARGE
-    assert decoded == record
-    assert registry.requests == ["/schemas/ids/7"]
+    assert codec.decode(confluent(7, record)) == record
+    assert registry.requests == ["GET /schemas/ids/7"]
     # The schema is fetched once per id, then cached.
     codec.decode(confluent(7, charge(order_id="o-43")))
-    assert registry.requests == ["/schemas/ids/7"]
+    assert registry.requests == ["GET /schemas/ids/7"]
 
 
 def test_confluent_framing_with_an_unknown_schema_id_is_undecodable(registry: Registry) -> None:
-    codec = AvroCodec.from_dir(SCHEMAS, registry_url=registry.url)
-    with pytest.raises(Undecodable, match="schema id 99 not found"):
+    codec = registry_codec(registry.url)
+    with pytest.raises(Undecodable, match="schema id 99 not found") as info:
         codec.decode(confluent(99, charge()))
-    assert registry.requests == ["/schemas/ids/99"]
+    assert info.value.context["schema_id"] == 99
+    assert registry.requests == ["GET /schemas/ids/99"]
 
 
 def test_confluent_framing_with_a_truncated_body_is_undecodable(registry: Registry) -> None:
-    codec = AvroCodec.from_dir(SCHEMAS, registry_url=registry.url)
+    codec = registry_codec(registry.url)
     with pytest.raises(Undecodable, match="does not decode"):
         codec.decode(confluent(7, charge())[:-3])
+    with pytest.raises(Undecodable, match="truncated frame: 3 bytes"):
+        codec.decode(b"\x00\x00\x00")
 
 
 def test_confluent_framing_without_a_registry_is_undecodable(codec: AvroCodec) -> None:
-    with pytest.raises(Undecodable, match="not Avro single-object encoded"):
+    with pytest.raises(Undecodable, match=r"not Avro single-object encoded.*Confluent-framed"):
         codec.decode(confluent(7, charge()))
 
 
 def test_an_unreachable_registry_is_not_the_messages_fault() -> None:
     import socket
 
-    from kafka_idem.errors import FrameworkError
-
     with socket.socket() as s:  # a port nobody listens on (127.0.0.1 only)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    codec = AvroCodec.from_dir(SCHEMAS, registry_url=f"http://127.0.0.1:{port}")
-    with pytest.raises(FrameworkError):
+    codec = registry_codec(f"http://127.0.0.1:{port}")
+    with pytest.raises(SchemaRegistryUnavailable, match="unreachable"):
         codec.decode(confluent(7, charge()))
+
+
+def test_a_registry_answering_5xx_is_not_the_messages_fault(registry: Registry) -> None:
+    registry.down = True
+    with pytest.raises(SchemaRegistryUnavailable, match="HTTP 503"):
+        registry_codec(registry.url).decode(confluent(7, charge()))
+    registry.down = False  # back: the same message decodes
+    assert registry_codec(registry.url).decode(confluent(7, charge())) == charge()
+
+
+def test_registry_avro_round_trip_registers_the_schema_once(registry: Registry) -> None:
+    codec = registry_codec(registry.url)
+    data = codec.encode(charge())
+    assert data[0] == 0
+    (sid,) = struct.unpack(">I", data[1:5])
+    assert registry.schemas[sid][1] == "AVRO"
+    assert json.loads(registry.schemas[sid][0]) == CHARGE_SCHEMA  # logical types kept
+    assert codec.decode(codec.encode(charge(order_id="o-2")))["order_id"] == "o-2"
+    assert registry.requests.count("POST /subjects/charges-value/versions") == 1
+
+
+class Order(BaseModel):
+    order_id: str
+    amount: Decimal
+
+
+def test_registry_json_schema_round_trip(registry: Registry) -> None:
+    codec = registry_codec(registry.url, schema=None, model=Order)
+    data = codec.encode(Order(order_id="o1", amount=Decimal("10.50")))
+    (sid,) = struct.unpack(">I", data[1:5])
+    text, kind = registry.schemas[sid]
+    assert kind == "JSON"
+    assert json.loads(text)["properties"]["order_id"] == {"title": "Order Id", "type": "string"}
+    assert codec.decode(data) == Order(order_id="o1", amount=Decimal("10.5"))
+    with pytest.raises(InvalidPayload, match=r"registry json .*order_id: Field required"):
+        codec.decode(data[:5] + b'{"amount": 1}')
+    with pytest.raises(Undecodable, match=r"registry json \(schema id \d+\): invalid JSON"):
+        codec.decode(data[:5] + b'{"amount": ')
+
+
+def test_a_protobuf_schema_id_is_undecodable_not_retried(registry: Registry) -> None:
+    registry.schemas[9] = ('syntax = "proto3"; message M { string a = 1; }', "PROTOBUF")
+    with pytest.raises(Undecodable, match="schema id 9 is a PROTOBUF schema"):
+        registry_codec(registry.url).decode(b"\x00\x00\x00\x00\x09\x00\x0a\x01a")
+
+
+def test_a_value_that_is_not_confluent_framed_names_what_it_looks_like(registry: Registry) -> None:
+    with pytest.raises(Undecodable, match=r"registry: not Confluent-framed.*JSON"):
+        registry_codec(registry.url).decode(b'{"order_id": "o1"}')
+    assert registry.requests == []
+
+
+# --- JSON ------------------------------------------------------------------------
+
+
+def test_json_decodes_straight_into_the_model_and_round_trips() -> None:
+    codec = JsonCodec(adapter_for(Order, handler="h"))
+    assert codec.decode(b'{"order_id": "o1", "amount": 10.0}') == Order(
+        order_id="o1", amount=Decimal("10"))
+    assert codec.decode(codec.encode({"order_id": "o2", "amount": "3.10"})).amount == \
+        Decimal("3.10")
+
+
+def test_json_without_a_model_is_a_dict() -> None:
+    assert JsonCodec().decode(b'{"a": [1, 2.5, null]}') == {"a": [1, 2.5, None]}
+
+
+@pytest.mark.parametrize(("value", "error", "text"), [
+    (b"{not json", Undecodable, "json: invalid JSON: "),
+    (b"\xff\xfe\x00", Undecodable, "json: invalid JSON"),
+    (b"[1, 2]", InvalidPayload, "json: payload does not validate: (root): Input should be"),
+    (b'{"order_id": "o1"}', InvalidPayload, "amount: Field required"),
+    (b'{"order_id": "o1", "amount": "ten"}', InvalidPayload, "amount: Input should be a valid"),
+    (b"\x00\x00\x00\x00\x07abc", Undecodable, "Confluent-framed (magic byte 0, schema id 7)"),
+    (b"\xc3\x01" + bytes(8), Undecodable, "Avro single-object encoded"),
+])
+def test_bad_json_names_the_format_and_the_problem(
+    value: bytes, error: type[Exception], text: str
+) -> None:
+    with pytest.raises(error) as info:
+        JsonCodec(adapter_for(Order, handler="h")).decode(value)
+    assert text in str(info.value)
+    assert "ten" not in str(info.value)  # reasons, never values
+
+
+# --- models --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class OrderDC:
+    order_id: str
+    amount: Decimal
+
+
+class OrderTD(TypedDict):
+    order_id: str
+    amount: Decimal
+
+
+@pytest.mark.parametrize("model", [Order, OrderDC, OrderTD])
+def test_pydantic_models_dataclasses_and_typeddicts_validate(model: Any) -> None:
+    codec = JsonCodec(adapter_for(model, handler="h"))
+    payload = codec.decode(b'{"order_id": "o1", "amount": 1.5}')
+    assert fields_of(model) == ("order_id", "amount")
+    amount = payload["amount"] if isinstance(payload, dict) else payload.amount
+    assert amount == Decimal("1.5")
+    assert codec.decode(codec.encode(payload)) == payload
+
+
+@pytest.mark.parametrize("model", [int, "Order", object, dict])
+def test_a_model_pydantic_cannot_use_fails_naming_the_handler(model: Any) -> None:
+    with pytest.raises(ConfigError, match="handler 'h': model must be"):
+        adapter_for(model, handler="h")

@@ -1,0 +1,116 @@
+"""Registering a handler checks its model, format and fields at once, naming the handler;
+the format a handler gets when it names none; a codec object of one's own."""
+
+from __future__ import annotations
+
+import dataclasses
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from typing_extensions import TypedDict
+
+from kafka_idem import App
+from kafka_idem.errors import ConfigError, InvalidPayload, Undecodable
+from tests.conftest import ROOT
+
+
+class Order(BaseModel):
+    tenant_id: str
+    order_id: str
+    amount: Decimal
+
+
+@dataclasses.dataclass
+class OrderDC:
+    tenant_id: str
+    order_id: str
+    amount: Decimal
+
+
+class OrderTD(TypedDict):
+    tenant_id: str
+    order_id: str
+    amount: Decimal
+
+
+def register(app: App, **options: Any) -> Any:
+    options = {"topic": "orders", "key": "{tenant_id}:o:{order_id}",
+               "hash_fields": ("amount",), **options}
+    return app.handler(**options)(lambda msg, ctx: None)
+
+
+@pytest.mark.parametrize("model", [Order, OrderDC, OrderTD])
+def test_models_of_three_kinds_decode_and_their_fields_are_checked(model: Any) -> None:
+    h = register(App("a"), model=model, name="place")
+    payload = h.decode(b'{"tenant_id": "t", "order_id": "o", "amount": 1.5}')
+    assert h.key.build(payload) == "t:o:o"
+    assert h.codec.name == "json"
+    with pytest.raises(ConfigError, match="handler 'place': fields \\['amont'\\] are not fields"):
+        register(App("b"), model=model, name="place", hash_fields=("amont",))
+
+
+def test_a_model_that_is_not_a_model_fails_at_registration_naming_the_handler() -> None:
+    with pytest.raises(ConfigError, match="handler 'place': model must be"):
+        register(App("a"), model=Decimal, name="place")
+
+
+@pytest.mark.parametrize(("options", "text"), [
+    ({"format": "avro"}, "handler 'place': format 'avro' needs schema="),
+    ({"format": "xml"}, "handler 'place': format must be one of"),
+    ({"format": object()}, "is neither"),
+])
+def test_a_format_that_cannot_work_fails_at_registration(options: dict[str, Any],
+                                                         text: str) -> None:
+    with pytest.raises(ConfigError, match=text):
+        register(App("a"), model=Order, name="place", **options)
+
+
+def test_no_model_is_a_dict_and_fields_are_not_checked() -> None:
+    h = register(App("a"), name="place")
+    assert h.decode(b'{"tenant_id": "t", "order_id": "o", "amount": 2}') == {
+        "tenant_id": "t", "order_id": "o", "amount": 2}
+
+
+def test_the_format_a_handler_gets_when_it_names_none() -> None:
+    assert register(App("a", schemas_dir=ROOT / "schemas"), model=Order,
+                    schema="payments.ChargeRequested").codec.name == "avro"  # as before
+    assert register(App("b"), model=Order).codec.name == "json"  # default_format
+    with pytest.raises(ConfigError, match="needs schema="):
+        _ = register(App("c", default_format="avro"), model=Order).codec
+    with pytest.raises(ConfigError, match="no schema registry"):
+        _ = register(App("d", default_format="registry"), model=Order).codec
+
+
+def test_a_missing_schema_name_fails_when_the_codec_is_bound() -> None:
+    app = App("a", schemas_dir=ROOT / "schemas")
+    register(app, model=Order, schema="nope.Missing", name="place")
+    with pytest.raises(ConfigError, match=r"handler 'place': no Avro schema named 'nope\.Missing'"):
+        app.bind_codecs()
+
+
+class Csv:
+    """A codec of one's own: ``tenant,order,amount``."""
+
+    name = "csv"
+
+    def decode(self, data: bytes) -> Any:
+        parts = data.decode().split(",")
+        if len(parts) != 3:
+            raise Undecodable(f"{len(parts)} columns, not 3")
+        return dict(zip(("tenant_id", "order_id", "amount"), parts, strict=True))
+
+    def encode(self, payload: Any) -> bytes:
+        p = payload if isinstance(payload, dict) else payload.__dict__
+        return f"{p['tenant_id']},{p['order_id']},{p['amount']}".encode()
+
+
+def test_a_codec_object_is_used_and_its_output_validated_into_the_model() -> None:
+    h = register(App("a"), model=Order, format=Csv())
+    assert h.decode(b"t,o,1.50") == Order(tenant_id="t", order_id="o", amount=Decimal("1.50"))
+    assert h.decode(h.encode(Order(tenant_id="t", order_id="o", amount=Decimal(2)))).amount == 2
+    with pytest.raises(Undecodable, match=r"^csv: 2 columns, not 3$"):
+        h.decode(b"t,o")
+    with pytest.raises(InvalidPayload, match="csv: payload does not validate: amount"):
+        h.decode(b"t,o,ten")
