@@ -22,255 +22,35 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any
 
 import psycopg
-from pydantic import ValidationError
 
 from kafka_idem.codec import (
-    FORMATS,
     AvroCodec,
     AvroObjectCodec,
     Codec,
     JsonCodec,
-    adapter_for,
-    fields_of,
     validate,
 )
 from kafka_idem.errors import (
     ConfigError,
-    MessageError,
-    PayloadTooLarge,
-    Permanent,
-    Retryable,
     StaleOwner,
-    Undecodable,
-    UnknownOutcome,
 )
-from kafka_idem.keys import KeySpec, KeyTemplate
+from kafka_idem.handler import (
+    DEFAULT_ERRORS,
+    Context,
+    Done,
+    ErrorKind,
+    Format,
+    Handler,
+    M,
+    Mode,
+    check_topic_name,
+)
+from kafka_idem.keys import KeySpec
 from kafka_idem.retry import RetryPolicy
-from kafka_idem.settings import TOPIC_CHARS, Settings, check_namespace, load_settings
-from kafka_idem.store import is_data_error
-
-M = TypeVar("M")
-
-Format = Literal["json", "avro", "registry"]
-
-Mode = Literal["local", "leased"]
-ErrorKind = Literal["retryable", "permanent", "unknown_outcome"]
-
-
-@dataclass
-class Context:
-    """What a handler knows about the message it is processing.
-
-    ``tx`` is the open transaction (a psycopg connection inside ``BEGIN``):
-    write business rows through it. ``idempotency_key`` is the key to pass
-    downstream (e.g. as an ``Idempotency-Key`` HTTP header) so remote side
-    effects are deduplicated by the remote side too.
-    """
-
-    tx: psycopg.Connection[Any]
-    idempotency_key: str
-    request_hash: str
-    attempt: int
-    handler: str
-    topic: str
-    partition: int
-    offset: int
-    timestamp: int | None
-    kafka_key: bytes | None
-    headers: Mapping[str, bytes] = field(default_factory=dict)
-    _lease_lost: threading.Event | None = field(default=None, repr=False)
-
-    @property
-    def lease_lost(self) -> bool:
-        """True once a heartbeat found the lease taken over (leased mode): stop early."""
-        return self._lease_lost is not None and self._lease_lost.is_set()
-
-
-@dataclass(frozen=True, slots=True)
-class Done:
-    """What ``reconcile`` returns when the downstream says the operation already happened."""
-
-    result: Any = None
-
-
-Reconciler = Callable[[Any, Context], Done | None]
-BulkHandler = Callable[[list[tuple[Any, Context]], psycopg.Connection[Any]], list[Any]]
-
-
-# Default classification of exceptions a handler lets escape (first match wins).
-DEFAULT_ERRORS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
-    (Permanent, "permanent"),
-    (Retryable, "retryable"),
-    (UnknownOutcome, "unknown_outcome"),
-    (MessageError, "permanent"),
-    (ValidationError, "permanent"),
-    (psycopg.errors.IntegrityError, "permanent"),
-    (psycopg.errors.DataError, "permanent"),
-    (UnicodeError, "permanent"),  # a value that cannot be encoded: psycopg refuses it
-)
-
-
-def check_topic_name(name: str, *, setting: str) -> str:
-    """``name`` if Kafka accepts it as a topic name, else a :class:`ConfigError`."""
-    if len(name) > 249 or not TOPIC_CHARS.fullmatch(name) or name in (".", ".."):
-        raise ConfigError(
-            f"{name!r} is not a valid Kafka topic name (1-249 ASCII letters, digits, "
-            "'.', '_', '-')", setting=setting)
-    return name
-
-
-class Handler(Generic[M]):
-    """A registered handler; call ``@handler.reconciler`` to add a reconcile step."""
-
-    def __init__(
-        self,
-        fn: Callable[[M, Context], Any],
-        *,
-        name: str,
-        topic: str,
-        model: type[M] | None,
-        key: KeySpec,
-        hash_fields: tuple[str, ...],
-        mode: Mode,
-        batch: bool,
-        dlq_topic: str | None,
-        schema: str | None,
-        retry: RetryPolicy | None,
-        errors: tuple[tuple[type[BaseException], ErrorKind], ...],
-        format: Format | Codec | None = None,
-        binder: Callable[[Handler[Any]], Codec] | None = None,
-    ) -> None:
-        self.fn = fn
-        self.name = name
-        self.topic = topic
-        self.model = model
-        self.key = KeyTemplate(key)
-        self.hash_fields = hash_fields
-        self.mode: Mode = mode
-        self.batch = batch
-        self.dlq_topic_override = dlq_topic
-        self.schema = schema
-        self.retry_override = retry
-        self.errors = errors
-        self.reconcile: Reconciler | None = None
-        self.bulk: BulkHandler | None = None
-        # Checked now, not at the first message: the model, the format, the fields.
-        self.adapter = adapter_for(model, handler=name)
-        if isinstance(format, str):
-            if format not in FORMATS:
-                raise ConfigError(f"handler {name!r}: format must be one of {list(FORMATS)} "
-                                  f"or a codec object, not {format!r}", setting="format")
-            if format == "avro" and not schema:
-                raise ConfigError(f"handler {name!r}: format 'avro' needs schema= (the Avro "
-                                  "reader schema's full name, from schemas_dir)", setting="schema")
-        elif format is not None and not isinstance(format, Codec):
-            raise ConfigError(f"handler {name!r}: format {format!r} is neither "
-                              f"{list(FORMATS)} nor a codec (name, decode, encode)",
-                              setting="format")
-        self.format = format
-        self._binder = binder
-        self._codec: Codec | None = None
-        self.payload_max_bytes: int | None = None
-        known = fields_of(model)
-        if known is not None:
-            unknown = [f for f in (*self.key.fields, *hash_fields) if f not in known]
-            if unknown:
-                raise ConfigError(
-                    f"handler {name!r}: fields {unknown} are not fields of "
-                    f"{getattr(model, '__name__', model)}",
-                    setting="key/hash_fields",
-                )
-
-    # --- payloads -----------------------------------------------------------
-
-    @property
-    def format_name(self) -> str | None:
-        """The format asked for: ``format=``, else ``"avro"`` with ``schema=``, else
-        ``None`` (the app's ``default_format``)."""
-        if isinstance(self.format, str):
-            return self.format
-        if self.format is not None:
-            return self.format.name
-        return "avro" if self.schema else None
-
-    @property
-    def codec(self) -> Codec:
-        """The handler's bound codec (bound by its app on first use or at start-up)."""
-        if self._codec is None:
-            if self._binder is None:
-                raise ConfigError(f"handler {self.name!r} is not registered with an app",
-                                  setting="format")
-            self._codec = self._binder(self)
-        return self._codec
-
-    def bind(self, codec: Codec, *, payload_max_bytes: int) -> None:
-        self._codec = codec
-        self.payload_max_bytes = payload_max_bytes
-
-    def decode(self, data: bytes | None) -> Any:
-        """The message value as the handler's payload, validated into its model; raise
-        :class:`Undecodable` / :class:`InvalidPayload` naming the format and the problem
-        (or a framework error, e.g. the registry down: retried, never charged)."""
-        codec = self.codec
-        if not data:
-            raise Undecodable(f"{codec.name}: empty message value")
-        limit = self.payload_max_bytes
-        if limit is not None and len(data) > limit:
-            raise PayloadTooLarge(f"{codec.name}: the value is {len(data)} bytes, over the "
-                                  f"limit of {limit} (setting payload_max_bytes)")
-        try:
-            return codec.decode(data)
-        except MessageError as exc:
-            if not exc.message.startswith(codec.name):
-                exc.message = f"{codec.name}: {exc.message}"
-                exc.args = (exc.message,)
-            raise
-
-    def encode(self, payload: Any) -> bytes:
-        """The bytes a producer sends for ``payload`` (a model instance or a mapping)."""
-        return self.codec.encode(payload)
-
-    def __call__(self, msg: M, ctx: Context) -> Any:
-        return self.fn(msg, ctx)
-
-    def reconciler(self, fn: Reconciler) -> Reconciler:
-        """Register ``fn(msg, ctx) -> Done | None``: asked first on the attempt after an
-        unknown outcome (or a lease lost mid-flight); ``Done(result)`` completes the
-        record without calling the handler again, ``None`` retries it with the same key."""
-        self.reconcile = fn
-        return fn
-
-    def bulk_handler(self, fn: BulkHandler) -> BulkHandler:
-        """Register ``fn(batch, tx) -> results``: the batch path's way to run many
-        messages in a few statements (e.g. one ``INSERT ... SELECT FROM unnest``).
-
-        ``batch`` is a list of ``(msg, ctx)`` for the claimed messages of one
-        transaction; return one JSON-able result per item, in order, or for an item
-        rejected *before anything of it was written*, a ``Permanent`` exception
-        instance (it is recorded failed and dead-lettered). It must have
-        exactly the effect of calling the handler on each item; the handler itself
-        still runs whenever the batch falls back to the per-message path (an error
-        raised here makes the batch fall back). Lock rows in a stable order (sort
-        by key) so concurrent batches can't deadlock.
-        """
-        self.bulk = fn
-        return fn
-
-    def classify(self, exc: BaseException) -> ErrorKind:
-        """Retryable, permanent or unknown outcome. Unmapped exceptions are retryable
-        (up to the retry limit, then exhausted)."""
-        for cls, kind in self.errors:
-            if isinstance(exc, cls):
-                return kind
-        if is_data_error(exc):
-            # The database refused a value the message brought (e.g. an index entry
-            # over its size limit): the same message can never succeed.
-            return "permanent"
-        return "retryable"
+from kafka_idem.settings import Settings, check_namespace, load_settings
 
 
 class App:

@@ -39,7 +39,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kafka_idem.app import Handler
 from kafka_idem.consume.database import Database
 from kafka_idem.consume.outcome import (
     TP,
@@ -54,6 +53,7 @@ from kafka_idem.consume.outcome import (
 from kafka_idem.consume.steps import Steps, context, delivery, log
 from kafka_idem.consume.verdicts import Note, where
 from kafka_idem.errors import MessageError
+from kafka_idem.handler import Handler
 from kafka_idem.store import Claim, Conn, Outcome, translate_errors
 
 

@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kafka_idem.app import ErrorKind
 from kafka_idem.consume.outcome import Deferred, Ended, Finished, Message, Prepared, Reason, Result
 from kafka_idem.dlq import DeadLetter, bounded
 from kafka_idem.errors import DataRejected, MessageError, Undecodable
+from kafka_idem.handler import ErrorKind
 from kafka_idem.retry import Exhausted, RetryPolicy
 from kafka_idem.store import Claim, Failure, Outcome, is_data_error, rejected
 
