@@ -217,8 +217,10 @@ class BatchPath:
     def _lock_existing(
         self, conn: Conn, occurrences: dict[str, list[_Item]], existing: list[str]
     ) -> int:
-        """Lock the keys that existed and were not found succeeded: a conflicting hash
-        or a success since the read is decided here; anything else falls back.
+        """Lock the keys that existed and were not found succeeded: a conflicting hash,
+        a success since the read, or a ``failed`` record met again (dead-lettered again,
+        each occurrence, as the per-message claim does) is decided here; anything else
+        (a key in someone's hands, a retry to run or not yet due) falls back.
         Returns how many messages a succeeded record answered."""
         locked = self.steps.store.lock_batch(conn, existing)
         if len(locked) != len(existing):
@@ -232,6 +234,13 @@ class BatchPath:
                     item.result = self._replay_or_conflict(
                         item, rec["request_hash"], rec["result_json"]
                     )
+                elif rec["status"] == "failed":
+                    # Redeliveries and re-sends of failed keys are common (a producer
+                    # retrying an invalid request): falling back for them would put the
+                    # whole batch on the slower per-message path.
+                    claim = self.steps.store.dead(conn, rec, delivery(item.handler, item.msg))
+                    item.result = self.steps.not_claimed(
+                        item.handler, item.msg, _prep(item), claim).result
                 else:
                     raise Fallback("a key needs the per-message protocol")
                 if rec["status"] == "succeeded":

@@ -154,10 +154,7 @@ class Store(AdminQueries):
         if status == "succeeded":
             return Claim(Outcome.REPLAY, key, attempts=rec["attempts"], result=rec["result_json"])
         if status == "failed":
-            again = conn.execute(self.q["dead_again"], params).fetchone()
-            if again is not None:  # the dead letter about to be sent says "now"
-                errors["first_failure_at"], errors["last_failure_at"] = again
-            return Claim(Outcome.DEAD, key, attempts=rec["attempts"], **errors)
+            return self._dead_again(conn, rec, params, errors)
         reentrant = reentrant_token is not None and rec["owner_token"] == reentrant_token
         busy = _busy(rec, key, reentrant)
         if busy is not None:
@@ -165,6 +162,23 @@ class Store(AdminQueries):
         return self._take(conn, rec, params, errors, reentrant=reentrant,
                           max_attempts=max_attempts, max_elapsed_seconds=max_elapsed_seconds,
                           reconcile_first=reconcile_first)
+
+    def dead(self, conn: Conn, rec: dict[str, Any], delivery: Delivery) -> Claim:
+        """A locked ``failed`` record met again (the batch path): dead-lettered again,
+        exactly as :meth:`claim` decides it (its failure time and last delivery move)."""
+        params = {"ns": self.ns, "key": rec["idempotency_key"], "topic": delivery.topic,
+                  "partition": delivery.partition, "offset": delivery.offset}
+        errors = {name: rec[name] for name in (
+            "error_kind", "error_class", "error_message", "first_failure_at", "last_failure_at")}
+        with translate_errors(key=params["key"]):
+            return self._dead_again(conn, rec, params, errors)
+
+    def _dead_again(self, conn: Conn, rec: dict[str, Any], params: dict[str, Any],
+                    errors: dict[str, Any]) -> Claim:
+        again = conn.execute(self.q["dead_again"], params).fetchone()
+        if again is not None:  # the dead letter about to be sent says "now"
+            errors["first_failure_at"], errors["last_failure_at"] = again
+        return Claim(Outcome.DEAD, params["key"], attempts=rec["attempts"], **errors)
 
     def _take(
         self,

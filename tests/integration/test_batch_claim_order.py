@@ -281,3 +281,36 @@ def test_fresh_processors_start_inserting_first(db: DB) -> None:
         for p in procs:
             p.close()
 
+
+
+@ORDERS
+@HANDLERS
+def test_a_failed_key_met_again_is_dead_lettered_again_on_the_batch_path(
+    db: DB, batches: Batches, read_first: bool, bulk: bool
+) -> None:
+    """A redelivery of a failed key is decided in the batch, as the per-message claim
+    decides it: dead-lettered again, its failure time and last delivery moved, nothing
+    else changed; the batch does not fall back (``batches.run`` would raise)."""
+    if not bulk:
+        batches.proc.app.handlers[TOPIC].bulk = None
+    first = batches.proc.run_local([(TP, batches.msgs(("oF", "-1.00")))])[TP]
+    assert [outcome(r) for r in first] == [("dead_lettered", "permanent")]
+    before = _durable(db.record(key("oF")))
+    assert before["status"] == "failed"
+    batches.pin(read_first)
+
+    results = batches.run(("oG", "1.00"), ("oF", "-1.00"), ("oF", "-1.00"))
+    assert [outcome(r) for r in results] == [
+        ("succeeded", None), ("dead_lettered", "permanent"), ("dead_lettered", "permanent")]
+    after = _durable(db.record(key("oF")))
+    moved = {"last_failure_at", "updated_at", "kafka_offset"}
+    assert {k: v for k, v in after.items() if k not in moved} == {
+        k: v for k, v in before.items() if k not in moved}
+    assert after["last_failure_at"] > before["last_failure_at"]
+    assert after["kafka_offset"] == 3  # the last occurrence's delivery
+    for result in results[1:]:
+        assert isinstance(result, Finished) and result.letter is not None
+        assert result.letter.attempts == before["attempts"]
+        assert result.letter.first_failure_at == before["first_failure_at"]
+        assert result.letter.error_message == before["error_message"]
+    assert db.ledger_counts() == {key("oG"): 1}
