@@ -68,10 +68,14 @@ PATHS: dict[str, tuple[str, str, str, bool, str]] = {
     "batch": ("kafka_idem batch (bulk handler)", "framework", "local", True, "main"),
     "batch_nobulk": ("kafka_idem batch (per-message handler)", "framework", "local", False,
                      "main"),
+    "batch_json": ("kafka_idem batch, JSON payloads (bulk handler)", "framework", "local", True,
+                   "json"),
     "dup90": ("kafka_idem batch, 90% duplicates", "framework", "local", True, "dup"),
 }
-ALL = ["raw", "pgbench", "naive", "leased", "batch", "batch_nobulk", "dup90", "rss"]
-BATCH_FAMILY = ("batch", "batch_nobulk", "dup90")
+ALL = ["raw", "pgbench", "naive", "leased", "batch", "batch_json", "batch_nobulk", "dup90",
+       "rss"]
+BATCH_FAMILY = ("batch", "batch_json", "batch_nobulk", "dup90")
+FORMATS = {"json": "json"}  # topic key -> payload format (the others: the app's, Avro)
 RSS_FLAT_MB = 10.0
 
 
@@ -141,8 +145,11 @@ def run_worker(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     spec_file.write_text(json.dumps(spec))
     load_before = os.getloadavg()
     try:
+        # the worker's app (and its paced producer) decode/encode in the path's format
+        fmt = FORMATS.get(PATHS.get(spec["path"], PATHS["batch"])[4])
+        env = {**os.environ, **({"PAYMENTS_FORMAT": fmt} if fmt else {})}
         subprocess.run([sys.executable, "-m", "bench.worker", str(spec_file), str(out_file)],
-                       timeout=spec["timeout"] + 180, check=False)
+                       timeout=spec["timeout"] + 180, check=False, env=env)
         out: dict[str, Any] = json.loads(out_file.read_text())
     except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
         out = {"ok": False, "check": f"worker failed: {exc}"}
@@ -439,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         "main": Plan(f"{run_id}m", args.messages, args.dup_ratio, seed),
         "slow": Plan(f"{run_id}s", args.slow_messages, args.dup_ratio, seed),
         "dup": Plan(f"{run_id}d", args.messages, 0.9, seed),
+        "json": Plan(f"{run_id}j", args.messages, args.dup_ratio, seed),
         "rss": Plan(f"{run_id}r", args.rss_messages, 0.0, seed),
     }
     needed = {PATHS[p][4] for p in consumer_paths} | ({"rss"} if "rss" in wanted else set())
@@ -480,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             created_topics.append(topics[key])
             t0 = time.perf_counter()
             _intents, messages = plans[key].build()
-            produce_backlog(s, topics[key], messages)
+            produce_backlog(s, topics[key], messages, FORMATS.get(key))
             del messages, _intents
             ends[key] = end_offsets(s, topics[key])
             console.print(f"produced {sum(ends[key].values()):,} messages to {topics[key]} in "

@@ -13,6 +13,7 @@ second for ``seconds``, each stamped by librdkafka with its CreateTime at the
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -82,8 +83,17 @@ def tenants_of(tag: str) -> list[str]:
     return [f"bench-{tag}-t{i:02d}" for i in range(TENANTS)]
 
 
-def encode(m: Intent) -> bytes:
-    return payments.encode_charge(m.tenant_id, m.order_id, m.amount, m.currency)
+def encode(m: Intent, fmt: str | None = None) -> bytes:
+    """The payments app's bytes for ``m``: its format (PAYMENTS_FORMAT), or ``fmt``."""
+    if fmt is None or fmt == payments.FORMAT:
+        return payments.encode_charge(m.tenant_id, m.order_id, m.amount, m.currency)
+    return _handler(fmt).encode(
+        payments.charge_payload(m.tenant_id, m.order_id, m.amount, m.currency))
+
+
+@functools.cache
+def _handler(fmt: str) -> Any:
+    return payments.build_app(topic="bench.encode", fmt=fmt).handlers["bench.encode"]
 
 
 def _producer(s: Settings, linger_ms: int) -> tuple[Producer, list[str]]:
@@ -92,7 +102,8 @@ def _producer(s: Settings, linger_ms: int) -> tuple[Producer, list[str]]:
     return producer, failures
 
 
-def produce_backlog(s: Settings, topic: str, messages: list[Intent]) -> None:
+def produce_backlog(s: Settings, topic: str, messages: list[Intent],
+                    fmt: str | None = None) -> None:
     """All messages as fast as possible (the backlog the throughput runs drain)."""
     producer, failures = _producer(s, 20)
 
@@ -101,7 +112,7 @@ def produce_backlog(s: Settings, topic: str, messages: list[Intent]) -> None:
             failures.append(str(err))
 
     for i, m in enumerate(messages):
-        value = encode(m)
+        value = encode(m, fmt)
         while True:
             try:
                 producer.produce(

@@ -31,6 +31,9 @@ from kafka_idem.codec import AvroCodec
 # run the same example on a fresh topic (PAYMENTS_TOPIC) or in leased mode.
 TOPIC = os.environ.get("PAYMENTS_TOPIC", "payments.charge-requested")
 MODE = os.environ.get("PAYMENTS_MODE", "local")
+# "json" runs the same example on JSON payloads (the chaos run and the bench use it to
+# prove and measure the JSON codec); producers' encode_charge follows it.
+FORMAT = os.environ.get("PAYMENTS_FORMAT", "avro")
 SCHEMA = "payments.ChargeRequested"
 CURRENCIES = frozenset({"EUR", "USD", "GBP", "CHF", "JPY"})
 SCHEMAS_DIR = Path(__file__).resolve().parent.parent / "schemas"
@@ -141,7 +144,8 @@ def charge_many(
 
 
 def build_app(
-    *, topic: str = TOPIC, mode: str = MODE, name: str = "payments", **settings: Any
+    *, topic: str = TOPIC, mode: str = MODE, name: str = "payments", fmt: str = FORMAT,
+    **settings: Any,
 ) -> App:
     """The payments app on ``topic``; ``settings`` override Settings fields.
 
@@ -156,8 +160,8 @@ def build_app(
         model=ChargeRequested,
         key="{tenant_id}:charge:{order_id}",
         hash_fields=("amount", "currency"),
-        format="avro",  # Avro single-object encoding, reader schema SCHEMA
-        schema=SCHEMA,
+        format=fmt,  # type: ignore[arg-type]  # "avro": single-object encoding, reader SCHEMA
+        schema=SCHEMA if fmt == "avro" else None,
         mode=mode,  # type: ignore[arg-type]
     )(charge)
     handler.bulk_handler(charge_many)
@@ -182,15 +186,29 @@ def encode_charge(
     request_id: str | None = None,
     requested_at: dt.datetime | None = None,
 ) -> bytes:
-    """The Avro single-object bytes of one charge request (what producers send), made by
-    the handler's own codec (the one that decodes them)."""
-    return app.handlers[TOPIC].encode(
-        {
-            "tenant_id": tenant_id,
-            "order_id": order_id,
-            "amount": Decimal(amount),
-            "currency": currency,
-            "request_id": request_id or str(uuid.uuid4()),
-            "requested_at": requested_at or dt.datetime.now(dt.UTC),
-        },
-    )
+    """The bytes of one charge request (what producers send: Avro single-object, or JSON
+    with PAYMENTS_FORMAT=json), made by the handler's own codec (the one that decodes
+    them)."""
+    return app.handlers[TOPIC].encode(charge_payload(
+        tenant_id, order_id, amount, currency, request_id=request_id,
+        requested_at=requested_at))
+
+
+def charge_payload(
+    tenant_id: str,
+    order_id: str,
+    amount: Decimal | str,
+    currency: str = "EUR",
+    *,
+    request_id: str | None = None,
+    requested_at: dt.datetime | None = None,
+) -> dict[str, Any]:
+    """One charge request as the payload any of the app's codecs encodes."""
+    return {
+        "tenant_id": tenant_id,
+        "order_id": order_id,
+        "amount": Decimal(amount),
+        "currency": currency,
+        "request_id": request_id or str(uuid.uuid4()),
+        "requested_at": requested_at or dt.datetime.now(dt.UTC),
+    }
