@@ -13,7 +13,6 @@ not touched here: the runner owns the consumer.
 
 from __future__ import annotations
 
-import random
 import uuid
 from typing import Any
 
@@ -26,7 +25,7 @@ from kafka_idem.consume.leased import LeasedPath
 from kafka_idem.consume.local import LocalPath
 from kafka_idem.consume.outcome import Message, Parts, Prepared, Result, Results
 from kafka_idem.consume.steps import Steps, log
-from kafka_idem.errors import FrameworkError, MessageError, StoreUnavailable, TransientStoreError
+from kafka_idem.errors import FrameworkError, MessageError, StoreUnavailable
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.metrics import Metrics
 from kafka_idem.store import Conn, Store, classify_db_error
@@ -73,17 +72,12 @@ class Processor:
             try:
                 return self.batch_path.run(parts)
             except Fallback as exc:
-                cause = exc.__cause__
-                if cause is not None and _contention(cause):  # e.g. a deadlocked handler
-                    return self._retry_later(parts, cause)
                 log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
             except (FrameworkError, MessageError, psycopg.Error) as exc:
                 # A message's data refused by the database (DataRejected) falls back too:
                 # the per-message path isolates the one message it belongs to.
                 if isinstance(exc, StoreUnavailable) or classify_db_error(exc) is StoreUnavailable:
                     return self.steps.defer_all(parts, exc)
-                if _contention(exc):
-                    return self._retry_later(parts, exc)
                 log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
             except Exception:
                 # A defect of the optimisation must not take the member down: the
@@ -91,26 +85,9 @@ class Processor:
                 log.exception("batch path failed; falling back", extra={"action": "batch_fallback"})
         return self.run_local_safe(parts)
 
-    def _retry_later(self, parts: Parts, exc: BaseException) -> Results:
-        """The batch lost a deadlock or a serialization failure against a concurrent
-        transaction: nothing of it committed, and no message is at fault. The batch runs
-        again shortly rather than on the per-message path, whose one long transaction
-        takes the same rows in message order and so deadlocks far more: under contention
-        (several members updating the same business rows) falling back turned one
-        deadlock into a convoy of them. A random wait up to busy_retry_seconds keeps
-        the members that collided from colliding again."""
-        delay = random.uniform(0.0, self.settings.busy_retry_seconds)
-        return self.steps.defer_all(parts, exc, delay=delay)
-
     def run_local_safe(self, parts: Parts) -> Results:
         """The per-message path alone (see :meth:`LocalPath.run`)."""
         return self.local_path.run(parts)
 
     def run_leased(self, msg: Message, *, reentrant: uuid.UUID | None = None) -> Result:
         return self.leased_path.run(msg, reentrant=reentrant)
-
-
-def _contention(exc: BaseException) -> bool:
-    """A deadlock, serialization failure or lock timeout (by SQLSTATE): contention
-    between transactions, not the message's fault."""
-    return isinstance(exc, TransientStoreError) or classify_db_error(exc) is TransientStoreError

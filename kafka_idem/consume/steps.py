@@ -119,9 +119,8 @@ class Steps:
         return not_claimed(claim, letters=self.letters(handler), msg=msg, prep=prep,
                            busy_retry_seconds=self.settings.busy_retry_seconds)
 
-    def defer_all(self, parts: Parts, exc: BaseException, *, delay: float = 0.0) -> Results:
-        """Every partition waits (``delay`` seconds): the transaction failed and nothing
-        was committed."""
+    def defer_all(self, parts: Parts, exc: BaseException) -> Results:
+        """Every partition waits: the transaction failed and nothing was committed."""
         where = ", ".join(
             f"{msgs[0].topic()}[{msgs[0].partition()}]@{msgs[0].offset()}"
             for _, msgs in parts if msgs
@@ -132,7 +131,7 @@ class Steps:
             extra={"action": "batch_failed", "kind": type(exc).__name__},
         )
         self.metrics.framework_errors.labels(type(exc).__name__).inc()
-        return {tp: [Deferred(delay, Reason.FRAMEWORK)] for tp, _ in parts}
+        return {tp: [Deferred(0.0, Reason.FRAMEWORK)] for tp, _ in parts}
 
     # --- claim -----------------------------------------------------------------------
 

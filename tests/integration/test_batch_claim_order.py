@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
-import psycopg
 import pytest
 
 from consumers.payments import encode_charge
@@ -316,63 +315,3 @@ def test_a_failed_key_met_again_is_dead_lettered_again_on_the_batch_path(
         assert result.letter.error_message == before["error_message"]
     assert db.ledger_counts() == {key("oG"): 1}
 
-
-@pytest.mark.parametrize("where", ["bulk handler", "handler", "store"])
-def test_a_batch_that_loses_a_deadlock_runs_again_later_not_per_message(
-    db: DB, batches: Batches, where: str
-) -> None:
-    """A deadlock (or serialization failure) is contention, not the message's fault: the
-    batch is rolled back and deferred whole, with no per-message attempt (which would
-    take the same rows in message order, in one long transaction) and no attempt
-    charged; the next run goes through on the batch path."""
-    proc = batches.proc
-    handler = proc.app.handlers[TOPIC]
-    calls: list[str] = []
-    deadlocked = [False]
-
-    def once() -> None:
-        if not deadlocked[0]:
-            deadlocked[0] = True
-            raise psycopg.errors.DeadlockDetected("deadlock detected")
-
-    if where == "bulk handler":
-        bulk = handler.bulk
-        assert bulk is not None
-
-        def bulk_once(batch: Any, tx: Any) -> Any:
-            calls.append("bulk")
-            once()
-            return bulk(batch, tx)
-
-        handler.bulk = bulk_once
-    elif where == "handler":
-        handler.bulk = None
-    fn = handler.fn
-
-    def counted(msg: Any, ctx: Any) -> Any:
-        calls.append("handler")
-        if where == "handler":
-            once()
-        return fn(msg, ctx)
-
-    handler.fn = counted
-    if where == "store":
-        complete = proc.store.complete_batch
-
-        def complete_once(*args: Any, **kwargs: Any) -> Any:
-            once()
-            return complete(*args, **kwargs)
-
-        proc.store.complete_batch = complete_once  # type: ignore[method-assign]
-    msgs = batches.msgs(("oH", "1.00"), ("oI", "2.00"))
-    first = proc.run_local([(TP, msgs)])[TP]
-    assert [outcome(r) for r in first] == [("deferred", "framework")]
-    assert isinstance(first[0], Deferred)
-    assert 0.0 <= first[0].delay <= proc.settings.busy_retry_seconds
-    assert db.records() == [] and db.ledger() == []  # rolled back, nothing charged
-    # the per-message path never ran: only the batch's own call that deadlocked
-    assert calls.count("handler") == (1 if where == "handler" else 0), calls
-    again = run_batch(proc, [(TP, msgs)])[TP]  # the batch path alone: no fallback
-    assert [outcome(r) for r in again] == [("succeeded", None), ("succeeded", None)]
-    assert db.ledger_counts() == {key("oH"): 1, key("oI"): 1}
-    assert {r["attempts"] for r in db.records()} == {1}
