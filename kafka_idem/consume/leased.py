@@ -33,16 +33,14 @@ class LeasedPath:
         steps = self.steps
         handler = steps.handler(msg)
         try:
-            prep = steps.prepare(handler, msg)
-        except MessageError as exc:
-            verdict = steps.undecodable(handler, msg, exc)
-            verdict.note.write(log)
-            return verdict.result
+            prep = steps.prepare_or_reject(handler, msg)
         except FrameworkError as exc:  # e.g. the schema registry is down: not the message's fault
             steps.metrics.framework_errors.labels(type(exc).__name__).inc()
             log.warning("cannot decode now (%s); will retry", describe(exc),
                         extra={"action": "deferred", **where(msg)})
             return Deferred(steps.settings.busy_retry_seconds, Reason.FRAMEWORK, token=reentrant)
+        if not isinstance(prep, Prepared):
+            return prep
         claim: Claim | None = None
         try:
             with self.db.unavailable():

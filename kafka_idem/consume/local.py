@@ -13,7 +13,15 @@ from __future__ import annotations
 import psycopg
 
 from kafka_idem.consume.database import Database
-from kafka_idem.consume.outcome import Deferred, Message, Parts, Reason, Result, Results
+from kafka_idem.consume.outcome import (
+    Deferred,
+    Message,
+    Parts,
+    Prepared,
+    Reason,
+    Result,
+    Results,
+)
 from kafka_idem.consume.steps import Steps, log
 from kafka_idem.consume.verdicts import where
 from kafka_idem.errors import FrameworkError, MessageError, StaleOwner, TransientStoreError
@@ -80,12 +88,9 @@ class LocalPath:
     def _one(self, conn: Conn, msg: Message) -> Result:
         steps = self.steps
         handler = steps.handler(msg)
-        try:
-            prep = steps.prepare(handler, msg)
-        except MessageError as exc:
-            verdict = steps.undecodable(handler, msg, exc)
-            verdict.note.write(log)
-            return verdict.result
+        prep = steps.prepare_or_reject(handler, msg)
+        if not isinstance(prep, Prepared):
+            return prep
         try:
             with conn.transaction():  # SAVEPOINT: this message rolls back alone
                 claim = steps.claim(conn, handler, msg, prep)

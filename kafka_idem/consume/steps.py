@@ -92,6 +92,16 @@ class Steps:
             raise InvalidPayload(f"the request hash cannot be computed: {exc}") from exc
         return Prepared(model, key, digest)
 
+    def prepare_or_reject(self, handler: Handler[Any], msg: Message) -> Prepared | Result:
+        """:meth:`prepare`, or for a message that can never be processed, its dead-letter
+        result (logged here: the per-message paths' first step)."""
+        try:
+            return self.prepare(handler, msg)
+        except MessageError as exc:
+            verdict = self.undecodable(handler, msg, exc)
+            verdict.note.write(log)
+            return verdict.result
+
     def key_of(self, handler: Handler[Any], msg: Message) -> str | None:
         """``msg``'s key, or ``None`` when none can be built."""
         try:
