@@ -18,7 +18,8 @@ message's offset:
 
 No batching, no pipelining, no savepoints; psycopg's defaults (which prepare a
 statement after it ran five times). It uses a store table built by
-``kafka_idem.migrate`` (so the database's transition guard checks it too) and
+``kafka_idem.migrate`` (so the database's transition guard checks it too; its records
+are in the namespace ``naive``) and
 the payments example's tables, so its effects are checked like the framework's.
 """
 
@@ -41,25 +42,25 @@ from consumers import payments
 from kafka_idem.settings import Settings
 
 CLAIM = """
-INSERT INTO {t} (idempotency_key, request_hash, status, owner_token, lease_until, attempts,
-                 kafka_topic, kafka_partition, kafka_offset)
-VALUES (%s, %s, 'processing', %s, now() + interval '30 seconds', 1, %s, %s, %s)
-ON CONFLICT (idempotency_key) DO NOTHING
+INSERT INTO {t} (namespace, idempotency_key, request_hash, status, owner_token, lease_until,
+                 attempts, kafka_topic, kafka_partition, kafka_offset)
+VALUES ('naive', %s, %s, 'processing', %s, now() + interval '30 seconds', 1, %s, %s, %s)
+ON CONFLICT (namespace, idempotency_key) DO NOTHING
 """
 LOCK = """
 SELECT request_hash, status, owner_token, lease_until > clock_timestamp()
-FROM {t} WHERE idempotency_key = %s FOR UPDATE
+FROM {t} WHERE namespace = 'naive' AND idempotency_key = %s FOR UPDATE
 """
 TAKE = """
 UPDATE {t} SET owner_token = %s, lease_until = now() + interval '30 seconds',
                attempts = attempts + 1, status = 'processing', updated_at = now()
-WHERE idempotency_key = %s
+WHERE namespace = 'naive' AND idempotency_key = %s
 """
 DONE = """
 UPDATE {t} SET status = 'succeeded', result_json = %s, completed_token = owner_token,
                owner_token = NULL, lease_until = NULL, completed_at = clock_timestamp(),
                updated_at = now()
-WHERE idempotency_key = %s AND owner_token = %s
+WHERE namespace = 'naive' AND idempotency_key = %s AND owner_token = %s
 """
 
 

@@ -80,8 +80,12 @@ _TOKEN = f"(md5({_CL}::text || '-' || {_K}::text)::uuid)"
 _RESULT = (f"jsonb_build_object('order_id', {_ORDER}, 'amount', {_AMOUNT}::text, "
            f"'currency', {_CURRENCY})")
 
+# Every runtime statement names the app's namespace (the payments app's, as the
+# consumer paths of the bench run it).
+_NS = "'payments'"
+
 PER_MESSAGE_VARS = {
-    "key": _KEY, "hash": _HASH, "token": _TOKEN, "lease": "(:lease::float8)",
+    "ns": _NS, "key": _KEY, "hash": _HASH, "token": _TOKEN, "lease": "(:lease::float8)",
     "handler": "'charge'",
     "topic": "'bench.pgbench'", "partition": f"({_CL} % 4)", "offset": _K,
     "result": _RESULT,
@@ -142,7 +146,7 @@ SELECT array_agg(owner_token ORDER BY idempotency_key)::text AS tokens FROM c
 BATCH_VARS = {name: f"(:{name}::{cast})" for name, cast in (
     ("keys", "text[]"), ("hashes", "text[]"), ("tokens", "uuid[]"), ("handlers", "text[]"),
     ("topics", "text[]"), ("parts", "int[]"), ("offs", "bigint[]"), ("results", "jsonb"),
-    ("lease", "float8"))}
+    ("lease", "float8"))} | {"ns": _NS}
 
 
 # --- capturing the payments handler's statements ---------------------------------------
