@@ -89,5 +89,8 @@ class Processor:
         """The per-message path alone (see :meth:`LocalPath.run`)."""
         return self.local_path.run(parts)
 
-    def run_leased(self, msg: Message, *, reentrant: uuid.UUID | None = None) -> Result:
-        return self.leased_path.run(msg, reentrant=reentrant)
+    def run_leased(
+        self, msg: Message, *, reentrant: uuid.UUID | None = None,
+        prepared: Prepared | None = None,
+    ) -> Result:
+        return self.leased_path.run(msg, reentrant=reentrant, prepared=prepared)
