@@ -14,8 +14,9 @@ Two parts, both real:
       GET  /_requests      {"requests": [...]} every request received (tests count them)
       POST /_faults        {"drop_after_apply": n, ...} see :data:`FAULTS`
 
-  Run it alone with ``python -m consumers.gateway serve --port 8099``, or in
-  process: ``with Gateway() as gw: ... gw.url``.
+  Run it alone with ``python -m consumers.gateway serve --port 8099
+  [--latency-ms 50]``, or in process: ``with Gateway(latency=0.05) as gw: ... gw.url``.
+  ``latency`` is how long every charge takes to answer (a remote system's time).
 
 * The consumer app: ``payments.charge-requested`` (``PAYMENTS_TOPIC``), key
   ``{tenant_id}:charge:{order_id}``, hash over amount and currency, in
@@ -26,6 +27,9 @@ Two parts, both real:
   so it raises :class:`UnknownOutcome`; the next attempt first runs the
   reconciler, which asks the gateway by key (``GET /charges/<key>``) and
   completes the record with the charge found, without charging again.
+  ``build_app(concurrency=64)`` runs up to 64 charges at once (key-ordered);
+  ``build_app(use_async=True)`` registers the same handler and reconciler as
+  ``async def`` over :class:`AsyncGatewayClient` (asyncio streams).
 
   =========================================  ==========================
   gateway answer                             handler raises
@@ -47,6 +51,7 @@ purpose (like the ledger): a double completion would show as a second row.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime as dt
 import http.client
@@ -56,6 +61,7 @@ import os
 import socket
 import struct
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -66,7 +72,16 @@ from types import TracebackType
 from typing import Any
 
 from consumers import payments
-from kafka_idem import App, Context, Done, Permanent, Retryable, RetryPolicy, UnknownOutcome
+from kafka_idem import (
+    App,
+    AsyncContext,
+    Context,
+    Done,
+    Permanent,
+    Retryable,
+    RetryPolicy,
+    UnknownOutcome,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +113,7 @@ class _State:
         self.delay_seconds = 5.0
         self.release = threading.Event()
         self.held = 0  # responses currently held
+        self.latency = 0.0  # seconds every charge takes
 
     def take_fault(self) -> str | None:
         with self.lock:
@@ -225,6 +241,8 @@ class _Handler(BaseHTTPRequestHandler):
         if not amount.is_finite() or amount <= 0:
             self._send(422, {"error": "amount must be positive"})
             return
+        if st.latency:
+            time.sleep(st.latency)
         fault = st.take_fault()
         if fault == "fail_before_apply":
             self._send(503, {"error": "injected: unavailable"})
@@ -284,6 +302,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 256  # many clients at once (concurrency=64 and more)
     state: _State
 
 
@@ -293,9 +312,10 @@ class Gateway:
     ``port=0`` picks a free port. Only binds 127.0.0.1.
     """
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1") -> None:
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", *, latency: float = 0.0) -> None:
         self.server = _Server((host, port), _Handler)
         self.server.state = _State()
+        self.server.state.latency = latency
         self._thread: threading.Thread | None = None
 
     @property
@@ -418,6 +438,9 @@ class GatewayClient:
 
     def charge(self, key: str, request: dict[str, Any]) -> dict[str, Any]:
         status, answer = self._call("POST", "/charges", key=key, body=request)
+        return self._charged(status, answer)
+
+    def _charged(self, status: int, answer: Any) -> dict[str, Any]:
         if 200 <= status < 300:
             return dict(answer)
         reason = (answer or {}).get("error") if isinstance(answer, dict) else None
@@ -431,11 +454,69 @@ class GatewayClient:
             status, answer = self._call("GET", "/charges/" + urllib.parse.quote(key, safe=""))
         except Retryable as exc:  # can't ask: still unknown
             raise UnknownOutcome(str(exc)) from exc
+        return self._found(status, answer)
+
+    def _found(self, status: int, answer: Any) -> dict[str, Any] | None:
         if status == 200:
             return dict(answer)
         if status == 404:
             return None
         raise UnknownOutcome(f"gateway could not be asked about the charge ({status})")
+
+
+class AsyncGatewayClient(GatewayClient):
+    """:class:`GatewayClient` for ``async def`` handlers (asyncio streams, a connection
+    per request); the same answers, the same errors."""
+
+    async def _acall(self, method: str, path: str, *, key: str | None = None,
+                     body: Any = None) -> tuple[int, Any]:
+        parts = urllib.parse.urlsplit(self.url)
+        data = json.dumps(body).encode() if body is not None else b""
+        head = [f"{method} {parts.path.rstrip('/')}{path} HTTP/1.1",
+                f"Host: {parts.netloc}", "Accept: application/json", "Connection: close",
+                f"Content-Length: {len(data)}"]
+        if body is not None:
+            head.append("Content-Type: application/json")
+        if key is not None:
+            head.append(f"Idempotency-Key: {key}")
+        request = ("\r\n".join(head) + "\r\n\r\n").encode() + data
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(parts.hostname, parts.port), self.timeout)
+        except ConnectionRefusedError as exc:
+            raise Retryable(f"gateway refused the connection: {exc}") from exc
+        except (TimeoutError, OSError) as exc:
+            raise Retryable(f"gateway not reached: {type(exc).__name__}: {exc}") from exc
+        try:
+            writer.write(request)
+            raw = await asyncio.wait_for(reader.read(), self.timeout)  # until it closes
+        except (TimeoutError, OSError) as exc:
+            raise UnknownOutcome(f"no answer from the gateway: {type(exc).__name__}: {exc}"
+                                 ) from exc
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        head_end = raw.find(b"\r\n\r\n")
+        if not raw.startswith(b"HTTP/") or head_end < 0:
+            raise UnknownOutcome("no answer from the gateway: the connection closed early")
+        status = int(raw.split(b" ", 2)[1])
+        try:
+            return status, json.loads(raw[head_end + 4:] or b"null")
+        except ValueError as exc:
+            raise UnknownOutcome(f"no answer from the gateway: a cut response ({exc})") from exc
+
+    async def charge_async(self, key: str, request: dict[str, Any]) -> dict[str, Any]:
+        status, answer = await self._acall("POST", "/charges", key=key, body=request)
+        return self._charged(status, answer)
+
+    async def find_async(self, key: str) -> dict[str, Any] | None:
+        try:
+            status, answer = await self._acall(
+                "GET", "/charges/" + urllib.parse.quote(key, safe=""))
+        except Retryable as exc:  # can't ask: still unknown
+            raise UnknownOutcome(str(exc)) from exc
+        return self._found(status, answer)
 
 
 # --- the consumer app ---------------------------------------------------------------------
@@ -457,13 +538,27 @@ def create_tables(conn: Any) -> None:
     )
 
 
-def _record(ctx: Context, charge: dict[str, Any]) -> dict[str, Any]:
-    ctx.tx.execute(
+def _record_args(ctx: Context, charge: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+    return (
         "INSERT INTO payments.gateway_charges (idempotency_key, charge_id, amount, currency)"
         " VALUES (%s, %s, %s, %s)",
         (ctx.idempotency_key, charge["id"], Decimal(charge["amount"]), charge["currency"]),
     )
+
+
+def _record(ctx: Context, charge: dict[str, Any]) -> dict[str, Any]:
+    ctx.tx.execute(*_record_args(ctx, charge))
     return {"charge_id": charge["id"]}
+
+
+async def _record_async(ctx: AsyncContext, charge: dict[str, Any]) -> dict[str, Any]:
+    await ctx.tx.execute(*_record_args(ctx, charge))
+    return {"charge_id": charge["id"]}
+
+
+def _request(msg: payments.ChargeRequested) -> dict[str, Any]:
+    return {"tenant_id": msg.tenant_id, "order_id": msg.order_id,
+            "amount": str(msg.amount), "currency": msg.currency}
 
 
 def build_app(
@@ -473,18 +568,28 @@ def build_app(
     timeout: float | None = None,
     retry: RetryPolicy | None = None,
     name: str = "gateway",
+    concurrency: int | None = None,
+    ordering_key: str | None = None,
+    use_async: bool | None = None,
     **settings: Any,
 ) -> App:
     """The gateway app on ``topic``; ``gateway_url`` defaults to ``$GATEWAY_URL``,
     ``timeout`` to ``$GATEWAY_TIMEOUT_SECONDS`` (2 s); ``retry`` is the handler's own
-    policy (default: from the settings); ``settings`` override Settings fields."""
+    policy (default: from the settings); ``concurrency`` (``$GATEWAY_CONCURRENCY``, 1),
+    ``ordering_key`` (``$GATEWAY_ORDERING_KEY``) and ``use_async``
+    (``$GATEWAY_ASYNC=1``) choose how charges run; ``settings`` override Settings fields."""
     settings.setdefault("schemas_dir", payments.SCHEMAS_DIR)
+    if concurrency is None:
+        concurrency = int(os.environ.get("GATEWAY_CONCURRENCY") or 1)
+    if ordering_key is None:
+        ordering_key = os.environ.get("GATEWAY_ORDERING_KEY") or None
+    if use_async is None:
+        use_async = os.environ.get("GATEWAY_ASYNC", "") in ("1", "true", "yes")
     # No group_id here: KAFKA_IDEM_GROUP_ID (or run --group-id) chooses it, else the name.
-    client = GatewayClient(gateway_url, timeout)
+    client = AsyncGatewayClient(gateway_url, timeout)
     application = App(name, **settings)
     application.migration(create_tables)
-
-    @application.handler(
+    register = application.handler(
         topic=topic,
         model=payments.ChargeRequested,
         key="{tenant_id}:charge:{order_id}",
@@ -492,14 +597,29 @@ def build_app(
         schema=payments.SCHEMA,
         mode="leased",
         retry=retry,
+        concurrency=concurrency,
+        ordering_key=ordering_key,
     )
+    if use_async:
+
+        @register
+        async def charge_async(msg: payments.ChargeRequested, ctx: AsyncContext) -> Any:
+            found = await client.charge_async(ctx.idempotency_key, _request(msg))
+            return await _record_async(ctx, found)
+
+        @charge_async.reconciler
+        async def reconcile_async(msg: payments.ChargeRequested,
+                                  ctx: AsyncContext) -> Done | None:
+            found = await client.find_async(ctx.idempotency_key)
+            if found is None:
+                return None  # never applied: the handler runs again with the same key
+            return Done(await _record_async(ctx, found))
+
+        return application
+
+    @register
     def charge(msg: payments.ChargeRequested, ctx: Context) -> dict[str, Any]:
-        found = client.charge(ctx.idempotency_key, {
-            "tenant_id": msg.tenant_id,
-            "order_id": msg.order_id,
-            "amount": str(msg.amount),
-            "currency": msg.currency,
-        })
+        found = client.charge(ctx.idempotency_key, _request(msg))
         return _record(ctx, found)
 
     @charge.reconciler
@@ -520,9 +640,11 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the payment gateway on 127.0.0.1")
     serve.add_argument("--port", type=int, default=8099, help="port (0 = any free port)")
+    serve.add_argument("--latency-ms", type=float, default=0.0,
+                       help="how long every charge takes to answer")
     args = parser.parse_args(argv)
     if args.command == "serve":
-        gw = Gateway(port=args.port)
+        gw = Gateway(port=args.port, latency=args.latency_ms / 1000)
         print(f"payment gateway listening on {gw.url}", flush=True)
         try:
             gw.server.serve_forever()

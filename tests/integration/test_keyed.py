@@ -13,6 +13,7 @@ acknowledged is recorded through its commit callback.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -25,7 +26,16 @@ from consumers import payments
 from consumers.payments import encode_charge
 from kafka_idem import App, AsyncContext, Context, Retryable, RetryPolicy
 from kafka_idem.runner import Runner
-from tests.conftest import DB, InProcess, Topics, app_settings, caught_up, committed, produce, wait_for
+from tests.conftest import (
+    DB,
+    InProcess,
+    Topics,
+    app_settings,
+    caught_up,
+    committed,
+    produce,
+    wait_for,
+)
 from tests.integration.support import migrate_app
 
 SPANS_SQL = """
@@ -77,7 +87,7 @@ def assert_one_at_a_time_in_offset_order(db: DB) -> dict[str, list[dict[str, Any
     for a in attempts(db):
         by_key[a["ordering"]].append(a)
     for key, spans in by_key.items():
-        for before, after in zip(spans, spans[1:], strict=False):
+        for before, after in itertools.pairwise(spans):
             assert before["end"] is not None and before["end"] < after["start"], (
                 f"two messages of {key} overlapped: {before} and {after}")
             assert before["offset"] <= after["offset"], (
@@ -316,3 +326,33 @@ def test_many_partitions_and_a_small_member_limit_still_process_everything_once(
         wait_for(lambda: caught_up(group, topic), timeout=120, what="the topic to drain")
     assert db.ledger_counts() == {f"t1:charge:{o}": 1 for o in orders}
     assert sum(committed(group, topic).values()) == len(orders)
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_the_gateway_example_at_concurrency_charges_each_key_once_through_unknown_outcomes(
+    db: DB, topic: str, group: str, use_async: bool
+) -> None:
+    from consumers import gateway as gateway_example
+
+    with gateway_example.Gateway(latency=0.02) as gw:
+        # Applied but unanswered (closed, reset): the next attempt reconciles by key.
+        gw.faults(drop_after_apply=3, reset_after_apply=2, fail_before_apply=2)
+        app = gateway_example.build_app(
+            topic=topic, gateway_url=gw.url, timeout=1.0, concurrency=16,
+            use_async=use_async, retry=RetryPolicy(base=0.1, cap=0.1, max_attempts=6),
+            **app_settings(db, group_id=group))
+        migrate_app(db, app)
+        orders = [f"o{i}" for i in range(60)]
+        produce(topic, [(o.encode(), encode_charge("t1", o, "3.00")) for o in orders])
+        with InProcess(app):
+            wait_for(lambda: caught_up(group, topic), timeout=120, what="the topic to drain")
+        keys = {f"t1:charge:{o}" for o in orders}
+        assert {c["idempotency_key"] for c in gw.charges()} == keys
+        assert len(gw.charges()) == len(keys)  # the gateway charged each key once
+        rows = db.rows("SELECT idempotency_key, count(*) AS n FROM payments.gateway_charges"
+                       " GROUP BY 1")
+        assert {r["idempotency_key"]: r["n"] for r in rows} == dict.fromkeys(keys, 1)
+        assert db.status_counts() == {"succeeded": len(keys)}
+        reconciled = {r["path"] for r in gw.requests(method="GET")
+                      if r["path"].startswith("/charges/")}
+        assert len(reconciled) >= 5  # the unanswered ones were asked for, not charged again

@@ -210,7 +210,7 @@ def test_our_own_outages_wait_longer_each_time() -> None:
     waits = []
     now = 0.0
     for _ in range(4):
-        (e,) = st.take(1, now)
+        (_e,) = st.take(1, now)
         st.finish(0, Deferred(0.0, "framework"), now)
         waits.append(st.deadline(0.1) - now)  # type: ignore[operator]
         now += 100.0
