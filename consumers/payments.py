@@ -31,6 +31,9 @@ from kafka_idem.codec import AvroCodec
 # run the same example on a fresh topic (PAYMENTS_TOPIC) or in leased mode.
 TOPIC = os.environ.get("PAYMENTS_TOPIC", "payments.charge-requested")
 MODE = os.environ.get("PAYMENTS_MODE", "local")
+# leased mode: key-ordered concurrency (the chaos run's --concurrency, --order-by-tenant)
+CONCURRENCY = int(os.environ.get("PAYMENTS_CONCURRENCY") or 1)
+ORDERING_KEY = os.environ.get("PAYMENTS_ORDERING_KEY") or None
 # "json" runs the same example on JSON payloads (the chaos run and the bench use it to
 # prove and measure the JSON codec); producers' encode_charge follows it.
 FORMAT = os.environ.get("PAYMENTS_FORMAT", "avro")
@@ -143,6 +146,12 @@ def charge_many(
     return out
 
 
+def _key_order(mode: str) -> dict[str, Any]:
+    if mode != "leased":
+        return {}
+    return {"concurrency": CONCURRENCY, "ordering_key": ORDERING_KEY}
+
+
 def build_app(
     *, topic: str = TOPIC, mode: str = MODE, name: str = "payments", fmt: str = FORMAT,
     **settings: Any,
@@ -163,6 +172,7 @@ def build_app(
         format=fmt,  # type: ignore[arg-type]  # "avro": single-object encoding, reader SCHEMA
         schema=SCHEMA if fmt == "avro" else None,
         mode=mode,  # type: ignore[arg-type]
+        **_key_order(mode),
     )(charge)
     handler.bulk_handler(charge_many)
     return application
