@@ -10,7 +10,8 @@ at the end unless ``--keep`` is given or an anomaly was found.
 
 1. ``--members`` ``kafka-idem run consumers.payments:app`` processes join the group
    (session timeout 6 s, max.poll.interval 10 s, short backoffs); ``--mode leased
-   --concurrency N [--order-by-tenant]`` runs the handler key-ordered.
+   --concurrency N [--order-by-tenant] [--async-handler]`` runs the handler
+   key-ordered (``--async-handler``: as ``async def``).
 2. A producer thread sends charge intents at ``--rate`` per second (idempotent,
    acks=all): originals, re-sends of earlier intents (new request id), payload
    conflicts, invalid charges (amount <= 0, unknown currency), undecodable bytes.
@@ -89,6 +90,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="leased mode: the handler's concurrency (key-ordered above 1)")
     ap.add_argument("--order-by-tenant", action="store_true",
                     help="leased mode: ordering_key='{tenant_id}' (with --concurrency > 1)")
+    ap.add_argument("--async-handler", action="store_true",
+                    help="leased mode: the payments handler as async def (PAYMENTS_ASYNC=1)")
     ap.add_argument("--heal-timeout", type=float, default=180.0,
                     help="liveness bound: seconds for the lag to reach 0 after healing")
     ap.add_argument("--fault-types", default=",".join(FAULTS),
@@ -109,8 +112,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--members must be between {MIN_MEMBERS} and {MAX_MEMBERS}")
     if args.duration <= 0 or args.faults < 0 or args.rate <= 0 or args.partitions < 1:
         ap.error("--duration, --rate and --partitions must be positive, --faults >= 0")
-    if (args.concurrency != 1 or args.order_by_tenant) and args.mode != "leased":
-        ap.error("--concurrency and --order-by-tenant need --mode leased")
+    if (args.concurrency != 1 or args.order_by_tenant or args.async_handler) \
+            and args.mode != "leased":
+        ap.error("--concurrency, --order-by-tenant and --async-handler need --mode leased")
     if args.concurrency < 1:
         ap.error("--concurrency must be >= 1")
     return args
@@ -169,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         env["PAYMENTS_CONCURRENCY"] = str(args.concurrency)
         if args.order_by_tenant:
             env["PAYMENTS_ORDERING_KEY"] = "{tenant_id}"
+        if args.async_handler:
+            env["PAYMENTS_ASYNC"] = "1"
         pool = Pool(cmd, env, logs)
         for _ in range(args.members):
             pool.start()
@@ -320,7 +326,8 @@ def _ordered_by(args: argparse.Namespace) -> str | None:
     and key order by idempotency key alone do not."""
     if args.mode != "leased":
         return None
-    return "tenant" if args.concurrency == 1 or args.order_by_tenant else None
+    prefix = args.concurrency == 1 and not args.async_handler
+    return "tenant" if prefix or args.order_by_tenant else None
 
 
 def _replay_args(args: argparse.Namespace, seed: int) -> str:
@@ -330,6 +337,8 @@ def _replay_args(args: argparse.Namespace, seed: int) -> str:
              f"--concurrency {args.concurrency}", f"--fault-types {','.join(args.types)}"]
     if args.order_by_tenant:
         parts.append("--order-by-tenant")
+    if args.async_handler:
+        parts.append("--async-handler")
     if args.allow_broker_restart:
         parts.append("--allow-broker-restart")
     return " ".join(parts)

@@ -29,10 +29,12 @@ from kafka_idem.runner import Runner
 from tests.conftest import (
     DB,
     InProcess,
+    Members,
     Topics,
     app_settings,
     caught_up,
     committed,
+    member_env,
     produce,
     wait_for,
 )
@@ -356,3 +358,36 @@ def test_the_gateway_example_at_concurrency_charges_each_key_once_through_unknow
         reconciled = {r["path"] for r in gw.requests(method="GET")
                       if r["path"].startswith("/charges/")}
         assert len(reconciled) >= 5  # the unanswered ones were asked for, not charged again
+
+
+def test_sigterm_stops_a_member_whose_handler_hangs_within_drain_seconds_and_loses_nothing(
+    db: DB, topic: str, group: str, members: Members
+) -> None:
+    """A real ``kafka-idem run`` process, key-ordered (concurrency 4): one charge
+    hangs in its handler; SIGTERM stops the member anyway (the hung attempt is
+    abandoned after ``drain_seconds``), nothing past it is committed, and the next
+    member takes the key over when its lease ends: one effect per key."""
+    import signal
+    import subprocess
+
+    # One tenant each: the hung attempt holds its tenant's balance row locked.
+    orders = ["a", "b", "stuck", "c", "d", "e"]
+    produce(topic, [(o.encode(), encode_charge(f"t-{o}", o, "1.00")) for o in orders])
+    env = member_env(db, topic, PAYMENTS_MODE="leased", PAYMENTS_CONCURRENCY="4",
+                     KAFKA_IDEM_DRAIN_SECONDS="1", KAFKA_IDEM_LEASE_SECONDS="3")
+    hung = members.start("tests.apps.variants:app", {
+        **env, "SLOW_ORDERS": "stuck", "SLOW_SECONDS": "600"}, group=group)
+    wait_for(lambda: db.status_counts() == {"succeeded": 5, "processing": 1}, timeout=60,
+             what="every key but the hung one to finish")
+    hung.send_signal(signal.SIGTERM)
+    try:
+        code = hung.wait(timeout=60)  # a bound: drain_seconds is 1, the handler sleeps 600
+    except subprocess.TimeoutExpired:
+        pytest.fail("the member did not stop on SIGTERM while its handler hung")
+    assert code == 0, members.logs()
+    assert "abandoned 1 messages" in members.logs()
+    assert committed(group, topic) == {0: 2}  # not past the hung message
+    members.start("tests.apps.variants:app", env, group=group)
+    wait_for(lambda: caught_up(group, topic), timeout=90, what="the next member to finish")
+    assert db.status_counts() == {"succeeded": 6}
+    assert db.ledger_counts() == {f"t-{o}:charge:{o}": 1 for o in orders}
