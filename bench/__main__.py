@@ -550,9 +550,16 @@ def main(argv: list[str] | None = None) -> int:
             plan = plans[topic_key]
             m = Measured(path, label)
             console.print(f"measuring {label} ...")
+            gw_cpu = gateway.cpu_seconds() if gateway is not None else 0.0
             m.throughput = run_worker(spec(path, "throughput", topics[topic_key], plan,
                                            ends=ends[topic_key], round_trips=True), work)
             m.throughput["messages"] = plan.n
+            if path in GATEWAY_PATHS and gateway is not None:
+                # the remote system's CPU (in "other"), over the whole worker run
+                m.throughput["gateway_cpu_ms_per_msg"] = round(
+                    (gateway.cpu_seconds() - gw_cpu) / plan.n * 1000, 3)
+                m.throughput["check"] = (f"{m.throughput.get('check', '')}; gateway "
+                                         f"{m.throughput['gateway_cpu_ms_per_msg']} ms CPU/msg")
             console.print(f"  {m.rate:,.0f} msgs/s; {m.throughput.get('check')}")
             if m.rate:
                 rate = max(m.rate * args.latency_fraction, 1.0)
@@ -695,8 +702,9 @@ def write_results(
             {
                 "path": m.path, "label": m.label, "messages": m.messages, "msgs_per_s": m.rate,
                 "ratio_to_raw": _ratio(m.rate, limits.get("raw")),
-                "ratio_to_sql_limit": None if m.path == "raw" else _ratio(m.rate, limits.get(
-                    "sql_batched" if m.path in BATCH_FAMILY else "sql_per_message")),
+                "ratio_to_sql_limit": None if m.path == "raw" else _ratio(m.rate, (
+                    ideal(m.path) if m.path in GATEWAY_PATHS else limits.get(
+                        "sql_batched" if m.path in BATCH_FAMILY else "sql_per_message"))),
                 "ratio_to_naive": _ratio(m.rate, limits.get("naive")),
                 "cpu_s_per_1k": {k: m.cpu_per_1k(k) for k in ("consumer", "postgres", "broker",
                                                                "other")},

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -49,7 +50,7 @@ class GatewayProcess:
 
     def __init__(self, latency_ms: float = LATENCY_MS) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "consumers.gateway", "serve", "--port", "0",
+            [sys.executable, "-m", "consumers.gateway", "serve", "--port", "0", "--asyncio",
              "--latency-ms", str(latency_ms)],
             stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
@@ -58,6 +59,12 @@ class GatewayProcess:
             self.stop()
             raise SystemExit(f"bench: the gateway did not start ({line!r})")
         self.url = line.rsplit(" ", 1)[-1].strip()
+
+    def cpu_seconds(self) -> float:
+        """The gateway process's CPU time so far (user + system, from /proc)."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

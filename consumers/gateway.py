@@ -54,6 +54,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import http
 import http.client
 import json
 import logging
@@ -114,6 +115,34 @@ class _State:
         self.release = threading.Event()
         self.held = 0  # responses currently held
         self.latency = 0.0  # seconds every charge takes
+
+    def apply(self, key: str, request: dict[str, Any]) -> tuple[int, Any]:
+        """Charge ``request`` under ``key`` once: (201, new charge), (200, the same charge
+        again) or (409, the key was first used with another request)."""
+        with self.lock:
+            existing = self.charges.get(key)
+            if existing is None:
+                charge = {
+                    "id": f"ch_{uuid.uuid4().hex[:16]}",
+                    "idempotency_key": key,
+                    "tenant_id": request["tenant_id"],
+                    "order_id": request["order_id"],
+                    "amount": str(request["amount"]),
+                    "currency": request["currency"],
+                    "created_at": dt.datetime.now(dt.UTC).isoformat(),
+                }
+                self.charges[key] = charge
+                return 201, charge
+        same = (
+            Decimal(existing["amount"]) == request["amount"]
+            and existing["currency"] == request["currency"]
+            and existing["tenant_id"] == request["tenant_id"]
+            and existing["order_id"] == request["order_id"]
+        )
+        if not same:
+            return 409, {"error": "idempotency key reused with a different request",
+                         "charge_id": existing["id"]}
+        return 200, existing
 
     def take_fault(self) -> str | None:
         with self.lock:
@@ -224,23 +253,14 @@ class _Handler(BaseHTTPRequestHandler):
         key = self.headers.get("Idempotency-Key")
         self._log(key)
         try:
-            body = self._read_json()
-            amount = Decimal(str(body["amount"]))
-            request: dict[str, Any] = {
-                "tenant_id": str(body["tenant_id"]),
-                "order_id": str(body["order_id"]),
-                "amount": amount,
-                "currency": str(body["currency"]),
-            }
-        except (ValueError, KeyError, TypeError, InvalidOperation):
-            self._send(400, {"error": "body must be JSON {amount, currency, tenant_id, order_id}"})
+            raw = self._read_json()
+        except ValueError:
+            raw = None
+        request, refused = _charge_request(key, raw)
+        if refused is not None:
+            self._send(*refused)
             return
-        if not key:
-            self._send(400, {"error": "the Idempotency-Key header is required"})
-            return
-        if not amount.is_finite() or amount <= 0:
-            self._send(422, {"error": "amount must be positive"})
-            return
+        assert key is not None and request is not None
         if st.latency:
             time.sleep(st.latency)
         fault = st.take_fault()
@@ -273,31 +293,93 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # the client gave up meanwhile
 
     def _apply(self, key: str, request: dict[str, Any]) -> tuple[int, Any]:
-        st = self.server.state
-        with st.lock:
-            existing = st.charges.get(key)
-            if existing is None:
-                charge = {
-                    "id": f"ch_{uuid.uuid4().hex[:16]}",
-                    "idempotency_key": key,
-                    "tenant_id": request["tenant_id"],
-                    "order_id": request["order_id"],
-                    "amount": str(request["amount"]),
-                    "currency": request["currency"],
-                    "created_at": dt.datetime.now(dt.UTC).isoformat(),
-                }
-                st.charges[key] = charge
-                return 201, charge
-        same = (
-            Decimal(existing["amount"]) == request["amount"]
-            and existing["currency"] == request["currency"]
-            and existing["tenant_id"] == request["tenant_id"]
-            and existing["order_id"] == request["order_id"]
-        )
-        if not same:
-            return 409, {"error": "idempotency key reused with a different request",
-                         "charge_id": existing["id"]}
-        return 200, existing
+        return self.server.state.apply(key, request)
+
+
+def _charge_request(
+    key: str | None, body: Any
+) -> tuple[dict[str, Any] | None, tuple[int, dict[str, str]] | None]:
+    """A POST /charges body as a request, or the answer refusing it."""
+    try:
+        amount = Decimal(str(body["amount"]))
+        request: dict[str, Any] = {
+            "tenant_id": str(body["tenant_id"]),
+            "order_id": str(body["order_id"]),
+            "amount": amount,
+            "currency": str(body["currency"]),
+        }
+    except (ValueError, KeyError, TypeError, InvalidOperation):
+        return None, (400, {"error": "body must be JSON {amount, currency, tenant_id, order_id}"})
+    if not key:
+        return None, (400, {"error": "the Idempotency-Key header is required"})
+    if not amount.is_finite() or amount <= 0:
+        return None, (422, {"error": "amount must be positive"})
+    return request, None
+
+
+async def serve_asyncio(host: str, port: int, state: _State,
+                        on_ready: Any = None) -> None:
+    """The gateway's charges on one asyncio thread (``serve --asyncio``): the same
+    answers for POST /charges, GET /charges and GET /charges/<key>, HTTP/1.1 kept
+    alive, ``latency`` as an ``asyncio.sleep``; no fault injection. A benchmark's
+    remote system: thousands of charges a second on one core, where the threaded
+    server spends a thread per connection."""
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
+                    return
+                lines = head.decode("latin-1").split("\r\n")
+                method, target = lines[0].split(" ")[:2]
+                headers = {k.strip().lower(): v.strip() for k, _, v in
+                           (line.partition(":") for line in lines[1:] if line)}
+                data = await reader.readexactly(int(headers.get("content-length") or 0))
+                path = urllib.parse.urlsplit(target).path
+                key = headers.get("idempotency-key")
+                with state.lock:
+                    state.requests.append({"method": method, "path": target,
+                                           "idempotency_key": key})
+                status, body = 404, {"error": "not found"}
+                body_: Any = body
+                if method == "POST" and path == "/charges":
+                    try:
+                        raw = json.loads(data or b"null")
+                    except ValueError:
+                        raw = None
+                    request, refused = _charge_request(key, raw)
+                    if refused is not None:
+                        status, body_ = refused
+                    else:
+                        assert key is not None and request is not None
+                        if state.latency:
+                            await asyncio.sleep(state.latency)
+                        status, body_ = state.apply(key, request)
+                elif method == "GET" and path == "/charges":
+                    with state.lock:
+                        status, body_ = 200, {"charges": list(state.charges.values())}
+                elif method == "GET" and path.startswith("/charges/"):
+                    with state.lock:
+                        found = state.charges.get(urllib.parse.unquote(path[len("/charges/"):]))
+                    status, body_ = (200, found) if found else (
+                        404, {"error": "no charge with this idempotency key"})
+                out = json.dumps(body_).encode()
+                writer.write(f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n"
+                             f"Content-Type: application/json\r\nContent-Length: {len(out)}"
+                             "\r\n\r\n".encode() + out)
+                await writer.drain()
+                if headers.get("connection", "").lower() == "close":
+                    return
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(one, host, port, backlog=1024)
+    if on_ready is not None:
+        on_ready(server.sockets[0].getsockname()[1])
+    async with server:
+        await server.serve_forever()
 
 
 class _Server(ThreadingHTTPServer):
@@ -465,46 +547,74 @@ class GatewayClient:
 
 
 class AsyncGatewayClient(GatewayClient):
-    """:class:`GatewayClient` for ``async def`` handlers (asyncio streams, a connection
-    per request); the same answers, the same errors."""
+    """:class:`GatewayClient` for ``async def`` handlers: asyncio streams, HTTP/1.1
+    connections kept open and reused (one per request in flight); the same answers,
+    the same errors. A failure after the request was written is an unknown outcome
+    (the reconciler asks the gateway by key), whether the connection was new or not."""
+
+    def __init__(self, url: str | None = None, timeout: float | None = None) -> None:
+        super().__init__(url, timeout)
+        # idle connections, each with the event loop it belongs to
+        self._idle: list[tuple[Any, asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        loop = asyncio.get_running_loop()
+        while self._idle:
+            owner, reader, writer = self._idle.pop()
+            if owner is loop and not reader.at_eof() and not writer.is_closing():
+                return reader, writer
+            writer.close()
+        parts = urllib.parse.urlsplit(self.url)
+        try:
+            return await asyncio.wait_for(
+                asyncio.open_connection(parts.hostname, parts.port), self.timeout)
+        except ConnectionRefusedError as exc:
+            raise Retryable(f"gateway refused the connection: {exc}") from exc
+        except (TimeoutError, OSError) as exc:
+            raise Retryable(f"gateway not reached: {type(exc).__name__}: {exc}") from exc
 
     async def _acall(self, method: str, path: str, *, key: str | None = None,
                      body: Any = None) -> tuple[int, Any]:
         parts = urllib.parse.urlsplit(self.url)
         data = json.dumps(body).encode() if body is not None else b""
         head = [f"{method} {parts.path.rstrip('/')}{path} HTTP/1.1",
-                f"Host: {parts.netloc}", "Accept: application/json", "Connection: close",
+                f"Host: {parts.netloc}", "Accept: application/json",
                 f"Content-Length: {len(data)}"]
         if body is not None:
             head.append("Content-Type: application/json")
         if key is not None:
             head.append(f"Idempotency-Key: {key}")
         request = ("\r\n".join(head) + "\r\n\r\n").encode() + data
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(parts.hostname, parts.port), self.timeout)
-        except ConnectionRefusedError as exc:
-            raise Retryable(f"gateway refused the connection: {exc}") from exc
-        except (TimeoutError, OSError) as exc:
-            raise Retryable(f"gateway not reached: {type(exc).__name__}: {exc}") from exc
+        reader, writer = await self._connection()
+        keep = False
         try:
             writer.write(request)
-            raw = await asyncio.wait_for(reader.read(), self.timeout)  # until it closes
-        except (TimeoutError, OSError) as exc:
+            status, raw, keep = await asyncio.wait_for(self._response(reader), self.timeout)
+        except (TimeoutError, OSError, EOFError, ValueError, asyncio.LimitOverrunError) as exc:
             raise UnknownOutcome(f"no answer from the gateway: {type(exc).__name__}: {exc}"
                                  ) from exc
         finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-        head_end = raw.find(b"\r\n\r\n")
-        if not raw.startswith(b"HTTP/") or head_end < 0:
-            raise UnknownOutcome("no answer from the gateway: the connection closed early")
-        status = int(raw.split(b" ", 2)[1])
+            if keep:
+                self._idle.append((asyncio.get_running_loop(), reader, writer))
+            else:
+                writer.close()
         try:
-            return status, json.loads(raw[head_end + 4:] or b"null")
+            return status, json.loads(raw or b"null")
         except ValueError as exc:
             raise UnknownOutcome(f"no answer from the gateway: a cut response ({exc})") from exc
+
+    @staticmethod
+    async def _response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
+        """(status, body, whether the connection may be reused)."""
+        head = await reader.readuntil(b"\r\n\r\n")  # IncompleteReadError is an EOFError
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in
+                   (line.partition(":") for line in lines[1:] if line)}
+        if "content-length" not in headers:
+            return status, await reader.read(), False  # the body ends with the connection
+        body = await reader.readexactly(int(headers["content-length"]))
+        return status, body, headers.get("connection", "").lower() != "close"
 
     async def charge_async(self, key: str, request: dict[str, Any]) -> dict[str, Any]:
         status, answer = await self._acall("POST", "/charges", key=key, body=request)
@@ -642,7 +752,19 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--port", type=int, default=8099, help="port (0 = any free port)")
     serve.add_argument("--latency-ms", type=float, default=0.0,
                        help="how long every charge takes to answer")
+    serve.add_argument("--asyncio", action="store_true",
+                       help="serve charges on one asyncio thread (no fault injection)")
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.asyncio:
+        state = _State()
+        state.latency = args.latency_ms / 1000
+
+        def ready(port: int) -> None:
+            print(f"payment gateway listening on http://127.0.0.1:{port}", flush=True)
+
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve_asyncio("127.0.0.1", args.port, state, ready))
+        return
     if args.command == "serve":
         gw = Gateway(port=args.port, latency=args.latency_ms / 1000)
         print(f"payment gateway listening on {gw.url}", flush=True)

@@ -95,12 +95,14 @@ class DaemonPool:
 
 @dataclass(eq=False)
 class Job:
-    """One message in flight: ``None`` as its result means it never started."""
+    """One message in flight: ``None`` as its result means it never started (its
+    ``cancel`` was set first: its partition was leaving, or the member stopping)."""
 
     future: Future[Result | None]
     tp: TP
     state: KeyedState
     offset: int
+    cancel: threading.Event
 
 
 class KeyedUnits:
@@ -119,7 +121,6 @@ class KeyedUnits:
         self.stopping = stopping
         self.in_flight: list[Job] = []
         self.running: Counter[str] = Counter()  # jobs in flight by topic (handler)
-        self._leaving: set[TP] = set()
         self._turn = 0
         self._abandoned = 0
         self._threads = DaemonPool(self.settings.max_concurrency, "kafka-idem-key")
@@ -188,28 +189,29 @@ class KeyedUnits:
     def _start(self, tp: TP, st: KeyedState, entry: Entry) -> None:
         handler = self.app.handlers[tp[0]]
         job, msg, token = entry.job, entry.msg, entry.token
+        cancel = threading.Event()
         future: Future[Result | None]
         if not isinstance(job, Prepared):  # decided at admission (a dead letter)
             future = Future()
             future.set_result(job)
         elif handler.is_async:
-            future = self._event_loop().submit(self._run_async(tp, msg, job, token))
+            future = self._event_loop().submit(self._run_async(msg, job, token, cancel))
         else:
-            future = self._threads.submit(lambda: self._run_sync(tp, msg, job, token))
+            future = self._threads.submit(lambda: self._run_sync(msg, job, token, cancel))
         self.running[tp[0]] += 1
-        self.in_flight.append(Job(future, tp, st, entry.offset))
+        self.in_flight.append(Job(future, tp, st, entry.offset, cancel))
 
     def _run_sync(
-        self, tp: TP, msg: Message, prep: Prepared, token: uuid.UUID | None
+        self, msg: Message, prep: Prepared, token: uuid.UUID | None, cancel: threading.Event
     ) -> Result | None:
-        if tp in self._leaving or self.stopping.is_set():
+        if cancel.is_set() or self.stopping.is_set():
             return None
         return self.processor().run_leased(msg, reentrant=token, prepared=prep)
 
     async def _run_async(
-        self, tp: TP, msg: Message, prep: Prepared, token: uuid.UUID | None
+        self, msg: Message, prep: Prepared, token: uuid.UUID | None, cancel: threading.Event
     ) -> Result | None:
-        if tp in self._leaving or self.stopping.is_set():
+        if cancel.is_set() or self.stopping.is_set():
             return None
         assert self._aio is not None
         return await self._aio.run(msg, prep, token)
@@ -222,10 +224,9 @@ class KeyedUnits:
     def cancel(self, leaving: set[TP] | None) -> None:
         """Jobs of leaving partitions (all, with ``None``) that have not started never
         will."""
-        if leaving is None:
-            self._leaving = {j.tp for j in self.in_flight}
-        else:
-            self._leaving |= leaving
+        for job in self.in_flight:
+            if leaving is None or job.tp in leaving:
+                job.cancel.set()
 
     def harvest(self, *, wait_all: bool = False, leaving: set[TP] | None = None) -> KeyedResults:
         """The results of the finished jobs, for partitions still on the states they
@@ -234,7 +235,6 @@ class KeyedUnits:
         if wait_all and self.in_flight:
             wait(self.futures(), timeout=self.settings.drain_seconds)
             self._abandon(leaving)
-            self._leaving = set()
         out: KeyedResults = {}
         for job in [j for j in self.in_flight if j.future.done()]:
             self._forget(job)
@@ -267,6 +267,7 @@ class KeyedUnits:
                  and (leaving is None or j.tp in leaving)]
         for job in stuck:
             self._forget(job)
+            job.cancel.set()  # one not started yet never starts
             job.future.cancel()  # a task is cancelled; a thread runs on, fenced
             self._abandoned += 1
         if stuck:
