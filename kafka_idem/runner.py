@@ -77,6 +77,7 @@ class Runner:
         )
         self.lag = Lag(self.metrics)
         self.newly_assigned: list[TopicPartition] = []
+        self.assigned: set[TP] = set()  # as the rebalance callbacks last left it
         self.consumer: Consumer | None = None
         self.producer: Producer | None = None
         self.dlq: DeadLetterer | None = None
@@ -178,9 +179,16 @@ class Runner:
         self.lag.observe(self.consumer, self.parts)
 
     def _ingest(self, msgs: list[Any]) -> None:
+        stale = 0
         for msg in msgs:
             err = msg.error()
             if err is None:
+                if (msg.topic(), msg.partition()) not in self.assigned:
+                    # Fetched before a revoke that ran inside this consume(): librdkafka
+                    # can still return it. Its new owner starts from the committed offset;
+                    # queued here it would run a second copy of the partition.
+                    stale += 1
+                    continue
                 self.parts.add(msg, time.monotonic())
                 continue
             if err.code() == KafkaError._PARTITION_EOF:
@@ -188,6 +196,9 @@ class Runner:
             if err.fatal():
                 self._fatal = f"fatal consumer error: {err}"
             log.warning("consumer error: %s", err, extra={"action": "consumer_error"})
+        if stale:
+            log.info("dropped %d messages of partitions no longer assigned", stale,
+                     extra={"action": "stale_messages"})
 
     def _harvest(self, *, wait_all: bool = False, leaving: set[TP] | None = None) -> None:
         """Apply the results of the units that finished (all of them, waiting, with
@@ -228,9 +239,11 @@ class Runner:
     def _on_assign(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", _names(partitions), extra={"action": "assigned"})
         self.newly_assigned.extend(partitions)
+        self.assigned.update(_tps(partitions))
 
     def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         log.info("revoked %s", _names(partitions), extra={"action": "revoked"})
+        self.assigned.difference_update(_tps(partitions))
         self._drain(partitions)  # their work in flight finishes first, then their offsets
         tps = _tps(partitions)
         self.lag.forget(tps)
@@ -238,6 +251,7 @@ class Runner:
 
     def _on_lost(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
         log.warning("lost %s", _names(partitions), extra={"action": "lost"})
+        self.assigned.difference_update(_tps(partitions))
         self._drain(partitions)  # fenced in the store; nothing of it is committed here
         tps = _tps(partitions)
         self.parts.forget(tps)

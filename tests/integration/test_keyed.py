@@ -47,6 +47,7 @@ CREATE TABLE public.spans (
     edge         text    NOT NULL,            -- 'start' or 'end'
     ordering     text    NOT NULL,            -- the ordering key (tenant) of the message
     order_id     text    NOT NULL,
+    partition    integer NOT NULL,
     kafka_offset bigint  NOT NULL,
     attempt      integer NOT NULL
 )
@@ -67,19 +68,20 @@ class Spans:
         if conn is None:
             conn = self._local.conn = psycopg.connect(self.dsn, autocommit=True)
         conn.execute(
-            "INSERT INTO public.spans (edge, ordering, order_id, kafka_offset, attempt)"
-            " VALUES (%s, %s, %s, %s, %s)",
-            (edge, msg.tenant_id, msg.order_id, ctx.offset, ctx.attempt))
+            "INSERT INTO public.spans (edge, ordering, order_id, partition, kafka_offset,"
+            " attempt) VALUES (%s, %s, %s, %s, %s, %s)",
+            (edge, msg.tenant_id, msg.order_id, ctx.partition, ctx.offset, ctx.attempt))
 
 
 def attempts(db: DB) -> list[dict[str, Any]]:
-    """Every attempt: its ordering key, offset, and start and end numbers (end None if
-    it has not returned)."""
+    """Every attempt: its ordering key, partition, offset, and start and end numbers
+    (end None if it has not returned)."""
     rows = db.rows("SELECT * FROM public.spans ORDER BY seq")
-    spans: dict[tuple[int, int], dict[str, Any]] = {}
+    spans: dict[tuple[int, int, int], dict[str, Any]] = {}
     for r in rows:
-        a = spans.setdefault((r["kafka_offset"], r["attempt"]), {
-            "ordering": r["ordering"], "offset": r["kafka_offset"], "start": None, "end": None})
+        a = spans.setdefault((r["partition"], r["kafka_offset"], r["attempt"]), {
+            "ordering": r["ordering"], "partition": r["partition"],
+            "offset": r["kafka_offset"], "start": None, "end": None})
         a[r["edge"]] = r["seq"]
     return sorted(spans.values(), key=lambda a: a["start"])
 
@@ -92,6 +94,8 @@ def assert_one_at_a_time_in_offset_order(db: DB) -> dict[str, list[dict[str, Any
         for before, after in itertools.pairwise(spans):
             assert before["end"] is not None and before["end"] < after["start"], (
                 f"two messages of {key} overlapped: {before} and {after}")
+            assert before["partition"] == after["partition"], (
+                f"{key} is on two partitions: the test needs one per ordering key")
             assert before["offset"] <= after["offset"], (
                 f"{key}: offset {after['offset']} started after {before['offset']}")
     return by_key
@@ -161,7 +165,7 @@ def test_messages_of_one_key_never_overlap_and_keep_offset_order_while_keys_run_
     assert db.ledger_counts() == {f"t{i % 4}:charge:o{i // 4}": 1 for i in range(80)}
     assert db.status_counts() == {"succeeded": 80}
     assert committed(group, topic) == {0: 80}
-    retried = [a for a in attempts(db) if a["offset"] in (4 * 5 + 2, 4 * 2 + 3)]
+    retried = [a for a in attempts(db) if a["offset"] in (4 * 5 + 2, 4 * 2 + 3)]  # t2:o5, t3:o2
     assert len(retried) == 4  # each failed once, then succeeded
 
 
@@ -391,3 +395,40 @@ def test_sigterm_stops_a_member_whose_handler_hangs_within_drain_seconds_and_los
     wait_for(lambda: caught_up(group, topic), timeout=90, what="the next member to finish")
     assert db.status_counts() == {"succeeded": 6}
     assert db.ledger_counts() == {f"t-{o}:charge:{o}": 1 for o in orders}
+
+
+def test_a_rebalance_mid_flight_keeps_each_key_in_order_and_every_effect_once(
+    db: DB, topics: Topics, group: str
+) -> None:
+    """A second member joins while the first has many keys in flight: the revoked
+    partition's work finishes (or is handed over) before it moves, and across the
+    handover each account's charges still run one at a time in offset order."""
+    topic = topics(partitions=2)
+    spans = Spans(db)
+
+    def charge(msg: payments.ChargeRequested, ctx: Context) -> Any:
+        spans.mark("start", msg, ctx)
+        ctx.tx.execute("SELECT pg_sleep(0.08)")  # long enough for the second member to join
+        result = payments.charge(msg, ctx)
+        spans.mark("end", msg, ctx)
+        return result
+
+    # The Kafka key is the account: each account's charges on one partition.
+    records = [(f"t{i % 6}".encode(), encode_charge(f"t{i % 6}", f"o{i}", "1.00"))
+               for i in range(240)]
+    produce(topic, records)
+    first = keyed_app(db, topic, group, charge, concurrency=8)
+    second = keyed_app(db, topic, group, charge, concurrency=8)
+    with InProcess(first):
+        wait_for(lambda: (db.status_counts().get("succeeded") or 0) >= 30, timeout=60,
+                 what="the first member to be under way")
+        with InProcess(second) as joined:
+            wait_for(lambda: caught_up(group, topic), timeout=120, what="the topic to drain")
+            took_over = sum(
+                sample.value for metric in joined.runner.metrics.messages.collect()
+                for sample in metric.samples if sample.name.endswith("_total"))
+    assert took_over > 0  # the second member got a partition the first had in flight
+    assert_one_at_a_time_in_offset_order(db)
+    assert db.ledger_counts() == {f"t{i % 6}:charge:o{i}": 1 for i in range(240)}
+    assert db.status_counts() == {"succeeded": 240}
+    assert sum(committed(group, topic).values()) == 240
