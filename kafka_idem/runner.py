@@ -19,8 +19,9 @@ Each round, in the order a message travels:
 Handlers with ``concurrency > 1`` or ``async def`` ones keep their partitions
 key-ordered (:mod:`~kafka_idem.consume.keyed`): step 3 starts single messages,
 many per partition, one at a time per key. A round that follows a stall of the
-process (e.g. SIGSTOP) longer than half the session timeout starts nothing new
-before the next ``consume()``, which delivers a loss of the partitions first.
+process (e.g. SIGSTOP) longer than half the session timeout starts no key-ordered
+message before the next ``consume()``, which delivers a loss of the partitions
+first (their order across ordering keys depends on owning the partition).
 
 A revoke, a loss or a close first waits for the units in flight and applies
 their results, so callbacks never race with processing of the partitions they
@@ -171,8 +172,7 @@ class Runner:
         self._ingest(msgs)
         self._harvest()
         now = time.monotonic()
-        if now - self._polled_at < self._stall_limit:
-            self.units.dispatch(now)
+        self.units.dispatch(now, keyed=now - self._polled_at < self._stall_limit)
         self._harvest()  # what ran in the loop thread (local_workers = 0) applies at once
         self._commit_pending()
         self._pause_resume()

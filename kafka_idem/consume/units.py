@@ -81,10 +81,11 @@ class Units:
 
     # --- dispatch ----------------------------------------------------------------
 
-    def dispatch(self, now: float) -> None:
+    def dispatch(self, now: float, *, keyed: bool = True) -> None:
         """Hand the due partitions that are not in flight to the workers, and start
-        the key-ordered messages that may run."""
-        self.keyed.dispatch(now)
+        the key-ordered messages that may run (not with ``keyed=False``)."""
+        if keyed:
+            self.keyed.dispatch(now)
         due = self.parts.due(now)
         if not due:
             return
