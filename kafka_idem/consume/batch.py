@@ -364,9 +364,12 @@ def _committed(handler: Handler[Any], msg: Message, result: Result) -> Note | No
     kind says "dead-lettering"); a success is not logged here."""
     if not isinstance(result, Finished):
         return None
-    fields = {"key": result.key, "handler": handler.name, **where(msg)}
     if result.outcome is Ended.REPLAYED:
-        return Note(logging.DEBUG, "replayed stored result", "replayed", fields)
+        if not log.isEnabledFor(logging.DEBUG):  # most of a duplicate-heavy batch
+            return None
+        return Note(logging.DEBUG, "replayed stored result", "replayed",
+                    {"key": result.key, "handler": handler.name, **where(msg)})
+    fields = {"key": result.key, "handler": handler.name, **where(msg)}
     if result.outcome is Ended.CONFLICT:
         return Note(logging.WARNING, "payload conflict", "conflict", fields)
     if result.letter is not None:

@@ -75,6 +75,7 @@ class Steps:
         self.store = store
         self.metrics = metrics
         self.db = db
+        self._letters: dict[str, Letters] = {}
 
     def handler(self, msg: Message) -> Handler[Any]:
         return self.app.handlers[msg.topic()]
@@ -112,9 +113,15 @@ class Steps:
     # --- verdicts --------------------------------------------------------------------
 
     def letters(self, handler: Handler[Any]) -> Letters:
-        return Letters(dlq_topic=self.app.dlq_topic(handler), group=self.app.group_id,
-                       handler=handler.name, namespace=self.store.namespace,
-                       message_max=self.settings.error_message_max)
+        """How ``handler``'s dead letters are addressed (made once per handler: every
+        replay and conflict of a batch asks for it)."""
+        letters = self._letters.get(handler.name)
+        if letters is None:
+            letters = self._letters[handler.name] = Letters(
+                dlq_topic=self.app.dlq_topic(handler), group=self.app.group_id,
+                handler=handler.name, namespace=self.store.namespace,
+                message_max=self.settings.error_message_max)
+        return letters
 
     def undecodable(
         self, handler: Handler[Any], msg: Message, exc: MessageError, key: str | None = None

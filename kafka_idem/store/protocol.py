@@ -347,7 +347,8 @@ class Store(AdminQueries):
         return found[0] if found else None
 
     def succeeded(self, conn: Conn, keys: Sequence[str]) -> dict[str, tuple[str, Any]]:
-        """``{key: (request_hash, result)}`` for the keys among ``keys`` that succeeded."""
+        """``{key: (request_hash, result)}`` for the keys among ``keys`` (distinct) that
+        succeeded."""
         with translate_errors():
             rows = conn.execute(
                 self.q["succeeded_results"], {"ns": self.ns, "keys": list(keys)}
