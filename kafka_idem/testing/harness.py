@@ -246,6 +246,7 @@ class Harness:
         self._kits: dict[str, Conn] = {}
         try:
             work = self.databases.create()
+            self._work = work
             self.tables, self.clean, self._state = self._build(work, tables, ignore, setup)
             self._check_dsn = self.databases.create("_check", template=work)
             self.base = self.app.derived(database_url=work)
@@ -327,6 +328,16 @@ class Harness:
         self._sandbox = self._open(sb.dsn)
         for remote in self.remotes.values():
             remote.reset()
+
+    def rebind(self, *, remotes: Mapping[str, Remote] | None = None) -> None:
+        """Take up the app's handlers as they are now (a test may have replaced one) and
+        these ``remotes``, and start again on a clean database (see :meth:`reset`)."""
+        self.remotes = dict(remotes or {})
+        self.base = self.app.derived(database_url=self._work)
+        self.hooks = Hooks()
+        self.hooks.install(self.base)
+        self._apps.clear()
+        self.reset()
 
     def close(self) -> None:
         """Drop every database the harness made."""

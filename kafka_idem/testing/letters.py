@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kafka_idem.consume.letters import send_letters
@@ -19,26 +18,25 @@ from kafka_idem.consume.outcome import Result
 from kafka_idem.consume.partitions import TP
 from kafka_idem.dlq import PREFIX, DeadLetterer
 from kafka_idem.metrics import Metrics
+from kafka_idem.testing.message import FakeMessage
 
 
-@dataclass(frozen=True, slots=True)
-class CapturedLetter:
-    """One record the consumer would have produced to a dead-letter topic."""
+class CapturedLetter(FakeMessage):
+    """One record a consumer would have produced to a dead-letter topic, read like a
+    ``confluent_kafka.Message`` (``topic()``, ``key()``, ``value()``, ``headers()``;
+    ``offset()`` counts the records of its topic from 0)."""
 
-    topic: str
-    key: bytes | None
-    value: bytes | None
-    headers: tuple[tuple[str, bytes | None], ...]
+    __slots__ = ()
 
     def header(self, name: str) -> str | None:
         """The (last) value of header ``name`` as text, or ``None`` when absent."""
-        found = [v for k, v in self.headers if k == name]
+        found = [v for k, v in self.headers() or () if k == name]
         return None if not found else (found[-1] or b"").decode("utf-8", "replace")
 
     @property
     def idem(self) -> dict[str, str]:
         """The ``idem.*`` headers as text, e.g. ``letter.idem["idem.error.kind"]``."""
-        return {k: (v or b"").decode("utf-8", "replace") for k, v in self.headers
+        return {k: (v or b"").decode("utf-8", "replace") for k, v in self.headers() or ()
                 if k.startswith(PREFIX)}
 
     @property
@@ -54,14 +52,18 @@ class MemoryProducer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: list[tuple[CapturedLetter, Callable[[Any, Any], None] | None]] = []
+        self._offsets: dict[str, int] = {}
         self.records: list[CapturedLetter] = []
 
     def produce(self, topic: str, *, key: bytes | None = None, value: bytes | None = None,
                 headers: Sequence[tuple[str, str | bytes | None]] = (),
                 on_delivery: Callable[[Any, Any], None] | None = None) -> None:
-        pairs = tuple((k, v.encode("utf-8") if isinstance(v, str) else v) for k, v in headers)
         with self._lock:
-            self._pending.append((CapturedLetter(topic, key, value, pairs), on_delivery))
+            offset = self._offsets.get(topic, 0)
+            self._offsets[topic] = offset + 1
+            letter = CapturedLetter(topic, offset=offset, key=key, value=value,
+                                    headers=list(headers))
+            self._pending.append((letter, on_delivery))
 
     def flush(self, _timeout: float | None = None) -> int:
         with self._lock:
