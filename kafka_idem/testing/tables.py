@@ -204,8 +204,11 @@ class TableDiff:
     extra: list[dict[str, Any]]  # found, not expected
 
     def lines(self, *, expected: str, limit: int = 8) -> list[str]:
-        out = [f"table {self.table}: {len(self.missing)} row(s) of {expected} missing, "
-               f"{len(self.extra)} row(s) more than {expected}"]
+        missing = f"{len(self.missing)} row(s) of {expected} missing"
+        extra = f"{len(self.extra)} row(s) more than {expected}"
+        said = (f"{missing}, {len(self.extra)} row(s) more" if self.missing and self.extra
+                else missing if self.missing else extra)
+        out = [f"table {self.table}: {said}"]
         for label, rows in (("missing", self.missing), ("extra  ", self.extra)):
             for row in rows[:limit]:
                 out.append(f"  {label} {show_row(row)}")
