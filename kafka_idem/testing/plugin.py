@@ -53,15 +53,14 @@ def _url(config: pytest.Config) -> str:
     return str(url or os.environ.get("KAFKA_IDEM_DATABASE_URL") or DEFAULT_DATABASE_URL)
 
 
-@pytest.fixture(scope="session")
-def kafka_idem_database_url(pytestconfig: pytest.Config) -> str:
-    """The PostgreSQL server of the kit's throwaway databases (checked once: a test
-    that needs it is skipped, or failed, when it does not answer)."""
+def reachable(config: pytest.Config) -> str:
+    """The database URL, once a connection to it worked; else the test is skipped (or,
+    when the suite requires the database, failed) with the reason."""
     import psycopg
 
     from kafka_idem.redact import redact, secrets_in
 
-    url = _url(pytestconfig)
+    url = _url(config)
     try:
         psycopg.connect(url, connect_timeout=5).close()
     except psycopg.Error as exc:
@@ -69,11 +68,18 @@ def kafka_idem_database_url(pytestconfig: pytest.Config) -> str:
         why = redact(" ".join(str(exc).split()), secrets_in(url))
         reason = (f"kafka_idem test kit: no PostgreSQL answers at {shown} ({why}); set "
                   "KAFKA_IDEM_DATABASE_URL or pass --kafka-idem-database-url")
-        if (pytestconfig.getoption("kafka_idem_require_database")
-                or pytestconfig.getini("kafka_idem_require_database")):
+        if (config.getoption("kafka_idem_require_database")
+                or config.getini("kafka_idem_require_database")):
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)
     return url
+
+
+@pytest.fixture(scope="session")
+def kafka_idem_database_url(pytestconfig: pytest.Config) -> str:
+    """The PostgreSQL server of the kit's throwaway databases (checked once: a test
+    that needs it is skipped, or failed, when it does not answer)."""
+    return reachable(pytestconfig)
 
 
 def _frozen(value: Any) -> Any:

@@ -34,7 +34,7 @@ from typing import Any
 
 from kafka_idem.consume.batch import Fallback, run_batch
 from kafka_idem.consume.outcome import TP, Finished, Result
-from kafka_idem.errors import MessageError, Retryable, UnknownOutcome
+from kafka_idem.errors import ConfigError, MessageError, Retryable, UnknownOutcome
 from kafka_idem.handler import Handler
 from kafka_idem.retry import no_wait
 from kafka_idem.testing.harness import Delivered, Harness, Path, Sandbox
@@ -541,6 +541,12 @@ def check(
     """See :meth:`Harness.check`."""
     started = time.monotonic()
     handler = harness.handler(topic)
+    if not harness.tables and not harness.remotes:
+        raise ConfigError(
+            "check has nothing to compare: it compares the app's own tables and remote "
+            "fakes, and the app's migrations made no table; register its set-up with "
+            "@app.migration, name its tables (tables=[...]) or pass remotes={...}",
+            setting="tables")
     paths = paths_of(handler)
     data = harness.encode(topic, value)
     stamp = int(time.time() * 1000)
