@@ -87,7 +87,7 @@ def other_keys(handler: Handler[Any], data: bytes, prepare: Prepare, n: int) -> 
     first = prepare(data)
     model = first.model
     fields = list(_fields(handler, model))
-    key_fields = list(handler.key.fields) or [f for f in fields
+    key_fields = list(reversed(handler.key.fields)) or [f for f in fields
                                                if f not in handler.hash_fields]
     found: dict[str, bytes] = {}
     for _name, other, prep in _variants(handler, model, key_fields, prepare):
