@@ -18,12 +18,13 @@ compares the app's own tables and remote fakes (:class:`FakeService`, or any
 fixture) is in :mod:`kafka_idem.testing.plugin`. README: "Testing your handlers".
 """
 
-from kafka_idem.testing.harness import Delivered, Harness, Sandbox
+from kafka_idem.testing.harness import Harness
 from kafka_idem.testing.hooks import Crash
 from kafka_idem.testing.letters import CapturedLetter
 from kafka_idem.testing.message import FakeMessage
 from kafka_idem.testing.remote import FakeService, Remote
 from kafka_idem.testing.report import CheckReport, ScenarioResult
+from kafka_idem.testing.sandbox import Delivered, Sandbox
 from kafka_idem.testing.scenarios import SCENARIOS
 
 __all__ = [

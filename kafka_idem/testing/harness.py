@@ -18,166 +18,33 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
 
 from kafka_idem.app import App
-from kafka_idem.consume.executor import Processor
-from kafka_idem.consume.outcome import TP, Finished, Result
+from kafka_idem.consume.outcome import TP
 from kafka_idem.errors import ConfigError
 from kafka_idem.handler import Handler
-from kafka_idem.metrics import Metrics
 from kafka_idem.migrate import migrate, migrate_app
-from kafka_idem.retry import no_wait
 from kafka_idem.store import Conn, Store, connect
 from kafka_idem.testing.databases import Databases
 from kafka_idem.testing.hooks import Hooks
-from kafka_idem.testing.letters import CapturedLetter, LetterBox
+from kafka_idem.testing.letters import CapturedLetter
 from kafka_idem.testing.message import FakeMessage, Headers
 from kafka_idem.testing.remote import Remote
+from kafka_idem.testing.report import CheckReport
 from kafka_idem.testing.reset import CleanState
-from kafka_idem.testing.tables import State, Table, describe_tables, list_tables, snapshot
-
-Path = Literal["batch", "per-message", "leased"]
-"""How a message is run: the local batch path (falling back to the per-message path,
-as the runner does), the local per-message path alone, or the leased path."""
-
-
-@dataclass(frozen=True)
-class Delivered:
-    """What became of one delivered message.
-
-    ``outcome`` is the last try's: ``succeeded``, ``replayed`` (a duplicate of a key
-    that succeeded: the handler did not run), ``conflict`` (the key was first used
-    with another payload), ``dead_lettered``, or ``deferred`` (``reason`` says why:
-    ``busy`` when another owner's live lease holds the key). Tries that failed and
-    were retried at once are in ``steps`` (``("retry", "retry", "dead_lettered")``).
-    """
-
-    outcome: str
-    reason: str | None
-    steps: tuple[str, ...]
-    key: str | None
-    record: dict[str, Any] | None
-    dead_letters: tuple[CapturedLetter, ...]
-    message: FakeMessage
-
-    @property
-    def status(self) -> str | None:
-        """The key's record status (``None``: no record, e.g. an undecodable message)."""
-        return None if self.record is None else self.record["status"]
-
-    @property
-    def result(self) -> Any:
-        """The stored result every duplicate gets back (``None`` until it succeeded)."""
-        if self.record is None or self.record["status"] != "succeeded":
-            return None
-        return self.record["result_json"]
-
-    @property
-    def attempts(self) -> int:
-        return 0 if self.record is None else int(self.record["attempts"])
-
-
-def _step(result: Result) -> str:
-    return result.outcome.value if isinstance(result, Finished) else result.reason.value
-
-
-class Sandbox:
-    """One clean database and what runs against it: the app pointed at it, its store,
-    its dead letters, and the processors (each one a consumer process of its own)."""
-
-    def __init__(self, app: App, kit: Conn) -> None:
-        self.app = app
-        self.dsn = app.settings.dsn
-        s = self.app.settings
-        self.store = Store(schema=s.schema_name, table=s.table, namespace=self.app.namespace)
-        self.letters = LetterBox(header_limit=s.error_message_max)
-        self._procs: list[Processor] = []
-        self._main: Processor | None = None
-        self._kit = kit
-
-    @property
-    def main(self) -> Processor:
-        """The processor :meth:`Harness.deliver` uses (one consumer process)."""
-        if self._main is None:
-            self._main = self.processor()
-        return self._main
-
-    def processor(self) -> Processor:
-        """A new processor: a process of its own, with its own connection."""
-        proc = Processor(self.app, store=self.store, metrics=Metrics())
-        self._procs.append(proc)
-        return proc
-
-    def conn(self) -> Conn:
-        """The kit's own connection (reads, and the clock), outside any processor's."""
-        return self._kit
-
-    def connect(self) -> Conn:
-        """A new connection of the kit's own (autocommit), for a thread of its own."""
-        conn = connect(self.dsn, application_name="kafka_idem:testing")
-        conn.autocommit = True
-        return conn
-
-    def record(self, key: str | None) -> dict[str, Any] | None:
-        return None if key is None else self.store.get(self.conn(), key)
-
-    def state(self, tables: Iterable[Table]) -> State:
-        return snapshot(self.conn(), tables)
-
-    def expire_leases(self, key: str | None = None) -> list[str]:
-        return self.store.expire_leases(self.conn(), key=key)
-
-    def run(self, proc: Processor, msg: FakeMessage, path: Path,
-            reentrant: Any = None) -> Result:
-        """One try of ``msg`` on ``path`` (what one unit of work of the runner does)."""
-        tp: TP = (msg.topic(), msg.partition())
-        if path == "leased":
-            result = proc.run_leased(msg, reentrant=reentrant)
-        elif path == "batch":
-            result = proc.run_local([(tp, [msg])])[tp][0]
-        else:
-            result = proc.run_local_safe([(tp, [msg])])[tp][0]
-        return result
-
-    def drive(self, proc: Processor, msg: FakeMessage, path: Path, *,
-              limit: int = 100) -> Delivered:
-        """Run ``msg`` as the runner would until it is finished: a retry is due at once
-        (no waiting), a failure of the framework's surroundings is tried again; a busy
-        key (another owner's live lease) stops it, deferred."""
-        steps: list[Result] = []
-        letters: list[CapturedLetter] = []
-        token = None
-        with no_wait():
-            for _ in range(limit):
-                result = self.run(proc, msg, path, token)
-                steps.append(result)
-                letters += self.letters.send({(msg.topic(), msg.partition()): [result]})
-                if isinstance(result, Finished) or result.reason == "busy":
-                    break
-                token = result.token
-        return self.delivered(proc, msg, steps, letters)
-
-    def delivered(self, proc: Processor, msg: FakeMessage, steps: list[Result],
-                  letters: list[CapturedLetter]) -> Delivered:
-        last = steps[-1]
-        key = last.key if isinstance(last, Finished) else None
-        if key is None:
-            key = proc.steps.key_of(proc.steps.handler(msg), msg)
-        return Delivered(
-            outcome=last.outcome.value if isinstance(last, Finished) else "deferred",
-            reason=None if isinstance(last, Finished) else last.reason.value,
-            steps=tuple(_step(r) for r in steps), key=key, record=self.record(key),
-            dead_letters=tuple(letters), message=msg)
-
-    def close(self) -> None:
-        for proc in self._procs:
-            proc.close()
-        self._procs.clear()
-        self._main = None
+from kafka_idem.testing.sandbox import Delivered, Path, Sandbox
+from kafka_idem.testing.tables import (
+    State,
+    Table,
+    describe_tables,
+    list_tables,
+    snapshot,
+    split_name,
+)
 
 
 def load_app(spec: str) -> App:
@@ -217,7 +84,8 @@ class Harness:
     :meth:`close`. ``tables`` names the tables :meth:`check` compares (default: the
     ones the migrations and ``setup`` created); ``ignore`` leaves columns out
     (``{"shop.orders": ["remote_id"]}``); ``remotes`` are the fakes of the remote
-    services the handlers call (see :class:`~kafka_idem.testing.remote.Remote`).
+    services the handlers call (see :class:`~kafka_idem.testing.remote.Remote`), reset
+    now and before each scenario.
     """
 
     def __init__(
@@ -252,6 +120,8 @@ class Harness:
             self.base = self.app.derived(database_url=work)
             self.hooks.install(self.base)
             self._sandbox = self._open(work)
+            for remote in self.remotes.values():
+                remote.reset()  # a clean database, and clean remotes
         except BaseException:
             self.close()
             raise
@@ -420,15 +290,36 @@ class Harness:
 
     def rows(self, table: str) -> list[dict[str, Any]]:
         """Every row of ``table`` (all its columns) in the current database."""
-        from kafka_idem.testing.tables import split_name
-
         query = psycopg.sql.SQL("SELECT * FROM {}").format(
             psycopg.sql.Identifier(*split_name(table)))
         with self.current.conn().cursor(row_factory=dict_row) as cur:
             return cur.execute(query).fetchall()
 
-    def check(self, topic: str, value: Any, **options: Any) -> Any:
-        """Run the scenario matrix on ``value``; see :func:`kafka_idem.testing.check`."""
-        from kafka_idem.testing.scenarios import check
+    def check(
+        self,
+        topic: str,
+        value: Any,
+        *,
+        key: str | bytes | None = None,
+        headers: Headers | None = None,
+        conflict: Any = None,
+        batch: Iterable[Any] | None = None,
+        scenarios: Iterable[str] | None = None,
+    ) -> CheckReport:
+        """Prove ``topic``'s handler idempotent on ``value``: run the scenario matrix
+        (:data:`~kafka_idem.testing.SCENARIOS`, or the ``scenarios`` named), each from a
+        clean database, and compare the app's tables and the remotes' effects with a
+        single delivery's; raise ``AssertionError`` with the report when one differs.
 
-        return check(self, topic, value, **options)
+        ``value`` is a payload or raw bytes, sent with ``key`` and ``headers``;
+        ``conflict`` is the payload with the same key and another request (made from
+        ``value`` when not given); ``batch`` the payloads the batch path is compared on
+        (``value`` and two with keys of their own when not given).
+
+            report = harness.check("orders.placed", order)
+            assert report.result("crash_before_commit", "batch").passed
+        """
+        from kafka_idem.testing.check import check
+
+        return check(self, topic, value, key=key, headers=headers, conflict=conflict,
+                     batch=batch, scenarios=scenarios)

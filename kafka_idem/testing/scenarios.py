@@ -23,26 +23,28 @@ are the kit's only addition, each at the point where it matters:
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
-import traceback
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from kafka_idem.consume.batch import Fallback, run_batch
 from kafka_idem.consume.outcome import TP, Finished, Result
-from kafka_idem.errors import ConfigError, MessageError, Retryable, UnknownOutcome
-from kafka_idem.handler import Handler
-from kafka_idem.retry import no_wait
-from kafka_idem.testing.harness import Delivered, Harness, Path, Sandbox
+from kafka_idem.errors import Retryable, UnknownOutcome
+from kafka_idem.testing.case import (
+    Case,
+    Effects,
+    settings_for,
+    show,
+    sig,
+    step,
+    told,
+)
 from kafka_idem.testing.hooks import Call, Crash, Plan
-from kafka_idem.testing.message import FakeMessage
-from kafka_idem.testing.report import CheckReport, ScenarioResult
-from kafka_idem.testing.tables import State, compare, show_value
-from kafka_idem.testing.values import conflicting, other_keys
+from kafka_idem.testing.report import ScenarioResult
+from kafka_idem.testing.sandbox import Path, Sandbox
+from kafka_idem.testing.tables import State, compare
 
 SCENARIOS: dict[str, str] = {
     "once": "delivered once",
@@ -62,110 +64,8 @@ SCENARIOS: dict[str, str] = {
 LEASED_ONLY = ("unknown_outcome", "lease_takeover")
 WAIT = 30.0  # seconds a scenario waits for a thread of its own before it gives up
 
-Sig = tuple[str, str | None]
-
-
-def _settings(path: Path) -> dict[str, Any]:
-    """The batch path runs only when the settings allow it (the app's may not)."""
-    return {"batch_path": True} if path == "batch" else {}
-
-
-def sig(d: Delivered) -> Sig:
-    """An outcome and its dead letter's kind (``("dead_lettered", "exhausted")``)."""
-    letter = d.dead_letters[-1].kind if d.dead_letters and d.outcome != "replayed" else None
-    return (d.outcome if d.outcome != "deferred" else f"deferred ({d.reason})", letter)
-
-
-def show(s: Sig) -> str:
-    return s[0] if s[1] is None else f"{s[0]} ({s[1]})"
-
-
-def told(d: Delivered) -> str:
-    steps = ", ".join(d.steps[:-1])
-    extra = f" after {steps}" if steps else ""
-    rec = f"; record {d.status}, attempts {d.attempts}" if d.record else "; no record"
-    return f"{show(sig(d))}{extra}{rec}"
-
-
-def _freeze(effect: Any) -> Any:
-    try:
-        hash(effect)
-        return effect
-    except TypeError:
-        return json.dumps(effect, sort_keys=True, default=str)
-
-
-Effects = dict[str, Counter[Any]]
-
-
-@dataclass
-class Reference:
-    delivered: Delivered
-    state: State
-    effects: Effects
-
-
-@dataclass
-class Case:
-    """What one :func:`check` works on."""
-
-    harness: Harness
-    handler: Handler[Any]
-    msg: FakeMessage
-    paths: list[Path]
-    ref: Reference
-    conflict: FakeMessage | None = None
-    batch: list[FakeMessage] = field(default_factory=list)
-
-    @property
-    def succeeded(self) -> bool:
-        return self.ref.delivered.outcome == "succeeded"
-
-    @property
-    def first(self) -> Sig:
-        return sig(self.ref.delivered)
-
-    @property
-    def again(self) -> Sig:
-        """What a duplicate gets once the first delivery finished."""
-        return ("replayed", None) if self.succeeded else self.first
-
-    def effects(self) -> Effects:
-        return {name: Counter(_freeze(e) for e in r.effects())
-                for name, r in self.harness.remotes.items()}
-
-    def expect(self, out: ScenarioResult, what: str, got: Sig, want: Sig) -> None:
-        if got != want:
-            out.wrong(f"{what}: {show(got)}, expected {show(want)}")
-
-    def same_state(self, out: ScenarioResult, sb: Sandbox, expected: State | None = None,
-                   *, what: str = "the reference") -> None:
-        """The app's tables equal ``expected`` (default: the reference's)."""
-        want = self.ref.state if expected is None else expected
-        for diff in compare(want, sb.state(self.harness.tables)):
-            out.wrong("\n".join(diff.lines(expected=what)))
-
-    def same_effects(self, out: ScenarioResult, *, at_most: bool = False,
-                     expected: Effects | None = None, what: str = "the reference") -> None:
-        """The remotes did what the reference made them do (or no more, ``at_most``)."""
-        want_all = self.ref.effects if expected is None else expected
-        for name, got in self.effects().items():
-            want = want_all.get(name, Counter())
-            extra, missing = got - want, want - got
-            if extra or (missing and not at_most):
-                lines = [f"remote {name!r}: {sum(got.values())} effect(s), {what} has "
-                         f"{sum(want.values())}"]
-                lines += [f"  extra   {show_value(e)}" for e in extra.elements()]
-                if not at_most:
-                    lines += [f"  missing {show_value(e)}" for e in missing.elements()]
-                out.wrong("\n".join(lines))
-
-
-# --- the scenarios -----------------------------------------------------------------------
-
-
 def once(case: Case, path: Path, out: ScenarioResult) -> None:
-    with case.harness.scratch(**_settings(path)) as sb:
+    with case.harness.scratch(**settings_for(path)) as sb:
         d = sb.drive(sb.processor(), case.msg, path)
         out.said(f"delivered: {told(d)}")
         case.expect(out, "the delivery", sig(d), case.first)
@@ -174,7 +74,7 @@ def once(case: Case, path: Path, out: ScenarioResult) -> None:
 
 
 def twice(case: Case, path: Path, out: ScenarioResult) -> None:
-    with case.harness.scratch(**_settings(path)) as sb:
+    with case.harness.scratch(**settings_for(path)) as sb:
         proc = sb.processor()
         d1 = sb.drive(proc, case.msg, path)
         d2 = sb.drive(proc, case.msg.moved(offset=case.msg.offset() + 1), path)
@@ -201,7 +101,7 @@ def _crash(case: Case, sb: Sandbox, path: Path, out: ScenarioResult) -> bool:
 
 
 def crash_before_commit(case: Case, path: Path, out: ScenarioResult) -> None:
-    with case.harness.scratch(**_settings(path)) as sb:
+    with case.harness.scratch(**settings_for(path)) as sb:
         if not _crash(case, sb, path, out):
             out.wrong("the handler never returned, so the crash did not happen")
             return
@@ -220,7 +120,7 @@ def crash_before_commit(case: Case, path: Path, out: ScenarioResult) -> None:
 
 
 def crash_before_offset_commit(case: Case, path: Path, out: ScenarioResult) -> None:
-    with case.harness.scratch(**_settings(path)) as sb:
+    with case.harness.scratch(**settings_for(path)) as sb:
         first = sb.processor()
         d1 = sb.drive(first, case.msg, path)
         first.close()
@@ -235,7 +135,7 @@ def crash_before_offset_commit(case: Case, path: Path, out: ScenarioResult) -> N
 
 def concurrent(case: Case, path: Path, out: ScenarioResult) -> None:
     n = case.harness.concurrency
-    with case.harness.scratch(**_settings(path)) as sb:
+    with case.harness.scratch(**settings_for(path)) as sb:
         procs = [sb.processor() for _ in range(n)]
         pids = [p.connection().info.backend_pid for p in procs]  # connected before the race
         done = {pid: threading.Event() for pid in pids}
@@ -281,7 +181,7 @@ def concurrent(case: Case, path: Path, out: ScenarioResult) -> None:
             out.wrong(f"a process failed: {errors[0]!r}" if errors
                       else "a process did not finish")
             return
-        first_tries = Counter(_step(r) for r in firsts.values() if not isinstance(r, BaseException))
+        first_tries = Counter(step(r) for r in firsts.values() if not isinstance(r, BaseException))
         out.said(f"{n} processes at once: " + ", ".join(f"{k} x{v}" for k, v in
                                                         sorted(first_tries.items()))
                  + ("" if raced.is_set() or not case.succeeded else
@@ -306,16 +206,12 @@ def concurrent(case: Case, path: Path, out: ScenarioResult) -> None:
         case.same_effects(out)
 
 
-def _step(result: Result) -> str:
-    return result.outcome.value if isinstance(result, Finished) else result.reason.value
-
-
 def conflict(case: Case, path: Path, out: ScenarioResult) -> None:
     if case.conflict is None:
         out.skipped = ("no payload with the same key and another request hash could be "
                        "made from this one: pass conflict=")
         return
-    with case.harness.scratch(**_settings(path)) as sb:
+    with case.harness.scratch(**settings_for(path)) as sb:
         proc = sb.processor()
         d1 = sb.drive(proc, case.msg, path)
         d2 = sb.drive(proc, case.conflict, path)
@@ -338,7 +234,7 @@ def retries_exhausted(case: Case, path: Path, out: ScenarioResult) -> None:
 
     policy = case.harness.base.retry_policy(case.handler)
     failing = Plan(after=fail, times=None)
-    with case.harness.scratch(**_settings(path)) as sb, case.harness.hooks.using(failing):
+    with case.harness.scratch(**settings_for(path)) as sb, case.harness.hooks.using(failing):
         d = sb.drive(sb.processor(), case.msg, path, limit=policy.max_attempts + 10)
         out.said(f"the handler ran {case.harness.hooks.count()} time(s), each attempt "
                  f"failed: {told(d)}")
@@ -354,7 +250,7 @@ def unknown_outcome(case: Case, path: Path, out: ScenarioResult) -> None:
     def lose(_call: Call) -> None:
         raise UnknownOutcome("the test kit lost the answer after the handler ran")
 
-    with case.harness.scratch(**_settings(path)) as sb:
+    with case.harness.scratch(**settings_for(path)) as sb:
         with case.harness.hooks.using(Plan(after=lose, times=1)):
             d = sb.drive(sb.processor(), case.msg, path)
         reconciled = case.harness.hooks.count("reconcile")
@@ -366,7 +262,7 @@ def unknown_outcome(case: Case, path: Path, out: ScenarioResult) -> None:
 
 
 def lease_takeover(case: Case, path: Path, out: ScenarioResult) -> None:
-    with case.harness.scratch(**_settings(path)) as sb:
+    with case.harness.scratch(**settings_for(path)) as sb:
         owner, other = sb.processor(), sb.processor()
         other_pid = other.connection().info.backend_pid
         arrived = threading.Event()  # the other owner took the key over (it runs user code)
@@ -404,11 +300,11 @@ def lease_takeover(case: Case, path: Path, out: ScenarioResult) -> None:
                       else "the second owner did not finish")
             return
         calls = Counter(c.kind for c in case.harness.hooks.calls)
-        out.said(f"the first owner's completion: {_step(first)}; the second owner "
+        out.said(f"the first owner's completion: {step(first)}; the second owner "
                  f"({', '.join(f'{k} x{v}' for k, v in sorted(calls.items()))} in all): "
-                 f"{_step(results[0])}")
+                 f"{step(results[0])}")
         if isinstance(first, Finished):
-            out.wrong(f"the first owner finished ({_step(first)}) although its lease had "
+            out.wrong(f"the first owner finished ({step(first)}) although its lease had "
                       "been taken over")
         second = results[0]
         if not isinstance(second, Finished):
@@ -433,7 +329,7 @@ def batch(case: Case, path: Path, out: ScenarioResult) -> None:
         for remote in h.remotes.values():
             remote.reset()
         h.hooks.forget()
-        with h.scratch(**_settings(side)) as sb:
+        with h.scratch(**settings_for(side)) as sb:
             proc = sb.processor()
             try:
                 results = (run_batch(proc, [(tp, msgs)]) if side == "batch"
@@ -443,7 +339,7 @@ def batch(case: Case, path: Path, out: ScenarioResult) -> None:
                           "on it the batch path and the bulk handler are never used")
                 return
             letters = iter(sb.letters.send({tp: results}))
-            outcomes[side] = [show((_step(r), next(letters).kind if isinstance(r, Finished)
+            outcomes[side] = [show((step(r), next(letters).kind if isinstance(r, Finished)
                                     and r.letter is not None else None)) for r in results]
             states[side] = sb.state(h.tables)
             keys = sorted({r.key for r in results if isinstance(r, Finished) and r.key})
@@ -478,125 +374,3 @@ RUN: dict[str, Callable[[Case, Path, ScenarioResult], None]] = {
     "conflict": conflict, "retries_exhausted": retries_exhausted,
     "unknown_outcome": unknown_outcome, "lease_takeover": lease_takeover, "batch": batch,
 }
-NEEDS_SUCCESS = ("crash_before_commit", "retries_exhausted", "unknown_outcome",
-                 "lease_takeover")
-
-
-def paths_of(handler: Handler[Any]) -> list[Path]:
-    """The paths ``handler``'s messages can take; the first is the reference."""
-    if handler.mode == "leased":
-        return ["leased"]
-    return ["per-message", "batch"] if handler.batch else ["per-message"]
-
-
-def _plan(handler: Handler[Any], paths: list[Path],
-          names: Iterable[str] | None) -> list[tuple[str, Path]]:
-    chosen = list(SCENARIOS) if names is None else list(names)
-    unknown = [n for n in chosen if n not in SCENARIOS]
-    if unknown:
-        raise ValueError(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
-    plan: list[tuple[str, Path]] = []
-    for name in SCENARIOS:
-        if name not in chosen:
-            continue
-        if name in LEASED_ONLY and handler.mode != "leased":
-            continue
-        if name == "batch":
-            if "batch" in paths:
-                plan.append((name, "batch"))
-            continue
-        plan.extend((name, p) for p in paths if not (name == "once" and p == paths[0]))
-    return plan
-
-
-def run_one(case: Case, name: str, path: Path) -> ScenarioResult:
-    out = ScenarioResult(name, SCENARIOS[name], path)
-    started = time.monotonic()
-    if name in NEEDS_SUCCESS and not case.succeeded:
-        out.skipped = f"the reference did not succeed ({show(case.first)})"
-        return out
-    for remote in case.harness.remotes.values():
-        remote.reset()
-    case.harness.hooks.forget()
-    try:
-        RUN[name](case, path, out)
-    except Exception as exc:
-        out.wrong("the scenario could not run: " + "".join(
-            traceback.format_exception_only(exc)).strip())
-    out.seconds = time.monotonic() - started
-    return out
-
-
-def check(
-    harness: Harness,
-    topic: str,
-    value: Any,
-    *,
-    key: str | bytes | None = None,
-    headers: Any = None,
-    conflict: Any = None,
-    batch: Iterable[Any] | None = None,
-    scenarios: Iterable[str] | None = None,
-) -> CheckReport:
-    """See :meth:`Harness.check`."""
-    started = time.monotonic()
-    handler = harness.handler(topic)
-    if not harness.tables and not harness.remotes:
-        raise ConfigError(
-            "check has nothing to compare: it compares the app's own tables and remote "
-            "fakes, and the app's migrations made no table; register its set-up with "
-            "@app.migration, name its tables (tables=[...]) or pass remotes={...}",
-            setting="tables")
-    paths = paths_of(handler)
-    data = harness.encode(topic, value)
-    stamp = int(time.time() * 1000)
-
-    def at(offset: int, payload: bytes) -> FakeMessage:
-        return FakeMessage(topic, offset=offset, key=key, value=payload, headers=headers,
-                           timestamp=stamp)
-
-    msg = at(0, data)
-    plan = _plan(handler, paths, scenarios)
-    report = CheckReport(
-        handler=handler.name, topic=topic, mode=handler.mode,
-        tables=[t.name for t in harness.tables],
-        left_out=[f"{t.name}.{c} ({why})" for t in harness.tables for c, why in t.left_out],
-        remotes=list(harness.remotes))
-    with no_wait():
-        for remote in harness.remotes.values():
-            remote.reset()
-        harness.hooks.forget()
-        with harness.scratch(**_settings(paths[0])) as sb:
-            proc = sb.processor()
-            d = sb.drive(proc, msg, paths[0])
-            case = Case(harness, handler, msg, paths,
-                        Reference(d, sb.state(harness.tables), {}))
-            case.ref.effects = case.effects()
-
-            def prepare(payload: bytes) -> Any:
-                return proc.prepare(handler, at(0, payload))
-
-            try:
-                other = (harness.encode(topic, conflict) if conflict is not None
-                         else conflicting(handler, data, prepare))
-                others = ([harness.encode(topic, v) for v in batch] if batch is not None
-                          else other_keys(handler, data, prepare, 2))
-            except MessageError:  # the message itself does not decode
-                other, others = None, []
-        rows = ", ".join(f"{len(r.rows)} row(s) in {name}" for name, r in case.ref.state.items())
-        report.reference.append(f"delivered once on the {paths[0]} path: {told(d)}; {rows}")
-        if d.result is not None:
-            report.reference.append(f"stored result: {json.dumps(d.result, default=str)}")
-        report.reference += [f"remote {n!r}: {sum(c.values())} effect(s)"
-                             for n, c in case.ref.effects.items()]
-        if other is not None:
-            case.conflict = at(1, other)
-        payloads = [data, *others[:1], data, *([other] if other is not None else []),
-                    *others[1:]]
-        case.batch = [at(i, p) for i, p in enumerate(payloads)]
-        for name, path in plan:
-            report.results.append(run_one(case, name, path))
-    report.seconds = time.monotonic() - started
-    if not report.passed:
-        raise AssertionError(str(report))
-    return report
