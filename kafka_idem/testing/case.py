@@ -33,10 +33,12 @@ def sig(d: Delivered) -> Sig:
 
 
 def show(s: Sig) -> str:
+    """``dead_lettered (exhausted)``, ``replayed``..."""
     return s[0] if s[1] is None else f"{s[0]} ({s[1]})"
 
 
 def told(d: Delivered) -> str:
+    """A delivery in one line: its outcome, the tries before it, the key's record."""
     steps = ", ".join(d.steps[:-1])
     extra = f" after {steps}" if steps else ""
     rec = f"; record {d.status}, attempts {d.attempts}" if d.record else "; no record"
@@ -44,6 +46,7 @@ def told(d: Delivered) -> str:
 
 
 def freeze(effect: Any) -> Any:
+    """A remote effect as a hashable value (JSON text when it is not hashable)."""
     try:
         hash(effect)
         return effect
@@ -115,11 +118,6 @@ class Case:
                 if not at_most:
                     lines += [f"  missing {show_value(e)}" for e in missing.elements()]
                 out.wrong("\n".join(lines))
-
-
-# --- the scenarios -----------------------------------------------------------------------
-
-
 
 
 def step(result: Result) -> str:

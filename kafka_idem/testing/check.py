@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kafka_idem.errors import ConfigError, MessageError
@@ -77,6 +77,33 @@ def run_one(case: Case, name: str, path: Path) -> ScenarioResult:
     return out
 
 
+def _derived(harness: Harness, topic: str, data: bytes, prepare: Callable[[bytes], Any],
+             conflict: Any, batch: Iterable[Any] | None) -> tuple[bytes | None, list[bytes]]:
+    """The conflicting payload and the batch's payloads: the ones given (a conflict
+    checked to keep the key and change the request), else made from ``data``."""
+    handler = harness.handler(topic)
+    try:
+        first = prepare(data)
+    except MessageError:  # the message itself does not decode: nothing to derive
+        return None, [data] if batch is None else [harness.encode(topic, v) for v in batch]
+    if conflict is None:
+        other = conflicting(handler, data, prepare)
+    else:
+        other = harness.encode(topic, conflict)
+        theirs = prepare(other)
+        same = theirs.request_hash == first.request_hash
+        if theirs.key != first.key or same:
+            raise ValueError(f"conflict= must have the key {first.key!r} and another request "
+                             f"hash; it has the key {theirs.key!r} and "
+                             f"{'the same' if same else 'another'} request hash")
+    if batch is not None:
+        return other, [harness.encode(topic, v) for v in batch]
+    others = other_keys(handler, data, prepare, 2)
+    # the message, another key, a duplicate, the conflict, a third key: one unit
+    return other, [data, *others[:1], data, *([other] if other is not None else []),
+                   *others[1:]]
+
+
 def check(
     harness: Harness,
     topic: str,
@@ -126,23 +153,18 @@ def check(
             def prepare(payload: bytes) -> Any:
                 return proc.prepare(handler, at(0, payload))
 
-            try:
-                other = (harness.encode(topic, conflict) if conflict is not None
-                         else conflicting(handler, data, prepare))
-                others = ([harness.encode(topic, v) for v in batch] if batch is not None
-                          else other_keys(handler, data, prepare, 2))
-            except MessageError:  # the message itself does not decode
-                other, others = None, []
+            other, payloads = _derived(harness, topic, data, prepare, conflict, batch)
         rows = ", ".join(f"{len(r.rows)} row(s) in {name}" for name, r in case.ref.state.items())
         report.reference.append(f"delivered once on the {paths[0]} path: {told(d)}; {rows}")
         if d.result is not None:
             report.reference.append(f"stored result: {json.dumps(d.result, default=str)}")
         report.reference += [f"remote {n!r}: {sum(c.values())} effect(s)"
                              for n, c in case.ref.effects.items()]
+        if d.outcome == "deferred":
+            raise AssertionError(f"kafka_idem check of handler {handler.name!r}: the "
+                                 f"reference delivery did not finish ({told(d)})")
         if other is not None:
             case.conflict = at(1, other)
-        payloads = [data, *others[:1], data, *([other] if other is not None else []),
-                    *others[1:]]
         case.batch = [at(i, p) for i, p in enumerate(payloads)]
         for name, path in plan:
             report.results.append(run_one(case, name, path))

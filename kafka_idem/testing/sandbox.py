@@ -122,10 +122,14 @@ class Sandbox:
         return result
 
     def drive(self, proc: Processor, msg: FakeMessage, path: Path, *,
-              limit: int = 100) -> Delivered:
+              limit: int | None = None) -> Delivered:
         """Run ``msg`` as the runner would until it is finished: a retry is due at once
         (no waiting), a failure of the framework's surroundings is tried again; a busy
-        key (another owner's live lease) stops it, deferred."""
+        key (another owner's live lease) stops it, deferred. At most ``limit`` tries
+        (default: the handler's retry budget, and ten more)."""
+        if limit is None:
+            handler = self.app.handlers[msg.topic()]
+            limit = self.app.retry_policy(handler).max_attempts + 10
         steps: list[Result] = []
         letters: list[CapturedLetter] = []
         token = None

@@ -64,6 +64,7 @@ SCENARIOS: dict[str, str] = {
 LEASED_ONLY = ("unknown_outcome", "lease_takeover")
 WAIT = 30.0  # seconds a scenario waits for a thread of its own before it gives up
 
+
 def once(case: Case, path: Path, out: ScenarioResult) -> None:
     with case.harness.scratch(**settings_for(path)) as sb:
         d = sb.drive(sb.processor(), case.msg, path)
@@ -235,7 +236,7 @@ def retries_exhausted(case: Case, path: Path, out: ScenarioResult) -> None:
     policy = case.harness.base.retry_policy(case.handler)
     failing = Plan(after=fail, times=None)
     with case.harness.scratch(**settings_for(path)) as sb, case.harness.hooks.using(failing):
-        d = sb.drive(sb.processor(), case.msg, path, limit=policy.max_attempts + 10)
+        d = sb.drive(sb.processor(), case.msg, path)
         out.said(f"the handler ran {case.harness.hooks.count()} time(s), each attempt "
                  f"failed: {told(d)}")
         case.expect(out, "the last attempt", sig(d), ("dead_lettered", "exhausted"))
