@@ -19,7 +19,6 @@ fixture) is in :mod:`kafka_idem.testing.plugin`. README: "Testing your handlers"
 """
 
 from kafka_idem.testing.harness import Harness
-from kafka_idem.testing.hooks import Crash
 from kafka_idem.testing.letters import CapturedLetter
 from kafka_idem.testing.message import FakeMessage
 from kafka_idem.testing.remote import FakeService, Remote
@@ -31,7 +30,6 @@ __all__ = [
     "SCENARIOS",
     "CapturedLetter",
     "CheckReport",
-    "Crash",
     "Delivered",
     "FakeMessage",
     "FakeService",
