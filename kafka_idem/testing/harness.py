@@ -144,8 +144,9 @@ class Harness:
             every = list_tables(conn)
             described = describe_tables(conn, every - before if tables is None else tables,
                                         ignore)
-            ours = {t for t in every if t.split(".", 1)[0] != s.schema_name}
-            state = CleanState.capture(conn, ours, store_schema=s.schema_name)
+            store = {f"{s.schema_name}.{name}"
+                     for name in (s.table, "admin_audit", "schema_migrations")}
+            state = CleanState.capture(conn, every - store, store=store)
             return described, snapshot(conn, described), state
 
     # --- databases ------------------------------------------------------------------

@@ -42,9 +42,9 @@ class CleanState:
     sequences: list[tuple[str, int, bool]] = field(default_factory=list)
 
     @classmethod
-    def capture(cls, conn: Conn, tables: set[str], *, store_schema: str) -> CleanState:
-        """The state of ``tables`` and of every sequence outside ``store_schema`` now
-        (the store is emptied by its own :meth:`~kafka_idem.store.Store.wipe`)."""
+    def capture(cls, conn: Conn, tables: set[str], *, store: set[str]) -> CleanState:
+        """The state of ``tables`` and of every sequence but those of the ``store``'s
+        tables now (the store is emptied by its own :meth:`~kafka_idem.store.Store.wipe`)."""
         graph: dict[str, set[str]] = {t: set() for t in tables}
         for child, parent in conn.execute(
             f"SELECT {_NAME.format(c='c.conrelid')}, {_NAME.format(c='c.confrelid')}"
@@ -71,11 +71,16 @@ class CleanState:
             if rows:
                 state.rows[name] = (cols, [tuple(r) for r in rows])
         state.sequences = [
-            (f"{schema}.{seq}", start if last is None else last, last is not None)
-            for schema, seq, start, last in conn.execute(
-                "SELECT schemaname, sequencename, start_value, last_value FROM pg_sequences"
-                " WHERE schemaname NOT IN ('pg_catalog', 'information_schema', %s)",
-                (store_schema,)).fetchall()]
+            (name, start if last is None else last, last is not None)
+            for name, start, last, owner in conn.execute(
+                "SELECT s.schemaname || '.' || s.sequencename, s.start_value, s.last_value,"
+                f" (SELECT {_NAME.format(c='d.refobjid')} FROM pg_depend d"
+                "   WHERE d.classid = 'pg_class'::regclass AND d.deptype IN ('a', 'i')"
+                "     AND d.objid = format('%I.%I', s.schemaname, s.sequencename)::regclass"
+                "   LIMIT 1)"
+                " FROM pg_sequences s"
+                " WHERE s.schemaname NOT IN ('pg_catalog', 'information_schema')").fetchall()
+            if owner not in store]
         return state
 
     def restore(self, conn: Conn, store: Store) -> None:

@@ -242,3 +242,28 @@ def test_a_check_with_nothing_to_compare_is_refused(kafka_idem_harness: Make) ->
     harness = kafka_idem_harness(app)
     with pytest.raises(Exception, match="nothing to compare"):
         harness.check("bare", {"tenant_id": "t1", "order_id": "o-1", "currency": "EUR"})
+
+
+def test_a_store_beside_the_app_s_tables_in_one_schema_is_reset_with_them(
+    kafka_idem_harness: Make,
+) -> None:
+    app = App(f"beside-{uuid.uuid4().hex[:6]}", schema_name="shared")
+
+    @app.migration
+    def tables(conn: Any) -> None:
+        conn.execute("CREATE TABLE shared.things (id serial, key text)")
+
+    @app.handler(topic="things", model=Tagged, key="{tenant_id}:tag:{order_id}",
+                 hash_fields=("currency",), format="json")
+    def thing(msg: Tagged, ctx: Context) -> None:
+        ctx.tx.execute("INSERT INTO shared.things (key) VALUES (%s)", (ctx.idempotency_key,))
+
+    harness = kafka_idem_harness(app)
+    assert [t.name for t in harness.tables] == ["shared.things"]
+    value = {"tenant_id": "t1", "order_id": "o-1", "currency": "EUR"}
+    assert harness.deliver("things", value).outcome == "succeeded"
+    harness.reset()
+    assert harness.rows("shared.things") == []
+    again = harness.deliver("things", value)
+    assert (again.outcome, [r["id"] for r in harness.rows("shared.things")]) == (
+        "succeeded", [1])
