@@ -93,6 +93,37 @@ WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token
   AND status = 'processing'
 RETURNING idempotency_key;
 
+-- name: expire_leases
+-- The test kit's clock (kafka_idem.testing), never run by a consumer: time passes
+-- beyond every live lease of the namespace, as if the owners had stalled that long.
+-- processing -> processing, so the guard lets it through as a lease change.
+UPDATE {table}
+SET lease_until = clock_timestamp(),
+    updated_at = clock_timestamp()
+WHERE namespace = %(ns)s AND status = 'processing' AND lease_until > clock_timestamp()
+  AND (%(key)s::text IS NULL OR idempotency_key = %(key)s)
+RETURNING idempotency_key;
+
+-- name: wipe
+-- The test kit only (kafka_idem.testing): empties the store of one of its throwaway
+-- databases between two scenarios, the guard's triggers off for the delete (a test
+-- starts from nothing; no record is "purged"). Refused in any other database.
+DO $wipe$
+BEGIN
+    IF current_database() NOT LIKE 'kafka\_idem\_kit\_%' THEN
+        RAISE EXCEPTION USING ERRCODE = 'KI001',
+            MESSAGE = 'kafka_idem: a store is wiped only in a test kit database (kafka_idem_kit_*)';
+    END IF;
+    ALTER TABLE {table} DISABLE TRIGGER USER;
+    ALTER TABLE {audit} DISABLE TRIGGER USER;
+    DELETE FROM {table};
+    DELETE FROM {audit};
+    ALTER TABLE {table} ENABLE TRIGGER USER;
+    ALTER TABLE {audit} ENABLE TRIGGER USER;
+    PERFORM setval(pg_get_serial_sequence('{audit}', 'id'), 1, false);
+END
+$wipe$;
+
 -- name: get_record
 SELECT idempotency_key, request_hash, status, result_json, error_kind, error_class,
        error_message, owner_token, completed_token, lease_until, attempts, next_attempt_at,
