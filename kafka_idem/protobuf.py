@@ -186,6 +186,9 @@ class ProtobufCodec:
                               "alone is 5 (magic byte 0 + a 4-byte schema id) and the "
                               "message indexes follow")
         (schema_id,) = struct.unpack(">I", data[1:5])
+        # The schema first: the bytes after the id are message indexes only if it is a
+        # Protobuf schema (a JSON Schema message has its JSON there).
+        writer = self._writer(schema_id)
         frame = SchemaId(PROTOBUF)
         try:
             frame.from_bytes(io.BytesIO(data))
@@ -193,7 +196,6 @@ class ProtobufCodec:
             raise Undecodable(f"protobuf (schema id {schema_id}): truncated frame: the "
                               f"message indexes do not decode ({exc})",
                               schema_id=schema_id) from exc
-        writer = self._writer(schema_id)
         indexes = list(frame.message_indexes or [0])
         found = writer.message_name(indexes)
         if found != self.full_name:

@@ -175,11 +175,15 @@ def test_a_json_or_avro_id_on_a_protobuf_handler_is_undecodable(
     c, data, _sid = framed
     json_id = registry.register("j-value", json.dumps({"type": "object"}), "JSON")
     avro_id = registry.register("a-value", json.dumps({"type": "record", "name": "R",
-                                                       "fields": []}), "AVRO")
-    for sid, kind in ((json_id, "JSON"), (avro_id, "AVRO")):
+                                                       "fields": [{"name": "n", "type": "int"}]}),
+                                "AVRO")
+    # What those formats put after the id: JSON text, an Avro body (here the int 64,
+    # whose zigzag byte would read as a message-index count of 64).
+    for sid, kind, body in ((json_id, "JSON", b'{"order_id": "o1"}'),
+                            (avro_id, "AVRO", b"\x80\x01"), (json_id, "JSON", data[5:])):
         with pytest.raises(Undecodable, match=rf"^protobuf: schema id {sid} is a {kind} "
                            r"schema, not Protobuf \(this handler reads orders.pb.OrderPlaced"):
-            c.decode(b"\x00" + struct.pack(">I", sid) + data[5:])
+            c.decode(b"\x00" + struct.pack(">I", sid) + body)
 
 
 def test_a_protobuf_id_on_a_registry_handler_is_undecodable(
@@ -319,7 +323,8 @@ def test_encoding_refuses_what_the_message_cannot_carry(registry: Registry) -> N
     c = codec(registry.url, model=None)
     with pytest.raises(ValueError, match=r"orders\.pb\.OrderPlaced has no field 'coupon'"):
         c.encode({**order(), "coupon": "x"})
-    with pytest.raises(TypeError, match=r"encodes orders\.pb\.OrderPlaced, not orders\.pb\.Shipment"):
+    with pytest.raises(TypeError,
+                       match=r"encodes orders\.pb\.OrderPlaced, not orders\.pb\.Shipment"):
         c.encode(protos.Shipment(order_id="o1"))
 
 
