@@ -45,52 +45,68 @@ def _is_map(field: FieldDescriptor) -> bool:
     return bool(field.message_type is not None and field.message_type.GetOptions().map_entry)
 
 
-def _well_known(msg: Message) -> Any:
-    """The value a well-known message stands for, or ``msg`` itself (not one of them)."""
-    name = msg.DESCRIPTOR.full_name
-    if name == "google.protobuf.Timestamp":
-        return msg.ToDatetime(tzinfo=dt.UTC)
-    if name == "google.protobuf.Duration":
-        return msg.ToTimedelta()
-    if name in WRAPPERS:
-        return msg.value
-    if name in STRUCTS:
-        return json_format.MessageToDict(msg)
-    if name == "confluent.type.Decimal":
-        from confluent_kafka.schema_registry.confluent.type.decimal_utils import (
-            from_proto_decimal,
-        )
+def _decimal(msg: Any) -> Decimal:
+    from confluent_kafka.schema_registry.confluent.type.decimal_utils import from_proto_decimal
 
-        return from_proto_decimal(msg)
-    if name == "google.type.Decimal":
-        return Decimal(msg.value)
-    return msg
+    return from_proto_decimal(msg)
 
 
-def _value(field: FieldDescriptor, value: Any) -> Any:
+WELL_KNOWN: dict[str, Callable[[Any], Any]] = {
+    "google.protobuf.Timestamp": lambda m: m.ToDatetime(tzinfo=dt.UTC),
+    "google.protobuf.Duration": lambda m: m.ToTimedelta(),
+    **{name: (lambda m: m.value) for name in WRAPPERS},
+    **{name: json_format.MessageToDict for name in STRUCTS},
+    "confluent.type.Decimal": _decimal,
+    "google.type.Decimal": lambda m: Decimal(m.value),
+}
+
+# Per message type, how to read each field: (name, presence, shape, convert), worked
+# out once (a descriptor's options and types looked up per message would cost more
+# than the parse).
+Step = tuple[str, bool, str, Callable[[Any], Any] | None]
+_PLANS: dict[Any, tuple[Step, ...]] = {}
+
+
+def _converter(field: FieldDescriptor) -> Callable[[Any], Any] | None:
     if field.type == FieldDescriptor.TYPE_MESSAGE:
-        known = _well_known(value)
-        return to_python(known) if known is value else known
+        known: Callable[[Any], Any] = WELL_KNOWN.get(field.message_type.full_name, to_python)
+        return known
     if field.type == FieldDescriptor.TYPE_ENUM:
-        symbol = field.enum_type.values_by_number.get(value)
-        return symbol.name if symbol is not None else value  # an open enum's unknown number
-    return value
+        names = {v.number: v.name for v in field.enum_type.values}
+        return lambda v: names.get(v, v)  # an open enum's unknown number stays a number
+    return None
+
+
+def _plan(descriptor: Descriptor) -> tuple[Step, ...]:
+    plan = _PLANS.get(descriptor)
+    if plan is None:
+        steps: list[Step] = []
+        for field in descriptor.fields:
+            if _is_map(field):
+                steps.append((field.name, False, "map",
+                              _converter(field.message_type.fields_by_name["value"])))
+            elif field.is_repeated:
+                steps.append((field.name, False, "list", _converter(field)))
+            else:
+                steps.append((field.name, field.has_presence, "one", _converter(field)))
+        plan = _PLANS[descriptor] = tuple(steps)
+    return plan
 
 
 def to_python(msg: Message) -> dict[str, Any]:
     """The fields of ``msg`` as plain Python values (module docstring)."""
     out: dict[str, Any] = {}
-    for field in msg.DESCRIPTOR.fields:
-        value = getattr(msg, field.name)
-        if _is_map(field):
-            entry = field.message_type.fields_by_name["value"]
-            out[field.name] = {k: _value(entry, v) for k, v in value.items()}
-        elif field.is_repeated:
-            out[field.name] = [_value(field, v) for v in value]
-        elif field.has_presence and not msg.HasField(field.name):
+    for name, presence, shape, convert in _plan(msg.DESCRIPTOR):
+        if presence and not msg.HasField(name):
             continue
+        value = getattr(msg, name)
+        if shape == "one":
+            out[name] = value if convert is None else convert(value)
+        elif shape == "list":
+            out[name] = list(value) if convert is None else [convert(v) for v in value]
         else:
-            out[field.name] = _value(field, value)
+            out[name] = dict(value) if convert is None else \
+                {k: convert(v) for k, v in value.items()}
     return out
 
 
