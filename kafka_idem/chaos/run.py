@@ -315,6 +315,8 @@ def _replay_args(args: argparse.Namespace, seed: int) -> str:
              f"--fault-types {','.join(args.types)}"]
     if args.allow_broker_restart:
         parts.append("--allow-broker-restart")
+    if args.format:
+        parts.append(f"--format {args.format}")
     return " ".join(parts)
 
 
