@@ -189,8 +189,8 @@ class ProtobufCodec:
         try:
             body = frame.from_bytes(io.BytesIO(data)).read()
         except Exception as exc:  # EOFError, SerializationError: the varints
-            raise Undecodable(f"protobuf (schema id {schema_id}): truncated frame: the "
-                              f"message indexes do not decode ({exc})",
+            raise Undecodable(f"protobuf (schema id {schema_id}): the message indexes do not "
+                              f"decode (a truncated or corrupt frame: {exc})",
                               schema_id=schema_id) from exc
         indexes = list(frame.message_indexes or [0])
         found = writer.message_name(indexes)

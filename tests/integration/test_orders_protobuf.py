@@ -145,7 +145,8 @@ def test_bad_protobuf_input_is_dead_lettered_naming_the_format_and_the_problem(
         "truncated header": (good[:4], "undecodable", "Undecodable",
                              "protobuf: truncated frame: 4 bytes"),
         "no indexes": (good[:5], "undecodable", "Undecodable",
-                       f"protobuf (schema id {sid}): truncated frame: the message indexes"),
+                       f"protobuf (schema id {sid}): the message indexes do not decode "
+                       "(a truncated or corrupt frame"),
         "truncated body": (good[:8], "undecodable", "Undecodable",
                            f"protobuf (schema id {sid}): the body does not parse as "
                            "orders.pb.OrderPlaced"),
