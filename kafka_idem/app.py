@@ -31,6 +31,7 @@ from kafka_idem.codec import (
     AvroCodec,
     AvroObjectCodec,
     Codec,
+    CodecFactory,
     JsonCodec,
     validate,
 )
@@ -73,7 +74,7 @@ class App:
         self.handlers: dict[str, Handler[Any]] = {}
         self._codec_lock = threading.RLock()
         self._avro: AvroCodec | None = None
-        self._registry: Any = None
+        self._registry: dict[bool, Any] = {}
         self.migrations: list[Callable[[psycopg.Connection[Any]], None]] = []
 
     @property
@@ -128,7 +129,7 @@ class App:
         model: type[M] | None = None,
         key: KeySpec,
         hash_fields: tuple[str, ...] | list[str],
-        format: Format | Codec | None = None,
+        format: Format | Codec | CodecFactory | None = None,
         mode: Mode = "local",
         batch: bool = True,
         dlq_topic: str | None = None,
@@ -148,10 +149,12 @@ class App:
         ``model`` is a pydantic model, a dataclass or a TypedDict (``None``: a dict).
         ``format`` is ``"json"``, ``"avro"`` (single-object encoding, with ``schema=``
         the reader schema's name), ``"registry"`` (Confluent wire format through
-        ``schema_registry_url``) or a codec object; not given, ``"avro"`` when
-        ``schema=`` is, else the app's ``default_format`` (``KAFKA_IDEM_DEFAULT_FORMAT``,
-        ``"json"``). A bad model, format or missing schema is a :class:`ConfigError`
-        now or when the app starts, never at the first message.
+        ``schema_registry_url``: Avro, JSON Schema), ``ProtobufCodec(MyMessage)``
+        (registry-framed Protobuf, :mod:`kafka_idem.protobuf`) or a codec object; not
+        given, ``"avro"`` when ``schema=`` is, else the app's ``default_format``
+        (``KAFKA_IDEM_DEFAULT_FORMAT``, ``"json"``). A bad model, format or missing
+        schema is a :class:`ConfigError` now or when the app starts, never at the first
+        message.
 
         ``batch=True`` (local mode) lets the batch path run many messages in one
         transaction with pipelined statements; when a batch falls back to the
@@ -200,28 +203,35 @@ class App:
                 self._avro = AvroCodec.from_dir(self.settings.schemas_dir)
             return self._avro
 
-    def registry_client(self) -> Any:
-        """The app's ``SchemaRegistryClient`` (made once; it caches schemas by id)."""
+    def registry_client(self, *, serialized: bool = False) -> Any:
+        """The app's ``SchemaRegistryClient`` (made once; it caches schemas by id).
+        ``serialized``: the Protobuf codecs' own client, which asks for schemas as
+        serialized descriptors (``format=serialized``); the client caches a schema by id
+        whatever form was asked, so the two forms must not share one cache."""
         from kafka_idem.registry import registry_client
 
         with self._codec_lock:
-            if self._registry is None:
+            client = self._registry.get(serialized)
+            if client is None:
                 url = self.settings.schema_registry_url
                 if not url:
                     raise ConfigError("no schema registry: set KAFKA_IDEM_SCHEMA_REGISTRY_URL",
                                       setting="schema_registry_url")
-                self._registry = registry_client(url, self.settings.schema_registry)
-            return self._registry
+                client = self._registry[serialized] = registry_client(
+                    url, self.settings.schema_registry)
+            return client
 
     def make_codec(self, handler: Handler[Any]) -> Codec:
         """The codec ``handler``'s format names, built from the app's settings."""
         from kafka_idem.registry import RegistryCodec
 
         fmt = handler.format
-        if fmt is not None and not isinstance(fmt, str):
+        if fmt is not None and not isinstance(fmt, str | CodecFactory):
             return _Validated(fmt, handler)
         name = handler.format_name or self.settings.default_format
         try:
+            if isinstance(fmt, CodecFactory):
+                return fmt.for_handler(self, handler)
             if name == "json":
                 return JsonCodec(handler.adapter)
             schemas = self.avro_schemas() if handler.schema else None

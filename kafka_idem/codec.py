@@ -13,6 +13,9 @@ into its model) and encodes a payload into the bytes producers send; its
 * ``"registry"`` (:class:`kafka_idem.registry.RegistryCodec`): Confluent's wire
   format (byte ``0`` + a 4-byte big-endian schema id + the body) for Avro and
   JSON Schema, schemas resolved through a Schema Registry.
+* ``ProtobufCodec(MyMessage)`` (:class:`kafka_idem.protobuf.ProtobufCodec`, a
+  :class:`CodecFactory`): Confluent's wire format for Protobuf (the message indexes
+  after the schema id), the ``protobuf`` extra.
 
 A handler picks one with ``format=`` (or any object with ``name``, ``decode`` and
 ``encode``); the app binds it (:meth:`kafka_idem.app.App.codec`)::
@@ -67,6 +70,16 @@ class Codec(Protocol):
     def encode(self, payload: Any) -> bytes: ...
 
 
+@runtime_checkable
+class CodecFactory(Protocol):
+    """A codec that needs its app to work (the registry client, the handler's topic and
+    model), e.g. :class:`kafka_idem.protobuf.ProtobufCodec`. Given as ``format=``, the app
+    calls ``for_handler`` when it binds the handler and uses the codec returned as it is
+    (it validates into the model itself)."""
+
+    def for_handler(self, app: Any, handler: Any) -> Codec: ...
+
+
 # --- models -------------------------------------------------------------------
 
 
@@ -99,6 +112,20 @@ def fields_of(model: Any) -> tuple[str, ...] | None:
     if is_typeddict(model):
         return tuple(typing.get_type_hints(model))
     return None
+
+
+def required_fields(model: Any) -> list[str]:
+    """The fields a payload must carry to validate into ``model`` (by the name validation
+    reads: a pydantic alias if the field has one)."""
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return [info.alias if isinstance(info.alias, str) else name
+                for name, info in model.model_fields.items() if info.is_required()]
+    if dataclasses.is_dataclass(model):
+        return [f.name for f in dataclasses.fields(model)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if is_typeddict(model):
+        return sorted(model.__required_keys__)
+    return []
 
 
 def validation_reasons(exc: ValidationError) -> str:
@@ -306,5 +333,5 @@ class AvroObjectCodec:
         return self.schemas.encode(self.schema, as_python(self.adapter, payload))
 
 
-__all__ = ["FORMATS", "AvroCodec", "AvroObjectCodec", "Codec", "JsonCodec", "adapter_for",
-           "fields_of", "fingerprint"]
+__all__ = ["FORMATS", "AvroCodec", "AvroObjectCodec", "Codec", "CodecFactory", "JsonCodec",
+           "adapter_for", "fields_of", "fingerprint", "required_fields"]
