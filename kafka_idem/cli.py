@@ -109,7 +109,9 @@ def migrate(obj: Ctx, app_spec: str | None) -> None:
     click.echo(f"schema {s.schema_name}: {names}")
     if app is None:
         return
-    migrate_app(s.dsn, s.schema_name, app.migrations)
+    steps = migrate_app(s.dsn, s.schema_name, app.migrations)
+    click.echo(plain(f"app {app.name}: " + ("; ".join(step.describe() for step in steps)
+                                            or "no migrations (@app.migration) to run")))
     conn = connect(s.dsn)
     try:
         store = Store(schema=s.schema_name, table=s.table)

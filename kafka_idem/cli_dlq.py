@@ -18,13 +18,11 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import click
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from kafka_idem import audit, replay
 from kafka_idem.cli_errors import warn
-from kafka_idem.cli_text import cell, plain
+from kafka_idem.cli_table import Grid, emit
+from kafka_idem.cli_text import plain
 from kafka_idem.dlq import ERROR_KINDS
 from kafka_idem.settings import Settings
 
@@ -159,18 +157,17 @@ def list_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, limit: 
     if as_json:
         _echo_json([r.to_json() for r in records])
         return
-    table = Table(title=cell(f"{topic}: {len(records)} record(s)"
-                             + (" (--limit reached)" if more else "")))
-    for col in ("partition", "offset", "last failure (UTC)", "kind", "class", "key",
-                "namespace", "handler", "attempts", "message"):
-        table.add_column(col, overflow="fold")
+    table = Grid(LIST_COLUMNS, title=f"{topic}: {len(records)} record(s)"
+                 + (" (--limit reached)" if more else ""))
     for r in records:
-        table.add_row(*(cell(v) for v in (
-            r.partition, r.offset, _time(r.last_failure_at), r.kind, r.error_class,
-            r.idempotency_key, r.namespace or "", r.handler, r.attempts,
-            _short(r.error_message),
-        )))
-    Console(soft_wrap=False).print(table)
+        table.add(r.partition, r.offset, _time(r.last_failure_at), r.kind, r.error_class,
+                  r.idempotency_key, r.namespace or "", r.handler, r.attempts,
+                  _short(r.error_message))
+    emit(table)
+
+
+LIST_COLUMNS = ["partition", "offset", "last failure (UTC)", "kind", "class", "key",
+                "namespace", "handler", "attempts", "message"]
 
 
 @dlq.command()
@@ -191,18 +188,15 @@ def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: 
     if as_json:
         _echo_json(rec.to_json())
         return
-    console = Console(soft_wrap=False)
-    console.print(cell(f"{topic}[{partition}]@{offset}", style="bold"))
-    console.print(cell(f"timestamp:  {rec.timestamp.isoformat() if rec.timestamp else '-'}"))
-    console.print(cell(f"kafka key:  {replay.display_bytes(rec.key)}"))
     size = "null" if rec.value is None else f"{len(rec.value)} bytes"
-    console.print(Text(f"value:      {size}"))
-    table = Table(title="headers")
-    table.add_column("name", no_wrap=True)
-    table.add_column("value", overflow="fold")
+    click.echo(plain(f"{topic}[{partition}]@{offset}"))
+    click.echo(plain(f"timestamp:  {rec.timestamp.isoformat() if rec.timestamp else '-'}"))
+    click.echo(plain(f"kafka key:  {replay.display_bytes(rec.key)}"))
+    click.echo(f"value:      {size}")
+    table = Grid(["name", "value"], title="headers")
     for name, value in rec.headers:
-        table.add_row(cell(name), cell(replay.display_bytes(value)))
-    console.print(table)
+        table.add(name, replay.display_bytes(value))
+    emit(table)
 
 
 @dlq.command("replay")
