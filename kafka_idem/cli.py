@@ -87,6 +87,9 @@ def cli(ctx: click.Context, /, log_format: str | None, debug: bool, **overrides:
     ctx.obj = Ctx(clean)
     s = load_settings(**clean)  # a ConfigError is one line and exit 2 (main)
     logs.configure(s.log_format, s.log_level)
+    if ctx.invoked_subcommand != "run" and s.log_level != "DEBUG":
+        # The tools print their own results; librdkafka's notices (INFO) are noise there.
+        logging.getLogger("kafka_idem.kafka").setLevel(logging.WARNING)
 
 
 @cli.command()

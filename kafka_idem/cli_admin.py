@@ -121,7 +121,7 @@ def inspect(obj: _Obj, key: str, namespace: str | None, as_json: bool) -> None:
             names = ", ".join(repr(r["namespace"]) for r in recs)
             warn(plain(f"refused: {key}: the key exists in namespaces {names}: give --namespace"))
             sys.exit(1)
-        _print_json(recs[0])
+        _print_json(record_json(key, recs[0]))
         return
     for rec in recs:
         _print_record(key, rec)
@@ -135,6 +135,19 @@ RECORD_FIELDS = (
     "completed_at",
 )
 AUDIT_COLUMNS = ("at", "actor", "action", "reason", "previous_status", "previous_error")
+
+
+AUDIT_JSON = ("at", "actor", "action", "reason", "previous_status", "previous_error",
+              "selection", "counts")
+
+
+def record_json(key: str, rec: dict[str, Any]) -> dict[str, Any]:
+    """``inspect --json``: the documented fields only (README, "JSON output"), whatever
+    columns later migrations add to the table."""
+    out: dict[str, Any] = {"idempotency_key": key}
+    out.update({name: rec.get(name) for name in RECORD_FIELDS})
+    out["audit"] = [{name: row.get(name) for name in AUDIT_JSON} for row in rec["audit"]]
+    return out
 
 
 def _print_record(key: str, rec: dict[str, Any]) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
+from kafka_idem import kafka_logs
 from kafka_idem.app import App
 from kafka_idem.consume import log
 from kafka_idem.consume.gauges import Lag, sample_store
@@ -227,7 +228,7 @@ class Runner:
         if err.fatal():
             # e.g. a second member with our group.instance.id fenced us (a zombie).
             self._fatal = f"fatal Kafka error: {err}"
-        log.warning("kafka: %s", err, extra={"action": "kafka_error"})
+        kafka_logs.error(err)  # deduplicated: with the broker down this repeats every 50 ms
 
     def _drain(self, partitions: list[TopicPartition] | None = None) -> None:
         """Wait for the units in flight (stopping leased units between messages when

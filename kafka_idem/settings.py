@@ -20,6 +20,7 @@ from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_va
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from kafka_idem.errors import ConfigError
+from kafka_idem.kafka_logs import KAFKA_LOG
 from kafka_idem.redact import option_secrets, redact, redact_options, secrets_in
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:39092"
@@ -257,6 +258,7 @@ class Settings(BaseSettings):
             "auto.offset.reset": "earliest",
             "partition.assignment.strategy": "cooperative-sticky",
             "fetch.wait.max.ms": 50,
+            "logger": KAFKA_LOG,  # librdkafka's lines through logging, deduplicated
             **self.kafka,
         }
         conf.update(
@@ -271,13 +273,15 @@ class Settings(BaseSettings):
         return conf
 
     def producer_config(self) -> dict[str, Any]:
-        conf: dict[str, Any] = {"linger.ms": 5, "message.timeout.ms": 30_000}
+        conf: dict[str, Any] = {"linger.ms": 5, "message.timeout.ms": 30_000,
+                                "logger": KAFKA_LOG}
         conf.update({k: v for k, v in self.kafka.items() if not _consumer_only(k)})
         conf.update({"bootstrap.servers": self.bootstrap_servers, **_PROTECTED_PRODUCER})
         return conf
 
     def admin_config(self) -> dict[str, Any]:
-        conf = {k: v for k, v in self.kafka.items() if not _consumer_only(k)}
+        conf: dict[str, Any] = {"logger": KAFKA_LOG}
+        conf.update({k: v for k, v in self.kafka.items() if not _consumer_only(k)})
         conf["bootstrap.servers"] = self.bootstrap_servers
         return conf
 
