@@ -36,7 +36,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from kafka_idem import kafka_logs
 from kafka_idem.app import App
 from kafka_idem.consume import log
-from kafka_idem.consume.gauges import Lag, sample_store
+from kafka_idem.consume.gauges import LAG_EVERY_SECONDS, Lag, sample_store
 from kafka_idem.consume.letters import send_letters
 from kafka_idem.consume.offsets import Offsets
 from kafka_idem.consume.outcome import Result
@@ -44,6 +44,7 @@ from kafka_idem.consume.partitions import TP, Partitions
 from kafka_idem.consume.units import Units
 from kafka_idem.dlq import DeadLetterer
 from kafka_idem.errors import BrokerError
+from kafka_idem.health import Health
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.metrics import Metrics, Sampler
 from kafka_idem.store import Store, connect
@@ -74,6 +75,9 @@ class Runner:
         self.producer: Producer | None = None
         self.dlq: DeadLetterer | None = None
         self._fatal: str | None = None
+        # /livez and /readyz (served with /metrics): the loop reports its own progress.
+        self.health = Health(liveness_seconds=s.liveness_seconds, max_lag=s.readiness_max_lag)
+        self.metrics.health = self.health
         self.sampler = Sampler(
             self.metrics, lambda: sample_store(s, self.store), interval=s.metrics_sample_seconds
         )
@@ -83,7 +87,7 @@ class Runner:
     def install_signal_handlers(self) -> None:
         def stop(signum: int, _frame: FrameType | None) -> None:
             log.info("stopping", extra={"action": "stopping", "kind": signal.Signals(signum).name})
-            self.stopping.set()
+            self.stop()
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
@@ -157,7 +161,12 @@ class Runner:
         self._harvest()  # what ran in the loop thread (local_workers = 0) applies at once
         self._commit_pending()
         self._pause_resume()
-        self.lag.observe(self.consumer, self.parts)
+        ready = self.health.ready().ok
+        lags = self.lag.observe(self.consumer, self.parts, self.health.assignment(),
+                                every=LAG_EVERY_SECONDS if ready else 1.0)
+        if lags is not None:
+            self.health.observed(lags)
+        self.health.round()
 
     def _ingest(self, msgs: list[Any]) -> None:
         for msg in msgs:
@@ -205,6 +214,7 @@ class Runner:
 
     def _on_assign(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", _names(partitions), extra={"action": "assigned"})
+        self.health.assigned(_tps(partitions))
         self.newly_assigned.extend(partitions)
 
     def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
@@ -212,6 +222,7 @@ class Runner:
         self._drain(partitions)  # their work in flight finishes first, then their offsets
         tps = _tps(partitions)
         self.lag.forget(tps)
+        self.health.revoked(tps)
         self.offsets.commit_leaving(consumer, tps)
 
     def _on_lost(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
@@ -220,6 +231,7 @@ class Runner:
         tps = _tps(partitions)
         self.parts.forget(tps)
         self.lag.forget(tps)
+        self.health.revoked(tps)
 
     def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
         self.offsets.acknowledged(err, partitions)
@@ -241,6 +253,7 @@ class Runner:
     # --- the end -----------------------------------------------------------------
 
     def stop(self) -> None:
+        self.health.stopping()  # /readyz says so while the member drains
         self.stopping.set()
 
     def close(self) -> None:

@@ -156,6 +156,12 @@ class Settings(BaseSettings):
         "127.0.0.1", description="Address /metrics binds (0.0.0.0 in a container)."
     )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="/metrics port.")
+    liveness_seconds: float = Field(
+        300.0, gt=0, description="/livez fails when the loop made no progress this long."
+    )
+    readiness_max_lag: int = Field(
+        1000, ge=0, description="/readyz: most messages an assigned partition may be behind."
+    )
     log_format: Literal["text", "json"] = Field("text", description="Log output format.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
 

@@ -23,31 +23,57 @@ class Lag:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self._last = 0.0
+        self._committed_at: dict[TP, int] = {}
 
-    def observe(self, consumer: Consumer, parts: Partitions) -> None:
+    def observe(self, consumer: Consumer, parts: Partitions, assigned: Iterable[TP] = (),
+                every: float = LAG_EVERY_SECONDS) -> dict[TP, int | None] | None:
+        """Refresh the gauge of every partition assigned or queued (at most every
+        ``every`` seconds); return each one's lag (``None``: not known yet, nothing
+        fetched since it was assigned), or ``None`` when it was too early to look."""
         now = time.monotonic()
-        if now - self._last < LAG_EVERY_SECONDS:
-            return
+        if now - self._last < every:
+            return None
         self._last = now
-        for (topic, part), st in parts.items():
+        lags: dict[TP, int | None] = {}
+        for topic, part in sorted(set(assigned) | {tp for tp, _ in parts.items()}):
+            st = parts.get((topic, part))
+            lags[(topic, part)] = None
             try:
-                _low, high = consumer.get_watermark_offsets(
+                low, high = consumer.get_watermark_offsets(
                     TopicPartition(topic, part), cached=True
                 )
                 # Lag counts what is not finished: messages waiting in our queue
                 # (fetched but pending) as much as those not fetched yet.
-                first = st.first_offset()
+                first = st.first_offset() if st is not None else None
                 done = (
                     first if first is not None
                     else consumer.position([TopicPartition(topic, part)])[0].offset
                 )
+                if done < 0 and high >= 0:
+                    # Nothing handed to us since the assignment (an idle partition):
+                    # what is committed is what is finished.
+                    done = self._committed(consumer, (topic, part), low)
             except KafkaException:
                 continue
             if high >= 0 and done >= 0:
+                lags[(topic, part)] = max(high - done, 0)
                 self.metrics.lag.labels(topic, str(part)).set(max(high - done, 0))
+        return lags
+
+    def _committed(self, consumer: Consumer, tp: TP, low: int) -> int:
+        """The group's committed offset of ``tp`` (asked once per assignment: it only
+        moves when we commit, which needs a message handed to us), or -1."""
+        if tp not in self._committed_at:
+            got = consumer.committed([TopicPartition(*tp)], timeout=2)[0].offset
+            # None committed yet: the member starts from the earliest offset.
+            self._committed_at[tp] = got if got >= 0 else low
+        return self._committed_at[tp]
 
     def forget(self, tps: Iterable[TP]) -> None:
         """Drop the series of partitions this member no longer has."""
+        tps = list(tps)
+        for tp in tps:
+            self._committed_at.pop(tp, None)
         for topic, part in tps:
             with contextlib.suppress(KeyError):
                 self.metrics.lag.remove(topic, str(part))
