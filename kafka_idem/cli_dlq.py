@@ -34,6 +34,8 @@ MESSAGE_WIDTH = 60
 class _Obj(Protocol):
     """What the parent ``kafka-idem`` group puts in ``ctx.obj`` (``cli.Ctx``)."""
 
+    overrides: dict[str, Any]
+
     def settings(self) -> Settings: ...
 
 
@@ -219,13 +221,16 @@ def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: 
 @click.option("--actor", help="Who replays (default: KAFKA_IDEM_ACTOR or the OS user).")
 @click.option("--group", help="The replay's own consumer group (default: derived from the "
               "DLQ, the filters and --to, so the same replay resumes where it stopped).")
+@click.option("--prefix", help="Put this before the replay's consumer group and "
+              "transactional id (default: the name_prefix setting, KAFKA_IDEM_NAME_PREFIX), "
+              "e.g. 'team-a.' on a cluster whose ACLs grant names by prefix.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.pass_obj
 def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_topic: str | None,
             dry_run: bool, rate: float | None, limit: int | None, reason: str | None,
             include_permanent: bool, actor: str | None, group: str | None,
-            no_progress: bool, as_json: bool, **opts: Any) -> None:
+            prefix: str | None, no_progress: bool, as_json: bool, **opts: Any) -> None:
     """Re-drive matching DLQ records: republish them to their original topic (or --to).
 
     Each record is decided by its key's record in the store. A key that is failed
@@ -242,6 +247,8 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
     filters and --to, continues where it stopped without sending anything twice
     and sends the keys it had re-run. --dry-run prints the same counts, per kind.
     """
+    if prefix is not None:
+        obj.overrides["name_prefix"] = prefix
     s = obj.settings()
     topic = _dlq_topic(s, dlq_topic, source_topic)
     selection = _selection(opts)

@@ -108,6 +108,11 @@ class Settings(BaseSettings):
         True, description="Run local-mode batches on the optimistic batch path (see batch.py)."
     )
     dlq_suffix: str = Field(".dlq", min_length=1, description="Default DLQ topic suffix.")
+    name_prefix: str = Field(
+        "", description="Put before every topic, consumer group and transactional id that "
+        "kafka-idem's own tools create (verify, dlq replay, the DLQ readers), for clusters "
+        "whose ACLs grant names by prefix.",
+    )
     error_message_max: int = Field(
         1024, ge=64, le=65536, description="Bound on error text stored and put in DLQ headers."
     )
@@ -211,10 +216,10 @@ class Settings(BaseSettings):
             ) from None
         return value
 
-    @field_validator("dlq_suffix")
+    @field_validator("dlq_suffix", "name_prefix")
     @classmethod
     def _topic_suffix(cls, value: str) -> str:
-        if not TOPIC_CHARS.fullmatch(value):
+        if value and not TOPIC_CHARS.fullmatch(value):
             raise ValueError(
                 f"{value!r} would make invalid topic names: Kafka topic names use only "
                 "ASCII letters, digits, '.', '_' and '-'"

@@ -5,7 +5,8 @@ Each test is one of the walls a new user hit (issue 16): a table piped at 80 col
 wrapped one character per line and cut the request hash with "…"; ``migrate --app``
 said "nothing to do" after creating the app's tables; ``status`` on a database where
 ``kafka-idem migrate`` never ran said ``relation ... does not exist``; ``run`` with the
-broker down wrote hundreds of raw librdkafka lines; ``dlq replay`` leaked them too.
+broker down wrote hundreds of raw librdkafka lines; ``dlq replay`` leaked them too;
+``dlq replay`` always named its group and transactional id ``kafka-idem-replay.*``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import psycopg
 import pytest
+from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
 from kafka_idem.store import Delivery, Store, connect
@@ -224,3 +226,26 @@ def test_dlq_commands_write_no_raw_librdkafka_line(failed: Failed) -> None:
         assert r.code == 0, (args, r.err)
         assert [ln for ln in r.err.splitlines() if RAW_RDKAFKA.match(ln)] == [], r.err
         assert len(r.err.splitlines()) <= 3, r.err
+
+
+def test_dlq_replay_names_its_group_and_transactional_id_inside_the_prefix(
+    failed: Failed, admin: AdminClient
+) -> None:
+    """--prefix or KAFKA_IDEM_NAME_PREFIX (a cluster whose ACLs grant names by prefix):
+    the replay's group (its transactional id too) starts with it, and no group outside
+    it appears on the broker (scripts/acl_check.py runs this on a broker with such ACLs)."""
+    flag = kafka_idem("dlq", "replay", "--dlq", failed.dlq, "--include-permanent",
+                      "--reason", "INC-1", "--prefix", "team-a.", "--no-progress", "--json",
+                      db=failed.db)
+    assert flag.code == 0, flag.err
+    group = flag.json()["group"]
+    assert group.startswith(f"team-a.kafka-idem-replay.{failed.dlq}."), group
+    assert flag.json()["rerun"] == 1
+    setting = kafka_idem("dlq", "replay", "--dlq", failed.dlq, "--kind", "permanent",
+                         "--no-progress", "--json", db=failed.db,
+                         env={"KAFKA_IDEM_NAME_PREFIX": "team-b."})
+    assert setting.code == 0 and setting.json()["group"].startswith("team-b.kafka-idem-replay.")
+    listed = admin.list_consumer_groups(request_timeout=10).result()
+    mine = sorted(g.group_id for g in listed.valid if failed.dlq in g.group_id)
+    assert group in mine  # the replay committed its position in its own group
+    assert all(g.startswith(("team-a.", "team-b.")) for g in mine), mine
