@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 import click
 
 from kafka_idem import audit, replay
+from kafka_idem.cli_admin import store_connection
 from kafka_idem.cli_errors import warn
 from kafka_idem.cli_table import Grid, emit
 from kafka_idem.cli_text import plain
@@ -251,6 +252,7 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
         obj.overrides["name_prefix"] = prefix
     s = obj.settings()
     topic = _dlq_topic(s, dlq_topic, source_topic)
+    store_connection(s).close()  # a store never migrated: say so (exit 2) before any read
     selection = _selection(opts)
     would: list[dict[str, Any]] = []
 

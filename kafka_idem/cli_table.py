@@ -82,11 +82,10 @@ def _plain(grid: Grid, console: Console) -> None:
 
 
 def _blocks(grid: Grid, console: Console) -> None:
-    lines = [plain(grid.title)] if grid.title else []
-    if not grid.header:  # already a field/value listing: one pair a line
-        lines += [f"{row[0]}  {'  '.join(c or EMPTY for c in row[1:])}" for row in grid.rows]
-        _write(console, lines)
+    if not grid.header:  # already a field/value listing: one aligned pair a line
+        _plain(grid, console)
         return
+    lines = [plain(grid.title)] if grid.title else []
     width = max((len(c) for c in grid.columns), default=0)
     for n, row in enumerate(grid.rows, 1):
         lines.append(f"-[ {n} ]" + "-" * max(0, min(console.width, 40) - 6 - len(str(n))))

@@ -52,16 +52,22 @@ USER, PASSWORD = "team", "team-secret"
 
 
 def broker_config(port: int) -> str:
-    return f"""
-listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{port + 1},SASL_PLAINTEXT://127.0.0.1:{port + 2}
-advertised.listeners=SASL_PLAINTEXT://127.0.0.1:{port + 2},PLAINTEXT://127.0.0.1:{port}
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT
-sasl.enabled.mechanisms=PLAIN
-listener.name.sasl_plaintext.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_{USER}="{PASSWORD}";
-authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
-super.users=User:ANONYMOUS
-allow.everyone.if.no.acl.found=false
-"""
+    sasl, plain, controller = f"127.0.0.1:{port + 2}", f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"
+    jaas = ("org.apache.kafka.common.security.plain.PlainLoginModule required "
+            f'user_{USER}="{PASSWORD}";')
+    return "\n".join([
+        f"listeners=PLAINTEXT://{plain},CONTROLLER://{controller},SASL_PLAINTEXT://{sasl}",
+        # SASL first: scripts/kafka.sh reads the PLAINTEXT port from the first line
+        f"advertised.listeners=SASL_PLAINTEXT://{sasl},PLAINTEXT://{plain}",
+        "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,"
+        "SASL_PLAINTEXT:SASL_PLAINTEXT",
+        "sasl.enabled.mechanisms=PLAIN",
+        f"listener.name.sasl_plaintext.plain.sasl.jaas.config={jaas}",
+        "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+        # the broker itself and this script's admin client (PLAINTEXT: ANONYMOUS)
+        "super.users=User:ANONYMOUS",
+        "allow.everyone.if.no.acl.found=false",
+    ]) + "\n"
 
 
 def kafka_sh(action: str, port: int, local: Path, extra: Path) -> None:

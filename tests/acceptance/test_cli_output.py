@@ -166,7 +166,8 @@ def empty_db() -> Iterator[DB]:
 
 def test_status_on_a_database_never_migrated_says_to_run_migrate(empty_db: DB) -> None:
     for args in (("status",), ("status", "--json"), ("inspect", "k"),
-                 ("purge", "--older-than", "30d")):
+                 ("purge", "--older-than", "30d"), ("rerun", "k", "--reason", "r"),
+                 ("dlq", "replay", "--dlq", "any.dlq", "--dry-run")):
         r = kafka_idem(*args, db=empty_db)
         assert r.code == 2, (args, r.err)
         (line,) = r.err.strip().splitlines()

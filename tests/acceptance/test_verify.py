@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,10 @@ def test_one_scenario_with_keep_leaves_its_artefacts_named_inside_the_prefix(
         on_broker = groups_of(admin, run_id)
         assert on_broker and all(g.startswith("team-a.") for g in on_broker), on_broker
         assert "kept for inspection" in proc.stdout
+        # piped: the report is plain lines, not a table squeezed to COLUMNS
+        assert re.search(r"^3\. repeat after success \(\d+\.\ds\): PASS$", proc.stdout,
+                         re.MULTILINE), proc.stdout
+        assert "│" not in proc.stdout
         assert all(name in proc.stdout for name in names["schemas"] + names["topics"])
         assert report["logs"] and Path(report["logs"]).is_dir()
     finally:

@@ -76,6 +76,7 @@ app.handlers[payments.TOPIC].fn = charge
 
 # The fault hooks live in the per-message handler above; the example's bulk handler
 # (used on the batch path) would bypass them. With any hook set, run without it.
-_HOOKS = ("BLOCK_ORDERS", "SLOW_ORDERS", "RETRYABLE_ORDERS", "PERMANENT_ORDERS", "KILL_AFTER_WRITE_ORDERS")
+_HOOKS = ("BLOCK_ORDERS", "SLOW_ORDERS", "RETRYABLE_ORDERS", "PERMANENT_ORDERS",
+          "KILL_AFTER_WRITE_ORDERS")
 if any(os.environ.get(var) for var in _HOOKS):
     app.handlers[payments.TOPIC].bulk = None
