@@ -81,8 +81,9 @@ class Health:
             self._lag.update(lags)
 
     def stopping(self) -> None:
-        with self._lock:
-            self._stopping = True
+        # No lock: called from a signal handler, which runs on the loop's thread and
+        # could interrupt it while it holds the lock (a bool assignment is atomic).
+        self._stopping = True
 
     def assignment(self) -> list[TP]:
         with self._lock:
