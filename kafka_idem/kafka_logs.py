@@ -11,7 +11,7 @@ error callback goes through :func:`error`:
 
 * one logger, ``kafka_idem.kafka``, with ``action=kafka_log`` (librdkafka's lines) or
   ``action=kafka_error`` (error callbacks), in the text or JSON format of the rest;
-* a line is written the first time it is seen; the same line (numbers such as
+* a line (INFO and up) is written the first time it is seen; the same line (numbers such as
   ``after 2ms`` ignored) is then counted, not written, for :data:`WINDOW_SECONDS`, and
   once the window is over its next occurrence is written with the count
   (``(and 183 more like it in the 60s before)``);
@@ -94,6 +94,10 @@ class KafkaLog:
         """Write ``text`` unless the same line was written less than ``window`` ago."""
         if not self.logger.isEnabledFor(level):
             return
+        extra = {"action": action, **({"kind": detail} if detail else {})}
+        if level <= logging.DEBUG:  # asked for (librdkafka's `debug`): every line
+            self.logger.log(level, "%s", text, extra=extra)
+            return
         same = _NUMBERS.sub("N", text)
         now = self.clock()
         with self._lock:
@@ -107,7 +111,6 @@ class KafkaLog:
                     del self._seen[old]
         note = (f" (and {suppressed} more like it in the {now - first:.0f}s before)"
                 if suppressed and first is not None else "")
-        extra = {"action": action, **({"kind": detail} if detail else {})}
         self.logger.log(level, "%s%s", text, note, extra=extra)
 
 

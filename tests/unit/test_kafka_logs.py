@@ -102,3 +102,10 @@ def test_every_client_kafka_idem_builds_logs_through_python_logging() -> None:
     s = Settings(group_id="g", kafka={"linger.ms": 7})
     for conf in (s.consumer_config(), s.producer_config(), s.admin_config()):
         assert conf["logger"] is KAFKA_LOG
+
+
+def test_debug_lines_asked_for_are_all_written(kafka_log: KafkaLog,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    for _ in range(3):
+        kafka_log.log(7, "%s [%s] %s", "FETCH", "rdkafka#consumer-1", "Fetch topic t [0]")
+    assert [lvl for lvl, _ in lines(caplog)] == [logging.DEBUG] * 3
