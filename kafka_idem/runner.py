@@ -99,6 +99,7 @@ class Runner:
         conf = s.consumer_config(self.app.group_id)
         conf["error_cb"] = self._on_error
         conf["on_commit"] = self._on_commit
+        conf["enable.partition.eof"] = True  # the lag of an idle partition (/readyz)
         self.consumer = Consumer(conf)
         self.producer = Producer({**s.producer_config(), "error_cb": self._on_error})
         self.dlq = DeadLetterer(self.producer, header_limit=s.error_message_max)
@@ -175,6 +176,7 @@ class Runner:
                 self.parts.add(msg, time.monotonic())
                 continue
             if err.code() == KafkaError._PARTITION_EOF:
+                self.lag.reached_end((msg.topic(), msg.partition()), msg.offset())
                 continue
             if err.fatal():
                 self._fatal = f"fatal consumer error: {err}"

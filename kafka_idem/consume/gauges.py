@@ -23,7 +23,7 @@ class Lag:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self._last = 0.0
-        self._committed_at: dict[TP, int] = {}
+        self._end: dict[TP, int] = {}  # idle partitions' end reached, since assigned
 
     def observe(self, consumer: Consumer, parts: Partitions, assigned: Iterable[TP] = (),
                 every: float = LAG_EVERY_SECONDS) -> dict[TP, int | None] | None:
@@ -50,9 +50,10 @@ class Lag:
                     else consumer.position([TopicPartition(topic, part)])[0].offset
                 )
                 if done < 0 and high >= 0:
-                    # Nothing handed to us since the assignment (an idle partition):
-                    # what is committed is what is finished.
-                    done = self._committed(consumer, (topic, part), low)
+                    # Nothing handed to us since the assignment (an idle partition): the
+                    # fetcher started at the committed offset; once it reached the end
+                    # (librdkafka's end-of-partition event) that is what is finished.
+                    done = high if low == high else self._end.get((topic, part), -1)
             except KafkaException:
                 continue
             if high >= 0 and done >= 0:
@@ -60,20 +61,16 @@ class Lag:
                 self.metrics.lag.labels(topic, str(part)).set(max(high - done, 0))
         return lags
 
-    def _committed(self, consumer: Consumer, tp: TP, low: int) -> int:
-        """The group's committed offset of ``tp`` (asked once per assignment: it only
-        moves when we commit, which needs a message handed to us), or -1."""
-        if tp not in self._committed_at:
-            got = consumer.committed([TopicPartition(*tp)], timeout=2)[0].offset
-            # None committed yet: the member starts from the earliest offset.
-            self._committed_at[tp] = got if got >= 0 else low
-        return self._committed_at[tp]
+    def reached_end(self, tp: TP, offset: int) -> None:
+        """librdkafka's end-of-partition event: the fetcher of ``tp`` is at ``offset``,
+        the end (no blocking call to ask for the committed offset in the loop)."""
+        self._end[tp] = offset
 
     def forget(self, tps: Iterable[TP]) -> None:
         """Drop the series of partitions this member no longer has."""
         tps = list(tps)
         for tp in tps:
-            self._committed_at.pop(tp, None)
+            self._end.pop(tp, None)
         for topic, part in tps:
             with contextlib.suppress(KeyError):
                 self.metrics.lag.remove(topic, str(part))

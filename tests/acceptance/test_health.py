@@ -121,6 +121,15 @@ def test_a_loop_stuck_in_a_local_batch_fails_livez_while_metrics_still_answers(
     wait_for(lambda: caught_up(group, topic), timeout=30, what="the group to catch up")
     assert db.ledger_counts() == {"t1:charge:o1": 1}
 
+    # A member that takes over an idle partition (everything committed, nothing new):
+    # ready without a message (its fetcher reaching the end says it is caught up).
+    members.stop_all()
+    port = free_port()
+    members.start(VARIANTS, env, group=group, args=("--metrics-port", str(port)))
+    ready = wait_for(lambda: answers(port, "/readyz", 200), timeout=60,
+                     what="the new member to be ready on the idle partition")
+    assert ready["assigned"] == 1 and ready["max_lag"] == 0, ready
+
 
 def test_the_metrics_port_answers_404_elsewhere(db: DB, topics: Topics, members: Members,
                                                  group: str) -> None:
