@@ -87,6 +87,9 @@ def cli(ctx: click.Context, /, log_format: str | None, debug: bool, **overrides:
     ctx.obj = Ctx(clean)
     s = load_settings(**clean)  # a ConfigError is one line and exit 2 (main)
     logs.configure(s.log_format, s.log_level)
+    if ctx.invoked_subcommand != "run" and s.log_level != "DEBUG":
+        # The tools print their own results; librdkafka's notices (INFO) are noise there.
+        logging.getLogger("kafka_idem.kafka").setLevel(logging.WARNING)
 
 
 @cli.command()
@@ -109,7 +112,9 @@ def migrate(obj: Ctx, app_spec: str | None) -> None:
     click.echo(f"schema {s.schema_name}: {names}")
     if app is None:
         return
-    migrate_app(s.dsn, s.schema_name, app.migrations)
+    steps = migrate_app(s.dsn, s.schema_name, app.migrations)
+    click.echo(plain(f"app {app.name}: " + ("; ".join(step.describe() for step in steps)
+                                            or "no migrations (@app.migration) to run")))
     conn = connect(s.dsn)
     try:
         store = Store(schema=s.schema_name, table=s.table)

@@ -33,9 +33,10 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
+from kafka_idem import kafka_logs
 from kafka_idem.app import App
 from kafka_idem.consume import log
-from kafka_idem.consume.gauges import Lag, sample_store
+from kafka_idem.consume.gauges import LAG_EVERY_SECONDS, Lag, sample_store
 from kafka_idem.consume.letters import send_letters
 from kafka_idem.consume.offsets import Offsets
 from kafka_idem.consume.outcome import Result
@@ -43,6 +44,7 @@ from kafka_idem.consume.partitions import TP, Partitions
 from kafka_idem.consume.units import Units
 from kafka_idem.dlq import DeadLetterer
 from kafka_idem.errors import BrokerError
+from kafka_idem.health import Health
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.metrics import Metrics, Sampler
 from kafka_idem.store import Store, connect
@@ -73,6 +75,9 @@ class Runner:
         self.producer: Producer | None = None
         self.dlq: DeadLetterer | None = None
         self._fatal: str | None = None
+        # /livez and /readyz (served with /metrics): the loop reports its own progress.
+        self.health = Health(liveness_seconds=s.liveness_seconds, max_lag=s.readiness_max_lag)
+        self.metrics.health = self.health
         self.sampler = Sampler(
             self.metrics, lambda: sample_store(s, self.store), interval=s.metrics_sample_seconds
         )
@@ -82,7 +87,7 @@ class Runner:
     def install_signal_handlers(self) -> None:
         def stop(signum: int, _frame: FrameType | None) -> None:
             log.info("stopping", extra={"action": "stopping", "kind": signal.Signals(signum).name})
-            self.stopping.set()
+            self.stop()
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
@@ -94,6 +99,7 @@ class Runner:
         conf = s.consumer_config(self.app.group_id)
         conf["error_cb"] = self._on_error
         conf["on_commit"] = self._on_commit
+        conf["enable.partition.eof"] = True  # the lag of an idle partition (/readyz)
         self.consumer = Consumer(conf)
         self.producer = Producer({**s.producer_config(), "error_cb": self._on_error})
         self.dlq = DeadLetterer(self.producer, header_limit=s.error_message_max)
@@ -156,7 +162,12 @@ class Runner:
         self._harvest()  # what ran in the loop thread (local_workers = 0) applies at once
         self._commit_pending()
         self._pause_resume()
-        self.lag.observe(self.consumer, self.parts)
+        ready = self.health.ready().ok
+        lags = self.lag.observe(self.consumer, self.parts, self.health.assignment(),
+                                every=LAG_EVERY_SECONDS if ready else 1.0)
+        if lags is not None:
+            self.health.observed(lags)
+        self.health.round()
 
     def _ingest(self, msgs: list[Any]) -> None:
         for msg in msgs:
@@ -165,6 +176,7 @@ class Runner:
                 self.parts.add(msg, time.monotonic())
                 continue
             if err.code() == KafkaError._PARTITION_EOF:
+                self.lag.reached_end((msg.topic(), msg.partition()), msg.offset())
                 continue
             if err.fatal():
                 self._fatal = f"fatal consumer error: {err}"
@@ -204,6 +216,7 @@ class Runner:
 
     def _on_assign(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", _names(partitions), extra={"action": "assigned"})
+        self.health.assigned(_tps(partitions))
         self.newly_assigned.extend(partitions)
 
     def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
@@ -211,6 +224,7 @@ class Runner:
         self._drain(partitions)  # their work in flight finishes first, then their offsets
         tps = _tps(partitions)
         self.lag.forget(tps)
+        self.health.revoked(tps)
         self.offsets.commit_leaving(consumer, tps)
 
     def _on_lost(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
@@ -219,6 +233,7 @@ class Runner:
         tps = _tps(partitions)
         self.parts.forget(tps)
         self.lag.forget(tps)
+        self.health.revoked(tps)
 
     def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
         self.offsets.acknowledged(err, partitions)
@@ -227,7 +242,7 @@ class Runner:
         if err.fatal():
             # e.g. a second member with our group.instance.id fenced us (a zombie).
             self._fatal = f"fatal Kafka error: {err}"
-        log.warning("kafka: %s", err, extra={"action": "kafka_error"})
+        kafka_logs.error(err)  # deduplicated: with the broker down this repeats every 50 ms
 
     def _drain(self, partitions: list[TopicPartition] | None = None) -> None:
         """Wait for the units in flight (stopping leased units between messages when
@@ -240,6 +255,7 @@ class Runner:
     # --- the end -----------------------------------------------------------------
 
     def stop(self) -> None:
+        self.health.stopping()  # /readyz says so while the member drains
         self.stopping.set()
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_va
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from kafka_idem.errors import ConfigError
+from kafka_idem.kafka_logs import KAFKA_LOG
 from kafka_idem.redact import option_secrets, redact, redact_options, secrets_in
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:39092"
@@ -107,6 +108,11 @@ class Settings(BaseSettings):
         True, description="Run local-mode batches on the optimistic batch path (see batch.py)."
     )
     dlq_suffix: str = Field(".dlq", min_length=1, description="Default DLQ topic suffix.")
+    name_prefix: str = Field(
+        "", description="Put before every topic, consumer group and transactional id that "
+        "kafka-idem's own tools create (verify, dlq replay, the DLQ readers), for clusters "
+        "whose ACLs grant names by prefix.",
+    )
     error_message_max: int = Field(
         1024, ge=64, le=65536, description="Bound on error text stored and put in DLQ headers."
     )
@@ -155,6 +161,12 @@ class Settings(BaseSettings):
         "127.0.0.1", description="Address /metrics binds (0.0.0.0 in a container)."
     )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="/metrics port.")
+    liveness_seconds: float = Field(
+        300.0, gt=0, description="/livez fails when the loop made no progress this long."
+    )
+    readiness_max_lag: int = Field(
+        1000, ge=0, description="/readyz: most messages an assigned partition may be behind."
+    )
     log_format: Literal["text", "json"] = Field("text", description="Log output format.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
 
@@ -204,10 +216,10 @@ class Settings(BaseSettings):
             ) from None
         return value
 
-    @field_validator("dlq_suffix")
+    @field_validator("dlq_suffix", "name_prefix")
     @classmethod
     def _topic_suffix(cls, value: str) -> str:
-        if not TOPIC_CHARS.fullmatch(value):
+        if value and not TOPIC_CHARS.fullmatch(value):
             raise ValueError(
                 f"{value!r} would make invalid topic names: Kafka topic names use only "
                 "ASCII letters, digits, '.', '_' and '-'"
@@ -257,6 +269,7 @@ class Settings(BaseSettings):
             "auto.offset.reset": "earliest",
             "partition.assignment.strategy": "cooperative-sticky",
             "fetch.wait.max.ms": 50,
+            "logger": KAFKA_LOG,  # librdkafka's lines through logging, deduplicated
             **self.kafka,
         }
         conf.update(
@@ -271,13 +284,15 @@ class Settings(BaseSettings):
         return conf
 
     def producer_config(self) -> dict[str, Any]:
-        conf: dict[str, Any] = {"linger.ms": 5, "message.timeout.ms": 30_000}
+        conf: dict[str, Any] = {"linger.ms": 5, "message.timeout.ms": 30_000,
+                                "logger": KAFKA_LOG}
         conf.update({k: v for k, v in self.kafka.items() if not _consumer_only(k)})
         conf.update({"bootstrap.servers": self.bootstrap_servers, **_PROTECTED_PRODUCER})
         return conf
 
     def admin_config(self) -> dict[str, Any]:
-        conf = {k: v for k, v in self.kafka.items() if not _consumer_only(k)}
+        conf: dict[str, Any] = {"logger": KAFKA_LOG}
+        conf.update({k: v for k, v in self.kafka.items() if not _consumer_only(k)})
         conf["bootstrap.servers"] = self.bootstrap_servers
         return conf
 

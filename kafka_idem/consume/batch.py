@@ -335,7 +335,9 @@ class BatchPath:
         prep = _prep(item)
         assert claim.token is not None
         ctx = context(conn, item.handler, item.msg, prep, claim)
-        with self.steps.handler_time(item.handler):
+        tracing = self.steps.tracing
+        tracing.note(item.msg, handler=item.handler.name, key=prep.key, attempts=claim.attempts)
+        with self.steps.handler_time(item.handler), tracing.step(item.msg, "handler"):
             try:
                 return item.handler(prep.model, ctx)
             except Exception as exc:

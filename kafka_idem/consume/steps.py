@@ -60,6 +60,7 @@ from kafka_idem.store import (
     classify_db_error,
     describe,
 )
+from kafka_idem.tracing import Tracing
 
 # Every part of the message path logs under the name it always had, so log filters
 # and dashboards that select "kafka_idem.processing" keep seeing all of it.
@@ -68,7 +69,8 @@ log = logging.getLogger("kafka_idem.processing")
 
 class Steps:
     def __init__(
-        self, app: App, *, store: Store, metrics: Metrics, db: Database
+        self, app: App, *, store: Store, metrics: Metrics, db: Database,
+        tracing: Tracing | None = None,
     ) -> None:
         self.app = app
         self.settings = app.settings
@@ -76,6 +78,7 @@ class Steps:
         self.metrics = metrics
         self.db = db
         self._letters: dict[str, Letters] = {}
+        self.tracing = tracing or Tracing()
 
     def handler(self, msg: Message) -> Handler[Any]:
         return self.app.handlers[msg.topic()]
@@ -158,10 +161,11 @@ class Steps:
         """A new key claimed and committed in one round trip (autocommit), or ``None``."""
         conn.autocommit = True
         try:
-            return self.store.claim_new(
-                conn, key=prep.key, request_hash=prep.request_hash,
-                delivery=delivery(handler, msg), lease_seconds=self.settings.lease_seconds,
-            )
+            with self.tracing.step(msg, "claim"):
+                return self.store.claim_new(
+                    conn, key=prep.key, request_hash=prep.request_hash,
+                    delivery=delivery(handler, msg), lease_seconds=self.settings.lease_seconds,
+                )
         finally:
             if not conn.closed:
                 conn.autocommit = False
@@ -171,17 +175,20 @@ class Steps:
         reentrant: uuid.UUID | None = None,
     ) -> Claim:
         policy = self.app.retry_policy(handler)
-        return self.store.claim(
-            conn,
-            key=prep.key,
-            request_hash=prep.request_hash,
-            delivery=delivery(handler, msg),
-            lease_seconds=self.settings.lease_seconds,
-            max_attempts=policy.max_attempts,
-            max_elapsed_seconds=policy.max_elapsed,
-            reentrant_token=reentrant,
-            reconcile_first=handler.reconcile is not None,
-        )
+        with self.tracing.step(msg, "claim"):
+            claim = self.store.claim(
+                conn,
+                key=prep.key,
+                request_hash=prep.request_hash,
+                delivery=delivery(handler, msg),
+                lease_seconds=self.settings.lease_seconds,
+                max_attempts=policy.max_attempts,
+                max_elapsed_seconds=policy.max_elapsed,
+                reentrant_token=reentrant,
+                reconcile_first=handler.reconcile is not None,
+            )
+        self.tracing.note(msg, handler=handler.name, key=prep.key, attempts=claim.attempts)
+        return claim
 
     # --- the handler ------------------------------------------------------------------
 
@@ -214,10 +221,15 @@ class Steps:
                 with contextlib.ExitStack() as stack:
                     pipe = stack.enter_context(conn.pipeline()) if pipelined else None
                     stack.enter_context(conn.transaction())  # rolled back alone on failure
-                    result, how = self._call(handler, prep, ctx, claim)
-                    if pipe is not None:
-                        pipe.sync()  # the handler's statements answer here
-                    self.store.complete(conn, key=prep.key, token=claim.token, result=result)
+                    self.tracing.note(msg, handler=handler.name, key=prep.key,
+                                      attempts=claim.attempts)
+                    with self.tracing.step(msg, "handler"):
+                        result, how = self._call(handler, prep, ctx, claim)
+                        if pipe is not None:
+                            pipe.sync()  # the handler's statements answer here
+                    with self.tracing.step(msg, "complete"):
+                        self.store.complete(conn, key=prep.key, token=claim.token,
+                                            result=result)
                     if hold is not None:
                         hold.release()  # before the commit (see LeaseKeeper.hold)
             except (FrameworkError, StaleOwner):
