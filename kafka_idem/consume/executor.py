@@ -21,6 +21,7 @@ import psycopg
 from kafka_idem.app import App, Handler
 from kafka_idem.consume.batch import BatchPath, Fallback
 from kafka_idem.consume.database import Database
+from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.leased import LeasedPath
 from kafka_idem.consume.local import LocalPath
 from kafka_idem.consume.outcome import Message, Parts, Prepared, Result, Results
@@ -41,6 +42,7 @@ class Processor:
         store: Store,
         metrics: Metrics,
         leases: LeaseKeeper | None = None,
+        hold: ConfigHold | None = None,
     ) -> None:
         self.app = app
         self.settings = app.settings
@@ -50,7 +52,7 @@ class Processor:
         self.leases = leases
         self.group_id = app.group_id
         self.db = Database(self.settings, application_name=f"kafka_idem:{app.name}")
-        self.steps = Steps(app, store=self.store, metrics=metrics, db=self.db)
+        self.steps = Steps(app, store=self.store, metrics=metrics, db=self.db, hold=hold)
         self.local_path = LocalPath(self.steps, self.db)
         self.leased_path = LeasedPath(self.steps, self.db, leases)
         self.batch_path = BatchPath(self.steps, self.db)

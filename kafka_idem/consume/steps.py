@@ -20,6 +20,7 @@ from typing import Any
 
 from kafka_idem.app import App, Context, Done, Handler
 from kafka_idem.consume.database import Database
+from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.outcome import (
     Deferred,
     Ended,
@@ -68,13 +69,15 @@ log = logging.getLogger("kafka_idem.processing")
 
 class Steps:
     def __init__(
-        self, app: App, *, store: Store, metrics: Metrics, db: Database
+        self, app: App, *, store: Store, metrics: Metrics, db: Database,
+        hold: ConfigHold | None = None,
     ) -> None:
         self.app = app
         self.settings = app.settings
         self.store = store
         self.metrics = metrics
         self.db = db
+        self.hold = hold or ConfigHold(metrics)  # configuration errors: held, loudly
 
     def handler(self, msg: Message) -> Handler[Any]:
         return self.app.handlers[msg.topic()]
