@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as dt
 import json
 import os
 import signal
@@ -106,7 +107,7 @@ class Members:
         env = {**self.env, "KAFKA_IDEM_KAFKA": json.dumps({"client.id": name})}
         if instance:
             env["KAFKA_IDEM_GROUP_INSTANCE_ID"] = instance
-        log = (self.logs / f"{name}.log").open("ab")
+        log = (self.logs / f"{name}.log").open("ab")  # a restart appends
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "kafka_idem.cli", "run", "bench.failover:app"],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -184,9 +185,21 @@ def wait_until(what: str, pred: Any, timeout: float) -> Any:
     raise SystemExit(f"failover: timed out waiting for {what}")
 
 
+def assigned_after(log: Path, since: float) -> float | None:
+    """Seconds from ``since`` (epoch) to the first ``assigned`` line of ``log`` after it."""
+    for line in log.read_text(errors="replace").splitlines():
+        if "action=assigned" not in line:
+            continue
+        at = dt.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if at >= since:
+            return at - since
+    return None
+
+
 def measure(sc: Scenario, s: Settings, dsn: str, admin: AdminClient, logs: Path,
-            session_ms: int | None) -> tuple[float, float]:
-    """Return (worst stall of the stopped member's partitions, worst of all partitions)."""
+            session_ms: int | None) -> tuple[float, float, float | None]:
+    """Return (worst stall of the stopped member's partitions, worst of all partitions,
+    when the restarted member was assigned partitions, if it was restarted)."""
     tag = uuid.uuid4().hex[:8]
     topic, group = f"failover-{tag}", f"failover-{tag}"
     for f in admin.create_topics([NewTopic(topic, PARTITIONS, 1),
@@ -215,7 +228,7 @@ def measure(sc: Scenario, s: Settings, dsn: str, admin: AdminClient, logs: Path,
         time.sleep(1.0)
         victim = wait_until("a settled assignment", settled, 30)["m1"]  # as it is now
         members.signal("m1", sc.sig)
-        at = db_now(dsn)
+        at, wall = db_now(dsn), time.time()
         if sc.restart:
             members.wait("m1")
             members.start("m1", instance=f"{tag}-m1" if sc.static else None)
@@ -225,7 +238,8 @@ def measure(sc: Scenario, s: Settings, dsn: str, admin: AdminClient, logs: Path,
         time.sleep(0.5)
         resumed = first_after(dsn, topic, at)
         stalls = {p: (t - at).total_seconds() for p, t in resumed.items()}
-        return max(stalls[p] for p in victim), max(stalls.values())
+        joined = assigned_after(logs / "m1.log", wall) if sc.restart else None
+        return max(stalls[p] for p in victim), max(stalls.values()), joined
     finally:
         feed.stopped.set()
         feed.join(15)
@@ -262,8 +276,10 @@ def main(argv: list[str] | None = None) -> int:
                 mine = statistics.median(f[0] for f in figures)
                 worst = statistics.median(f[1] for f in figures)
                 rows.append((sc, mine, worst, [round(f[0], 1) for f in figures]))
+                joined = [round(f[2], 1) for f in figures if f[2] is not None]
+                up = f"; the restarted member was assigned after {joined} s" if joined else ""
                 print(f"  {sc.name:<22} {mine:6.1f} s  (all partitions: {worst:5.1f} s; "
-                      f"rounds {rows[-1][3]})  {sc.what}", flush=True)
+                      f"rounds {rows[-1][3]}{up})  {sc.what}", flush=True)
     finally:
         with psycopg.connect(s.dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(

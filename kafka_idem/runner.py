@@ -224,7 +224,7 @@ class Runner:
         counts = self.parts.apply(results, now)
         for (topic, outcome), n in counts.items():
             self.metrics.outcome(topic, self.app.handlers[topic].name, outcome, n)
-        self.progress.add(counts, now)
+        self.progress.add(counts)
 
     def _commit_pending(self, *, sync: bool = False) -> None:
         """Commit each partition's finished prefix (asynchronously in the loop,

@@ -3,8 +3,8 @@
 A first run must not look idle: the first messages a member finishes are reported at
 once, then at most one line per interval, and nothing while there is nothing new::
 
-    processed 3 message(s) in 0.0 s: inventory.reserve: succeeded 2, dead_lettered 1
-    processed 5210 message(s) in 10.0 s: inventory.reserve: succeeded 5000, replayed 210
+    processed 3 message(s): inventory.reserve: dead_lettered 1, succeeded 2
+    processed 5210 message(s) in the last 10.0 s: inventory.reserve: replayed 210, succeeded 5000
 
 Each outcome counted is the ``outcome`` label of ``kafka_idem_messages_total``
 (``busy`` deferrals are left out: they are not progress). No I/O but the log line.
@@ -28,17 +28,14 @@ class Progress:
         self.interval = interval
         self.log = logger
         self._counts: Counter[tuple[str, str]] = Counter()
-        self._since: float | None = None  # when the first uncounted outcome arrived
         self._last = -math.inf  # when the last line was written
 
-    def add(self, counts: Counter[tuple[str, str]], now: float) -> None:
+    def add(self, counts: Counter[tuple[str, str]]) -> None:
         """Count ``(topic, outcome) -> n`` (what ``Partitions.apply`` returns)."""
         if self.interval <= 0:
             return
         for (topic, outcome), n in counts.items():
             if outcome in COUNTED and n:
-                if self._since is None:
-                    self._since = now
                 self._counts[(topic, outcome)] += n
 
     def tick(self, now: float, *, final: bool = False) -> None:
@@ -50,14 +47,12 @@ class Progress:
         for (topic, outcome), n in sorted(self._counts.items()):
             by_topic.setdefault(topic, []).append(f"{outcome} {n}")
         total = sum(n for (_, outcome), n in self._counts.items() if outcome != "retried")
-        # since the last line; the first line, since its first outcome
-        if self._last != -math.inf:
-            window = now - self._last
-        else:
-            window = now - (self._since if self._since is not None else now)
         detail = "; ".join(f"{topic}: {', '.join(parts)}" for topic, parts in by_topic.items())
-        self.log.info("processed %d message(s) in %.1f s: %s", total, window, detail,
-                      extra={"action": "progress"})
+        if self._last == -math.inf:  # the first line: at once, as the first outcome came
+            self.log.info("processed %d message(s): %s", total, detail,
+                          extra={"action": "progress"})
+        else:
+            self.log.info("processed %d message(s) in the last %.1f s: %s", total,
+                          now - self._last, detail, extra={"action": "progress"})
         self._counts.clear()
-        self._since = None
         self._last = now

@@ -166,7 +166,7 @@ def test_run_names_the_missing_topics_once_and_topics_create_makes_them(
     folder.wait_log(f"topic {folder.topic} exists now")
     folder.produce(0, 1)
     first = folder.wait_log("processed 1 message(s)")
-    assert f"{folder.topic}: succeeded 1 action=progress" in first
+    assert f"processed 1 message(s): {folder.topic}: succeeded 1 action=progress" in first
     folder.produce(1, 41)
     wait_for(lambda: len(succeeded(db)) == 41, what="41 reservations")
     member.send_signal(signal.SIGTERM)
