@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
@@ -33,6 +33,7 @@ from kafka_idem.codec import (
     Codec,
     CodecFactory,
     JsonCodec,
+    reader_mismatch,
     validate,
 )
 from kafka_idem.errors import (
@@ -53,6 +54,9 @@ from kafka_idem.handler import (
 from kafka_idem.keys import KeySpec
 from kafka_idem.retry import RetryPolicy
 from kafka_idem.settings import Settings, check_namespace, load_settings
+
+if TYPE_CHECKING:
+    from kafka_idem.producer import Producer
 
 
 class App:
@@ -76,6 +80,7 @@ class App:
         self._avro: AvroCodec | None = None
         self._registry: dict[bool, Any] = {}
         self.migrations: list[Callable[[psycopg.Connection[Any]], None]] = []
+        self.declared_topics: dict[str, dict[str, Any]] = {}
 
     @property
     def settings(self) -> Settings:
@@ -235,6 +240,8 @@ class App:
             if name == "json":
                 return JsonCodec(handler.adapter)
             schemas = self.avro_schemas() if handler.schema else None
+            if schemas is not None and handler.schema is not None:
+                self._check_reader(handler, schemas)
             if name == "registry":
                 return RegistryCodec(self.registry_client(), handler.adapter, schemas=schemas,
                                      schema=handler.schema, subject=f"{handler.topic}-value")
@@ -249,6 +256,21 @@ class App:
         except ConfigError as exc:
             raise ConfigError(f"handler {handler.name!r}: {exc.message}",
                               **exc.context) from exc
+
+    def _check_reader(self, handler: Handler[Any], schemas: AvroCodec) -> None:
+        """The handler's ``schema=`` exists and its records can become its payload."""
+        assert handler.schema is not None
+        if not schemas.has(handler.schema):
+            known = ", ".join(schemas.names) or "none"
+            raise ConfigError(
+                f"schema {handler.schema!r} is not among the Avro schemas of "
+                f"{str(self.settings.schemas_dir)!r} (KAFKA_IDEM_SCHEMAS_DIR; found: {known})",
+                setting="schema")
+        problem = reader_mismatch(schemas.schema(handler.schema), handler.adapter,
+                                  handler.model, (*handler.key.fields, *handler.hash_fields))
+        if problem:
+            raise ConfigError(f"schema {handler.schema!r} does not fit the handler: {problem}",
+                              setting="schema")
 
     def bind_codec(self, handler: Handler[Any]) -> Codec:
         with self._codec_lock:
@@ -269,6 +291,36 @@ class App:
         """Register the app's own schema set-up, run by ``kafka-idem migrate`` (idempotent SQL)."""
         self.migrations.append(fn)
         return fn
+
+    def topic(self, name: str, *, partitions: int | None = None,
+              config: Mapping[str, str] | None = None) -> str:
+        """Declare a topic for ``kafka-idem topics create``: one the app produces to, or
+        the partition count and configs a handler's source (or DLQ) topic should be
+        created with. Existing topics are never changed. Returns ``name``.
+
+            app.topic("inventory.reserve", partitions=6)
+            app.topic("inventory.reserved", partitions=6, config={"retention.ms": "604800000"})
+        """
+        check_topic_name(name, setting="topic")
+        if partitions is not None and partitions < 1:
+            raise ConfigError(f"topic {name!r}: partitions must be at least 1",
+                              setting="partitions")
+        self.declared_topics[name] = {"partitions": partitions,
+                                      "config": {str(k): str(v) for k, v in (config or {}).items()}}
+        return name
+
+    def producer(self, *, config: Mapping[str, Any] | None = None,
+                 timeout: float = 30.0) -> Producer:
+        """A producer that encodes payloads with their topic's handler's codec and sets
+        the Kafka key to their idempotency key (see :mod:`kafka_idem.producer`);
+        ``config``: librdkafka options over the settings' ``producer_config()``::
+
+            with app.producer() as producer:
+                producer.send("inventory.reserve", {"shop": "s1", "order_id": "o-1", ...})
+        """
+        from kafka_idem.producer import Producer
+
+        return Producer(self, config=config, timeout=timeout)
 
     def retry_policy(self, handler: Handler[Any]) -> RetryPolicy:
         """The handler's own policy, else one from the settings (read at run time)."""

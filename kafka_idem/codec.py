@@ -128,6 +128,45 @@ def required_fields(model: Any) -> list[str]:
     return []
 
 
+def reader_mismatch(reader: Any, adapter: TypeAdapter[Any], model: Any,
+                    fields: tuple[str, ...]) -> str | None:
+    """Why records read with the Avro ``reader`` schema could never become the handler's
+    payload, or ``None``: a field the model requires (or, without a model, a key or hash
+    field) that the schema lacks; a field the schema adds that a model forbidding extra
+    fields would refuse. Checked at start-up: each would fail every message."""
+    if not isinstance(reader, dict) or reader.get("type") != "record":
+        return None
+    avro = {f["name"] for f in reader.get("fields", [])}
+    if model is None:
+        lacking = [f for f in fields if f not in avro]
+        return f"it has no field {lacking} (key or hash fields)" if lacking else None
+    try:
+        js = adapter.json_schema(mode="validation")
+    except Exception:  # a model pydantic cannot describe: nothing to compare
+        return None
+    names = set(fields_of(model) or ())
+    lacking = [f for f in js.get("required", []) if f not in avro
+               and _name_of(model, f) not in avro]
+    if lacking:
+        return f"it has no field {lacking}, which {getattr(model, '__name__', model)} requires"
+    if js.get("additionalProperties") is False:
+        extra = sorted(avro - set(js.get("properties", {})) - names)
+        if extra:
+            return (f"its fields {extra} are not in {getattr(model, '__name__', model)}, "
+                    "which forbids extra fields")
+    return None
+
+
+def _name_of(model: Any, alias: str) -> str | None:
+    """The field name behind a pydantic model's alias (a model that also validates by
+    name accepts either)."""
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        for name, info in model.model_fields.items():
+            if info.alias == alias or info.validation_alias == alias:
+                return name
+    return None
+
+
 def validation_reasons(exc: ValidationError) -> str:
     """Field paths and reasons only: never the payload's values."""
     return "; ".join(
@@ -334,4 +373,4 @@ class AvroObjectCodec:
 
 
 __all__ = ["FORMATS", "AvroCodec", "AvroObjectCodec", "Codec", "CodecFactory", "JsonCodec",
-           "adapter_for", "fields_of", "fingerprint", "required_fields"]
+           "adapter_for", "fields_of", "fingerprint", "reader_mismatch", "required_fields"]

@@ -67,6 +67,13 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.config_errors = Counter(
+            "kafka_idem_config_errors_total",
+            "Configuration errors met while processing: the partition is held, the message "
+            "not charged (alert on any increase).",
+            ["topic", "handler"],
+            registry=r,
+        )
         self.handler_seconds = Histogram(
             "kafka_idem_handler_duration_seconds",
             "Handler run time.",

@@ -21,6 +21,7 @@ import psycopg
 from kafka_idem.app import App, Handler
 from kafka_idem.consume.batch import BatchPath, Fallback
 from kafka_idem.consume.database import Database
+from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.leased import LeasedPath
 from kafka_idem.consume.local import LocalPath
 from kafka_idem.consume.outcome import Message, Parts, Prepared, Result, Results
@@ -42,6 +43,7 @@ class Processor:
         store: Store,
         metrics: Metrics,
         leases: LeaseKeeper | None = None,
+        hold: ConfigHold | None = None,
     ) -> None:
         self.app = app
         self.settings = app.settings
@@ -53,7 +55,7 @@ class Processor:
         self.db = Database(self.settings, application_name=f"kafka_idem:{app.name}")
         self.tracing = Tracing(group=app.group_id)
         self.steps = Steps(app, store=self.store, metrics=metrics, db=self.db,
-                           tracing=self.tracing)
+                           tracing=self.tracing, hold=hold)
         self.local_path = LocalPath(self.steps, self.db)
         self.leased_path = LeasedPath(self.steps, self.db, leases)
         self.batch_path = BatchPath(self.steps, self.db)

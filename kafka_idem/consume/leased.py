@@ -16,7 +16,7 @@ from kafka_idem.consume.database import Database
 from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
 from kafka_idem.consume.steps import Steps, log
 from kafka_idem.consume.verdicts import where
-from kafka_idem.errors import FrameworkError, MessageError, StaleOwner
+from kafka_idem.errors import ConfigError, FrameworkError, MessageError, StaleOwner
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.store import Claim, Conn, Outcome, describe
 
@@ -34,6 +34,8 @@ class LeasedPath:
         handler = steps.handler(msg)
         try:
             prep = steps.prepare_or_reject(handler, msg)
+        except ConfigError as exc:  # held, never charged (consume/held.py)
+            return steps.hold.hold(handler, msg, exc, token=reentrant)
         except FrameworkError as exc:  # e.g. the schema registry is down: not the message's fault
             steps.metrics.framework_errors.labels(type(exc).__name__).inc()
             log.warning("cannot decode now (%s); will retry", describe(exc),
@@ -53,6 +55,9 @@ class LeasedPath:
             return verdict.result
         except StaleOwner:
             return Deferred(steps.settings.busy_retry_seconds, Reason.BUSY)
+        except ConfigError as exc:  # our claim stays ours: re-entered when retried
+            return steps.hold.hold(handler, msg, exc,
+                                   token=claim.token if claim is not None else reentrant)
         except (FrameworkError, psycopg.Error) as exc:
             # Our surroundings failed (database down, a store error): never charged.
             steps.metrics.framework_errors.labels(type(exc).__name__).inc()

@@ -103,6 +103,10 @@ class PartitionState:
         return outcomes
 
     def _delay(self, res: Deferred) -> float:
+        if res.reason == "config":
+            # Waiting will not fix it (consume/held.py): 1 s, 2 s, 4 s ... up to a minute.
+            self.framework_failures += 1
+            return float(min(60, 2 ** min(self.framework_failures - 1, 6)))
         if res.reason in ("framework", "dlq"):
             # Our own surroundings failed: wait with jittered growth, never charge the message.
             self.framework_failures += 1

@@ -20,6 +20,7 @@ from typing import Any
 
 from kafka_idem.app import App, Context, Done, Handler
 from kafka_idem.consume.database import Database
+from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.outcome import (
     Deferred,
     Ended,
@@ -71,6 +72,7 @@ class Steps:
     def __init__(
         self, app: App, *, store: Store, metrics: Metrics, db: Database,
         tracing: Tracing | None = None,
+        hold: ConfigHold | None = None,
     ) -> None:
         self.app = app
         self.settings = app.settings
@@ -79,6 +81,7 @@ class Steps:
         self.db = db
         self._letters: dict[str, Letters] = {}
         self.tracing = tracing or Tracing()
+        self.hold = hold or ConfigHold(metrics)  # configuration errors: held, loudly
 
     def handler(self, msg: Message) -> Handler[Any]:
         return self.app.handlers[msg.topic()]

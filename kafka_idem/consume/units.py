@@ -25,6 +25,7 @@ from typing import Any
 from kafka_idem.app import App
 from kafka_idem.consume import log
 from kafka_idem.consume.executor import Processor
+from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.outcome import Deferred, Result
 from kafka_idem.consume.partitions import TP, Partitions, PartitionState
 from kafka_idem.lease import LeaseKeeper
@@ -69,6 +70,7 @@ class Units:
         self._thread_local = threading.local()
         self._processors: list[Processor] = []
         self._processors_lock = threading.Lock()
+        self.hold = ConfigHold(metrics)  # one rate limit for all of the member's threads
 
     # --- dispatch ----------------------------------------------------------------
 
@@ -199,7 +201,7 @@ class Units:
         if proc is None:
             proc = Processor(
                 self.app, store=self.store, metrics=self.metrics,
-                leases=self.leases,
+                leases=self.leases, hold=self.hold,
             )
             self._thread_local.processor = proc
             with self._processors_lock:

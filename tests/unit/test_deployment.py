@@ -388,21 +388,19 @@ def test_one_shot_steps_wait_for_healthy_services() -> None:
 
 
 def test_topics_step_creates_the_apps_topics_and_dlqs() -> None:
-    from consumers.payments import app
+    from kafka_idem.cli import cli
 
-    expected = set(app.topics) | {app.dlq_topic(h) for h in app.handlers.values()}
-    lines = [line for line in shell_lines(services()["topics"])
-             if line and Path(line[0]).name == "kafka-topics.sh"]
-    created = {}
-    for line in lines:
-        assert "--create" in line and "--if-not-exists" in line, line
-        assert line[line.index("--bootstrap-server") + 1] == "kafka:9092", line
-        assert line[line.index("--replication-factor") + 1] == "1", line
-        created[line[line.index("--topic") + 1]] = int(line[line.index("--partitions") + 1])
-    assert set(created) == expected
+    svc = services()["topics"]
+    command = [str(c) for c in svc["command"]]
+    assert command[:3] == ["kafka-idem", "topics", "create"], command
+    assert "create" in cli.commands["topics"].commands  # type: ignore[attr-defined]
+    # the same app as the members, so its topics are the ones they subscribe to
+    run = [str(c) for c in services()["payments"]["command"]]
+    assert command[3] == run[run.index("run") + 1] == "consumers.payments:app"
     replicas = services()["payments"]["deploy"]["replicas"]
-    assert created[app.topics[0]] >= replicas, "every member needs a partition"
-    assert services()["topics"]["image"] == services()["kafka"]["image"]
+    assert int(command[command.index("--partitions") + 1]) >= replicas, "a partition each"
+    assert environment(svc)[f"{PREFIX}BOOTSTRAP_SERVERS"] == "kafka:9092"
+    assert svc["image"] == services()["payments"]["image"]
 
 
 def test_payments_is_a_scalable_gracefully_stopping_group() -> None:

@@ -195,3 +195,18 @@ def test_pending_commits_skip_a_partition_with_a_commit_in_flight_unless_asked()
     assert parts.pending_commits(in_flight_too=False) == [(TP1, 1)]
     assert parts.pending_commits(in_flight_too=True) == [(TP0, 1), (TP1, 1)]
     assert parts.pending_commits(in_flight_too=True, of=[TP1, ("other", 0)]) == [(TP1, 1)]
+
+
+def test_a_partition_held_on_a_configuration_error_waits_longer_each_time_up_to_a_minute() -> None:
+    parts = Partitions(jitter=upper)
+    parts.add(Msg(T, 0, 0), now=0.0)
+    delays, now = [], 0.0
+    for _ in range(9):
+        parts.apply({TP0: [Deferred(0.0, "config")]}, now=now)
+        st = parts.get(TP0)
+        assert st is not None
+        delays.append(st.not_before - now)
+        now = st.not_before
+    assert delays == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+    parts.apply({TP0: [Finished("succeeded")]}, now=now)
+    assert parts.get(TP0).framework_failures == 0  # type: ignore[union-attr]
