@@ -199,7 +199,7 @@ def test_pending_commits_skip_a_partition_with_a_commit_in_flight_unless_asked()
 
 def test_a_partition_held_on_a_configuration_error_waits_longer_each_time_up_to_a_minute() -> None:
     parts = Partitions(jitter=upper)
-    parts.add(Msg(T, 0, 0), now=0.0)
+    parts.add(msg(T, 0, 0), now=0.0)
     delays, now = [], 0.0
     for _ in range(9):
         parts.apply({TP0: [Deferred(0.0, "config")]}, now=now)
