@@ -222,7 +222,7 @@ def _bind_named(query: str, mapping: dict[str, str], what: str) -> str:
             raise RuntimeError(f"{what}: no pgbench value for %({name})s")
         return mapping[name]
 
-    return re.sub(r"%\((\w+)\)s", sub, query)
+    return re.sub(r"%\((\w+)\)[sb]", sub, query)
 
 
 def _one_line(query: str) -> str:

@@ -458,6 +458,19 @@ class Gateway:
                     and (key is None or r["idempotency_key"] == key)
                     and (path is None or r["path"] == path)]
 
+    # --- as a remote of the test kit (kafka_idem.testing.Remote) ---
+
+    def effects(self) -> list[tuple[str, str, str, str, str]]:
+        """The charges made, by key and request (not by their random ids)."""
+        return sorted((c["idempotency_key"], c["tenant_id"], c["order_id"], c["amount"],
+                       c["currency"]) for c in self.charges())
+
+    def reset(self) -> None:
+        """Forget every charge and request (the faults stay as set)."""
+        with self.state.lock:
+            self.state.charges.clear()
+            self.state.requests.clear()
+
     @property
     def held(self) -> int:
         with self.state.lock:

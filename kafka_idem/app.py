@@ -20,10 +20,11 @@ JSON-able; it is stored and replayed, exactly, on every duplicate.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
@@ -31,7 +32,9 @@ from kafka_idem.codec import (
     AvroCodec,
     AvroObjectCodec,
     Codec,
+    CodecFactory,
     JsonCodec,
+    reader_mismatch,
     validate,
 )
 from kafka_idem.errors import (
@@ -54,6 +57,9 @@ from kafka_idem.keys import KeySpec
 from kafka_idem.retry import RetryPolicy
 from kafka_idem.settings import Settings, check_namespace, load_settings
 
+if TYPE_CHECKING:
+    from kafka_idem.producer import Producer
+
 
 class App:
     """A kafka_idem application: settings plus handlers, one per topic."""
@@ -74,8 +80,9 @@ class App:
         self.handlers: dict[str, Handler[Any]] = {}
         self._codec_lock = threading.RLock()
         self._avro: AvroCodec | None = None
-        self._registry: Any = None
+        self._registry: dict[bool, Any] = {}
         self.migrations: list[Callable[[psycopg.Connection[Any]], None]] = []
+        self.declared_topics: dict[str, dict[str, Any]] = {}
 
     @property
     def settings(self) -> Settings:
@@ -89,6 +96,22 @@ class App:
         base = self.settings.model_dump()
         base["database_url"] = self.settings.dsn
         self._settings = load_settings(**{**base, **clean})
+
+    def derived(self, **overrides: Any) -> App:
+        """A copy of this app with ``overrides`` applied to its settings and copies of its
+        handlers: changing the copy's settings or handlers (the test kit points them at a
+        database of its own and wraps their functions) leaves this app as it was.
+
+        >>> app.derived(database_url="postgresql://localhost/scratch").settings.dsn
+        'postgresql://localhost/scratch'
+        """
+        other = copy.copy(self)
+        base = self.settings.model_dump()
+        base["database_url"] = self.settings.dsn
+        other._settings = load_settings(**{**base, **overrides})
+        other.handlers = {topic: copy.copy(h) for topic, h in self.handlers.items()}
+        other.migrations = list(self.migrations)
+        return other
 
     @property
     def group_id(self) -> str:
@@ -113,7 +136,7 @@ class App:
         model: type[M] | None = None,
         key: KeySpec,
         hash_fields: tuple[str, ...] | list[str],
-        format: Format | Codec | None = None,
+        format: Format | Codec | CodecFactory | None = None,
         mode: Mode = "local",
         batch: bool = True,
         dlq_topic: str | None = None,
@@ -135,10 +158,12 @@ class App:
         ``model`` is a pydantic model, a dataclass or a TypedDict (``None``: a dict).
         ``format`` is ``"json"``, ``"avro"`` (single-object encoding, with ``schema=``
         the reader schema's name), ``"registry"`` (Confluent wire format through
-        ``schema_registry_url``) or a codec object; not given, ``"avro"`` when
-        ``schema=`` is, else the app's ``default_format`` (``KAFKA_IDEM_DEFAULT_FORMAT``,
-        ``"json"``). A bad model, format or missing schema is a :class:`ConfigError`
-        now or when the app starts, never at the first message.
+        ``schema_registry_url``: Avro, JSON Schema), ``ProtobufCodec(MyMessage)``
+        (registry-framed Protobuf, :mod:`kafka_idem.protobuf`) or a codec object; not
+        given, ``"avro"`` when ``schema=`` is, else the app's ``default_format``
+        (``KAFKA_IDEM_DEFAULT_FORMAT``, ``"json"``). A bad model, format or missing
+        schema is a :class:`ConfigError` now or when the app starts, never at the first
+        message.
 
         ``batch=True`` (local mode) lets the batch path run many messages in one
         transaction with pipelined statements; when a batch falls back to the
@@ -216,31 +241,40 @@ class App:
                 self._avro = AvroCodec.from_dir(self.settings.schemas_dir)
             return self._avro
 
-    def registry_client(self) -> Any:
-        """The app's ``SchemaRegistryClient`` (made once; it caches schemas by id)."""
+    def registry_client(self, *, serialized: bool = False) -> Any:
+        """The app's ``SchemaRegistryClient`` (made once; it caches schemas by id).
+        ``serialized``: the Protobuf codecs' own client, which asks for schemas as
+        serialized descriptors (``format=serialized``); the client caches a schema by id
+        whatever form was asked, so the two forms must not share one cache."""
         from kafka_idem.registry import registry_client
 
         with self._codec_lock:
-            if self._registry is None:
+            client = self._registry.get(serialized)
+            if client is None:
                 url = self.settings.schema_registry_url
                 if not url:
                     raise ConfigError("no schema registry: set KAFKA_IDEM_SCHEMA_REGISTRY_URL",
                                       setting="schema_registry_url")
-                self._registry = registry_client(url, self.settings.schema_registry)
-            return self._registry
+                client = self._registry[serialized] = registry_client(
+                    url, self.settings.schema_registry)
+            return client
 
     def make_codec(self, handler: Handler[Any]) -> Codec:
         """The codec ``handler``'s format names, built from the app's settings."""
         from kafka_idem.registry import RegistryCodec
 
         fmt = handler.format
-        if fmt is not None and not isinstance(fmt, str):
+        if fmt is not None and not isinstance(fmt, str | CodecFactory):
             return _Validated(fmt, handler)
         name = handler.format_name or self.settings.default_format
         try:
+            if isinstance(fmt, CodecFactory):
+                return fmt.for_handler(self, handler)
             if name == "json":
                 return JsonCodec(handler.adapter)
             schemas = self.avro_schemas() if handler.schema else None
+            if schemas is not None and handler.schema is not None:
+                self._check_reader(handler, schemas)
             if name == "registry":
                 return RegistryCodec(self.registry_client(), handler.adapter, schemas=schemas,
                                      schema=handler.schema, subject=f"{handler.topic}-value")
@@ -255,6 +289,21 @@ class App:
         except ConfigError as exc:
             raise ConfigError(f"handler {handler.name!r}: {exc.message}",
                               **exc.context) from exc
+
+    def _check_reader(self, handler: Handler[Any], schemas: AvroCodec) -> None:
+        """The handler's ``schema=`` exists and its records can become its payload."""
+        assert handler.schema is not None
+        if not schemas.has(handler.schema):
+            known = ", ".join(schemas.names) or "none"
+            raise ConfigError(
+                f"schema {handler.schema!r} is not among the Avro schemas of "
+                f"{str(self.settings.schemas_dir)!r} (KAFKA_IDEM_SCHEMAS_DIR; found: {known})",
+                setting="schema")
+        problem = reader_mismatch(schemas.schema(handler.schema), handler.adapter,
+                                  handler.model, (*handler.key.fields, *handler.hash_fields))
+        if problem:
+            raise ConfigError(f"schema {handler.schema!r} does not fit the handler: {problem}",
+                              setting="schema")
 
     def bind_codec(self, handler: Handler[Any]) -> Codec:
         with self._codec_lock:
@@ -275,6 +324,36 @@ class App:
         """Register the app's own schema set-up, run by ``kafka-idem migrate`` (idempotent SQL)."""
         self.migrations.append(fn)
         return fn
+
+    def topic(self, name: str, *, partitions: int | None = None,
+              config: Mapping[str, str] | None = None) -> str:
+        """Declare a topic for ``kafka-idem topics create``: one the app produces to, or
+        the partition count and configs a handler's source (or DLQ) topic should be
+        created with. Existing topics are never changed. Returns ``name``.
+
+            app.topic("inventory.reserve", partitions=6)
+            app.topic("inventory.reserved", partitions=6, config={"retention.ms": "604800000"})
+        """
+        check_topic_name(name, setting="topic")
+        if partitions is not None and partitions < 1:
+            raise ConfigError(f"topic {name!r}: partitions must be at least 1",
+                              setting="partitions")
+        self.declared_topics[name] = {"partitions": partitions,
+                                      "config": {str(k): str(v) for k, v in (config or {}).items()}}
+        return name
+
+    def producer(self, *, config: Mapping[str, Any] | None = None,
+                 timeout: float = 30.0) -> Producer:
+        """A producer that encodes payloads with their topic's handler's codec and sets
+        the Kafka key to their idempotency key (see :mod:`kafka_idem.producer`);
+        ``config``: librdkafka options over the settings' ``producer_config()``::
+
+            with app.producer() as producer:
+                producer.send("inventory.reserve", {"shop": "s1", "order_id": "o-1", ...})
+        """
+        from kafka_idem.producer import Producer
+
+        return Producer(self, config=config, timeout=timeout)
 
     def retry_policy(self, handler: Handler[Any]) -> RetryPolicy:
         """The handler's own policy, else one from the settings (read at run time)."""

@@ -25,6 +25,7 @@ from kafka_idem.cli_admin import inspect, purge, rerun, status
 from kafka_idem.cli_dlq import dlq
 from kafka_idem.cli_errors import ServiceError
 from kafka_idem.cli_text import plain
+from kafka_idem.cli_topics import topics
 from kafka_idem.cli_verify import verify
 from kafka_idem.migrate import migrate as run_migrations
 from kafka_idem.migrate import migrate_app
@@ -87,6 +88,9 @@ def cli(ctx: click.Context, /, log_format: str | None, debug: bool, **overrides:
     ctx.obj = Ctx(clean)
     s = load_settings(**clean)  # a ConfigError is one line and exit 2 (main)
     logs.configure(s.log_format, s.log_level)
+    if ctx.invoked_subcommand != "run" and s.log_level != "DEBUG":
+        # The tools print their own results; librdkafka's notices (INFO) are noise there.
+        logging.getLogger("kafka_idem.kafka").setLevel(logging.WARNING)
 
 
 @cli.command()
@@ -109,7 +113,9 @@ def migrate(obj: Ctx, app_spec: str | None) -> None:
     click.echo(f"schema {s.schema_name}: {names}")
     if app is None:
         return
-    migrate_app(s.dsn, s.schema_name, app.migrations)
+    steps = migrate_app(s.dsn, s.schema_name, app.migrations)
+    click.echo(plain(f"app {app.name}: " + ("; ".join(step.describe() for step in steps)
+                                            or "no migrations (@app.migration) to run")))
     conn = connect(s.dsn)
     try:
         store = Store(schema=s.schema_name, table=s.table)
@@ -127,11 +133,13 @@ def migrate(obj: Ctx, app_spec: str | None) -> None:
 @click.option("--metrics-addr", help="Address /metrics binds (default 127.0.0.1; 0.0.0.0 in "
               "a container).")
 @click.option("--group-id", help="Consumer group id (default: the app's).")
+@click.option("--instance-id", "group_instance_id", help="Static membership: this member's "
+              "group.instance.id, the same across its restarts ({hostname}: the host name).")
 @click.option("--max-seconds", type=float, help="Stop after this long (tests, demos).")
 @click.pass_obj
 def run(
     obj: Ctx, app_spec: str, metrics_port: int | None, metrics_addr: str | None,
-    group_id: str | None, max_seconds: float | None,
+    group_id: str | None, group_instance_id: str | None, max_seconds: float | None,
 ) -> None:
     """Run one consumer group member; graceful on SIGTERM/SIGINT."""
     from kafka_idem.runner import Runner
@@ -139,9 +147,14 @@ def run(
     app = load_app(app_spec)
     obj.overrides.update({k: v for k, v in {"metrics_port": metrics_port,
                                              "metrics_addr": metrics_addr,
-                                             "group_id": group_id}.items() if v is not None})
+                                             "group_id": group_id,
+                                             "group_instance_id": group_instance_id}.items()
+                          if v is not None})
     s = obj.settings(app)
-    runner = Runner(app)
+    where = obj.overrides.get("bootstrap_servers")
+    option = f" --bootstrap-servers {where}" if where else ""
+    command = f"kafka-idem{option} topics create {app_spec}"
+    runner = Runner(app, topics_command=command)
     if s.metrics_port is not None:
         try:
             runner.metrics.serve(s.metrics_port, addr=s.metrics_addr)
@@ -157,7 +170,7 @@ def run(
 
 
 # --- operations ------------------------------------------------------------------
-for command in (status, inspect, rerun, purge, dlq, verify):
+for command in (status, inspect, rerun, purge, dlq, verify, topics):
     cli.add_command(command)
 
 

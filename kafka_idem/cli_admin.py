@@ -12,16 +12,15 @@ import sys
 from typing import Any, Protocol
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from kafka_idem import admin, audit
 from kafka_idem.app import App
 from kafka_idem.cli_errors import ServiceError, warn
-from kafka_idem.cli_text import cell, plain
+from kafka_idem.cli_table import Grid, emit
+from kafka_idem.cli_text import plain
 from kafka_idem.errors import FrameworkError
 from kafka_idem.settings import Settings
-from kafka_idem.store import Store, connect
+from kafka_idem.store import Conn, Store, connect
 
 
 class _Obj(Protocol):
@@ -34,6 +33,22 @@ def _store(s: Settings) -> Store:
 
 def _print_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
+
+
+def store_connection(s: Settings) -> Conn:
+    """A connection to the store, refused with one line naming what to run (exit 2)
+    when the store was never created here or lacks migrations (``kafka-idem migrate``),
+    instead of a ``relation ... does not exist`` from the first query."""
+    from kafka_idem.migrate import require_current
+
+    conn = connect(s.dsn)
+    try:
+        require_current(conn, s.schema_name)
+        conn.rollback()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 _NAMESPACE_HELP = ("Only records of this namespace (default: every namespace; an app's "
@@ -51,7 +66,7 @@ def status(obj: _Obj, as_json: bool, long_running: str | None, namespace: str | 
     s = obj.settings()
     threshold = _duration(long_running) if long_running else s.long_running_seconds
     store = _store(s)
-    conn = connect(s.dsn)
+    conn = store_connection(s)
     try:
         if namespace is not None:
             admin.require_namespace(conn, store, namespace)
@@ -61,11 +76,9 @@ def status(obj: _Obj, as_json: bool, long_running: str | None, namespace: str | 
     if as_json:
         _print_json(st.to_json())
         return
-    console = Console()
     scope = f" namespace {namespace}" if namespace is not None else ""
-    table = Table(title=cell(f"kafka_idem store {s.schema_name}.{s.table}{scope}"))
-    table.add_column("what")
-    table.add_column("count", justify="right")
+    table = Grid(["what", "count"], title=f"kafka_idem store {s.schema_name}.{s.table}{scope}",
+                 right=frozenset({"count"}))
     rows: list[tuple[str, object]] = [(name, n) for name, n in st.by_status.items()]
     rows += [("processing, live lease", st.processing_live),
              ("processing, expired lease", st.processing_expired),
@@ -74,15 +87,13 @@ def status(obj: _Obj, as_json: bool, long_running: str | None, namespace: str | 
     rows += [("retry backlog (due now)", f"{st.retry_backlog} ({st.retry_due_now})"),
              ("next retry due", st.next_retry_at.isoformat() if st.next_retry_at else "-")]
     for what, value in rows:
-        table.add_row(cell(what), cell(value))
-    console.print(table)
-    spaces = Table(title="records by namespace")
-    spaces.add_column("namespace")
-    for name in admin.STATUSES:
-        spaces.add_column(name, justify="right")
+        table.add(what, value)
+    emit(table)
+    spaces = Grid(["namespace", *admin.STATUSES], title="records by namespace",
+                  right=frozenset(admin.STATUSES))
     for ns, counts in st.by_namespace.items():
-        spaces.add_row(cell(admin.shown(ns)), *(cell(counts[n]) for n in admin.STATUSES))
-    console.print(spaces)
+        spaces.add(admin.shown(ns), *(counts[n] for n in admin.STATUSES))
+    emit(spaces)
 
 
 @click.command()
@@ -96,7 +107,7 @@ def inspect(obj: _Obj, key: str, namespace: str | None, as_json: bool) -> None:
     delivery) and its audit trail, in each namespace that holds the key. Exit 1 when the
     key or the --namespace is unknown."""
     s = obj.settings()
-    conn = connect(s.dsn)
+    conn = store_connection(s)
     try:
         recs = admin.inspect(conn, _store(s), key, namespace)
     finally:
@@ -110,34 +121,46 @@ def inspect(obj: _Obj, key: str, namespace: str | None, as_json: bool) -> None:
             names = ", ".join(repr(r["namespace"]) for r in recs)
             warn(plain(f"refused: {key}: the key exists in namespaces {names}: give --namespace"))
             sys.exit(1)
-        _print_json(recs[0])
+        _print_json(record_json(key, recs[0]))
         return
     for rec in recs:
         _print_record(key, rec)
 
 
+RECORD_FIELDS = (
+    "namespace", "status", "request_hash", "attempts", "owner_token", "lease_until",
+    "lease_live", "next_attempt_at", "result_json", "error_kind", "error_class",
+    "error_message", "first_failure_at", "last_failure_at", "completed_token", "handler",
+    "kafka_topic", "kafka_partition", "kafka_offset", "created_at", "updated_at",
+    "completed_at",
+)
+AUDIT_COLUMNS = ("at", "actor", "action", "reason", "previous_status", "previous_error")
+
+
+AUDIT_JSON = ("at", "actor", "action", "reason", "previous_status", "previous_error",
+              "selection", "counts")
+
+
+def record_json(key: str, rec: dict[str, Any]) -> dict[str, Any]:
+    """``inspect --json``: the documented fields only (README, "JSON output"), whatever
+    columns later migrations add to the table."""
+    out: dict[str, Any] = {"idempotency_key": key}
+    out.update({name: rec.get(name) for name in RECORD_FIELDS})
+    out["audit"] = [{name: row.get(name) for name in AUDIT_JSON} for row in rec["audit"]]
+    return out
+
+
 def _print_record(key: str, rec: dict[str, Any]) -> None:
-    console = Console()
-    table = Table(title=cell(f"{key}  (namespace {admin.shown(rec['namespace'])})"),
-                  show_header=False)
-    table.add_column("field")
-    table.add_column("value")
-    for name in ("namespace", "status", "request_hash", "attempts", "owner_token", "lease_until",
-                 "lease_live", "next_attempt_at", "result_json", "error_kind", "error_class",
-                 "error_message", "first_failure_at", "last_failure_at", "completed_token",
-                 "handler", "kafka_topic", "kafka_partition", "kafka_offset", "created_at",
-                 "updated_at", "completed_at"):
+    table = Grid(["field", "value"], header=False,
+                 title=f"{key}  (namespace {admin.shown(rec['namespace'])})")
+    for name in RECORD_FIELDS:
         value = rec.get(name)
-        table.add_row(name, cell(json.dumps(value, default=str) if name == "result_json"
-                                 else value))
-    console.print(table)
-    trail = Table(title="audit trail")
-    columns = ("at", "actor", "action", "reason", "previous_status", "previous_error")
-    for col in columns:
-        trail.add_column(col)
+        table.add(name, json.dumps(value, default=str) if name == "result_json" else value)
+    emit(table)
+    trail = Grid(list(AUDIT_COLUMNS), title="audit trail")
     for row in rec["audit"]:
-        trail.add_row(*(cell(row[c] or "") for c in columns))
-    console.print(trail)
+        trail.add(*(row[c] or "" for c in AUDIT_COLUMNS))
+    emit(trail)
 
 
 def _iso_time(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
@@ -209,7 +232,7 @@ def _rerun_one(obj: _Obj, key: str, reason: str, actor: str | None,
 
     s = obj.settings()
     who = actor or audit.default_actor()
-    conn = connect(s.dsn)
+    conn = store_connection(s)
     try:
         if not reason.strip():
             raise admin.Refused("a reason is required for a re-run: give --reason TEXT",
@@ -261,7 +284,7 @@ def _rerun_bulk(obj: _Obj, reason: str | None, actor: str | None, dlq_topic: str
                                "--handler, --namespace, --key-prefix) to re-run in bulk")
     s = obj.settings()
     who = actor or audit.default_actor()
-    conn = connect(s.dsn)
+    conn = store_connection(s)
     try:
         if namespace is not None:
             admin.require_namespace(conn, _store(s), namespace)
@@ -311,7 +334,7 @@ def purge(obj: _Obj, older_than: str, include_failed: bool, batch_size: int,
     s = obj.settings()
     seconds = _duration(older_than)
     store = _store(s) if namespace is None else _store(s).scoped(namespace)
-    conn = connect(s.dsn)
+    conn = store_connection(s)
     try:
         if namespace is not None:
             admin.require_namespace(conn, store, namespace)

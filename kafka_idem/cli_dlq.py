@@ -18,13 +18,12 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import click
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from kafka_idem import audit, replay
+from kafka_idem.cli_admin import store_connection
 from kafka_idem.cli_errors import warn
-from kafka_idem.cli_text import cell, plain
+from kafka_idem.cli_table import Grid, emit
+from kafka_idem.cli_text import plain
 from kafka_idem.dlq import ERROR_KINDS
 from kafka_idem.settings import Settings
 
@@ -35,6 +34,8 @@ MESSAGE_WIDTH = 60
 
 class _Obj(Protocol):
     """What the parent ``kafka-idem`` group puts in ``ctx.obj`` (``cli.Ctx``)."""
+
+    overrides: dict[str, Any]
 
     def settings(self) -> Settings: ...
 
@@ -159,18 +160,17 @@ def list_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, limit: 
     if as_json:
         _echo_json([r.to_json() for r in records])
         return
-    table = Table(title=cell(f"{topic}: {len(records)} record(s)"
-                             + (" (--limit reached)" if more else "")))
-    for col in ("partition", "offset", "last failure (UTC)", "kind", "class", "key",
-                "namespace", "handler", "attempts", "message"):
-        table.add_column(col, overflow="fold")
+    table = Grid(LIST_COLUMNS, title=f"{topic}: {len(records)} record(s)"
+                 + (" (--limit reached)" if more else ""))
     for r in records:
-        table.add_row(*(cell(v) for v in (
-            r.partition, r.offset, _time(r.last_failure_at), r.kind, r.error_class,
-            r.idempotency_key, r.namespace or "", r.handler, r.attempts,
-            _short(r.error_message),
-        )))
-    Console(soft_wrap=False).print(table)
+        table.add(r.partition, r.offset, _time(r.last_failure_at), r.kind, r.error_class,
+                  r.idempotency_key, r.namespace or "", r.handler, r.attempts,
+                  _short(r.error_message))
+    emit(table)
+
+
+LIST_COLUMNS = ["partition", "offset", "last failure (UTC)", "kind", "class", "key",
+                "namespace", "handler", "attempts", "message"]
 
 
 @dlq.command()
@@ -191,18 +191,15 @@ def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: 
     if as_json:
         _echo_json(rec.to_json())
         return
-    console = Console(soft_wrap=False)
-    console.print(cell(f"{topic}[{partition}]@{offset}", style="bold"))
-    console.print(cell(f"timestamp:  {rec.timestamp.isoformat() if rec.timestamp else '-'}"))
-    console.print(cell(f"kafka key:  {replay.display_bytes(rec.key)}"))
     size = "null" if rec.value is None else f"{len(rec.value)} bytes"
-    console.print(Text(f"value:      {size}"))
-    table = Table(title="headers")
-    table.add_column("name", no_wrap=True)
-    table.add_column("value", overflow="fold")
+    click.echo(plain(f"{topic}[{partition}]@{offset}"))
+    click.echo(plain(f"timestamp:  {rec.timestamp.isoformat() if rec.timestamp else '-'}"))
+    click.echo(plain(f"kafka key:  {replay.display_bytes(rec.key)}"))
+    click.echo(f"value:      {size}")
+    table = Grid(["name", "value"], title="headers")
     for name, value in rec.headers:
-        table.add_row(cell(name), cell(replay.display_bytes(value)))
-    console.print(table)
+        table.add(name, replay.display_bytes(value))
+    emit(table)
 
 
 @dlq.command("replay")
@@ -225,13 +222,16 @@ def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: 
 @click.option("--actor", help="Who replays (default: KAFKA_IDEM_ACTOR or the OS user).")
 @click.option("--group", help="The replay's own consumer group (default: derived from the "
               "DLQ, the filters and --to, so the same replay resumes where it stopped).")
+@click.option("--prefix", help="Put this before the replay's consumer group and "
+              "transactional id (default: the name_prefix setting, KAFKA_IDEM_NAME_PREFIX), "
+              "e.g. 'team-a.' on a cluster whose ACLs grant names by prefix.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.pass_obj
 def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_topic: str | None,
             dry_run: bool, rate: float | None, limit: int | None, reason: str | None,
             include_permanent: bool, actor: str | None, group: str | None,
-            no_progress: bool, as_json: bool, **opts: Any) -> None:
+            prefix: str | None, no_progress: bool, as_json: bool, **opts: Any) -> None:
     """Re-drive matching DLQ records: republish them to their original topic (or --to).
 
     Each record is decided by its key's record in the store. A key that is failed
@@ -248,8 +248,11 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
     filters and --to, continues where it stopped without sending anything twice
     and sends the keys it had re-run. --dry-run prints the same counts, per kind.
     """
+    if prefix is not None:
+        obj.overrides["name_prefix"] = prefix
     s = obj.settings()
     topic = _dlq_topic(s, dlq_topic, source_topic)
+    store_connection(s).close()  # a store never migrated: say so (exit 2) before any read
     selection = _selection(opts)
     would: list[dict[str, Any]] = []
 

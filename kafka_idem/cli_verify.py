@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import click
 from rich.console import Console
@@ -28,6 +28,8 @@ from kafka_idem.settings import Settings
 class _Obj(Protocol):
     """What the parent ``kafka-idem`` group puts in ``ctx.obj`` (``cli.Ctx``)."""
 
+    overrides: dict[str, Any]
+
     def settings(self) -> Settings: ...
 
 
@@ -40,13 +42,18 @@ class _Obj(Protocol):
 @click.option("--keep", is_flag=True,
               help="Leave each scenario's topics, schemas, group and member logs for "
                    "inspection (their names are printed).")
+@click.option("--prefix", help="Put this before every topic and consumer group verify "
+              "creates (default: the name_prefix setting, KAFKA_IDEM_NAME_PREFIX), e.g. "
+              "'team-a.' on a cluster whose ACLs grant names by prefix.")
 @click.pass_obj
-def verify(obj: _Obj, scenarios: tuple[str, ...], json_path: Path | None, keep: bool) -> None:
+def verify(obj: _Obj, scenarios: tuple[str, ...], json_path: Path | None, keep: bool,
+           prefix: str | None) -> None:
     """Run the six exactly-once scenarios against the configured Kafka and
     PostgreSQL, with real member processes and real signals, and print what each one
     checked, the durable figures it read and PASS/FAIL.
 
-    Each scenario uses fresh topics (kafka-idem-verify.<run>.s<N>) and fresh schemas
+    Each scenario uses fresh topics and a group ([PREFIX]kafka-idem-verify.<run>.s<N>) and
+    fresh schemas
     (verify_<run>_s<N>, verify_<run>_s<N>_biz); your existing tables are never touched.
     The database role needs CREATE on the database; Kafka must allow creating and
     deleting topics and consumer groups."""
@@ -56,6 +63,8 @@ def verify(obj: _Obj, scenarios: tuple[str, ...], json_path: Path | None, keep: 
         chosen = verification.select(scenarios)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--scenario") from exc
+    if prefix is not None:
+        obj.overrides["name_prefix"] = prefix
     settings = obj.settings()
     # The progress lines and the table are the output; the library's INFO logs are noise.
     logging.getLogger("kafka_idem").setLevel(logging.WARNING)

@@ -13,6 +13,9 @@ into its model) and encodes a payload into the bytes producers send; its
 * ``"registry"`` (:class:`kafka_idem.registry.RegistryCodec`): Confluent's wire
   format (byte ``0`` + a 4-byte big-endian schema id + the body) for Avro and
   JSON Schema, schemas resolved through a Schema Registry.
+* ``ProtobufCodec(MyMessage)`` (:class:`kafka_idem.protobuf.ProtobufCodec`, a
+  :class:`CodecFactory`): Confluent's wire format for Protobuf (the message indexes
+  after the schema id), the ``protobuf`` extra.
 
 A handler picks one with ``format=`` (or any object with ``name``, ``decode`` and
 ``encode``); the app binds it (:meth:`kafka_idem.app.App.codec`)::
@@ -67,6 +70,16 @@ class Codec(Protocol):
     def encode(self, payload: Any) -> bytes: ...
 
 
+@runtime_checkable
+class CodecFactory(Protocol):
+    """A codec that needs its app to work (the registry client, the handler's topic and
+    model), e.g. :class:`kafka_idem.protobuf.ProtobufCodec`. Given as ``format=``, the app
+    calls ``for_handler`` when it binds the handler and uses the codec returned as it is
+    (it validates into the model itself)."""
+
+    def for_handler(self, app: Any, handler: Any) -> Codec: ...
+
+
 # --- models -------------------------------------------------------------------
 
 
@@ -98,6 +111,59 @@ def fields_of(model: Any) -> tuple[str, ...] | None:
         return tuple(f.name for f in dataclasses.fields(model))
     if is_typeddict(model):
         return tuple(typing.get_type_hints(model))
+    return None
+
+
+def required_fields(model: Any) -> list[str]:
+    """The fields a payload must carry to validate into ``model`` (by the name validation
+    reads: a pydantic alias if the field has one)."""
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return [info.alias if isinstance(info.alias, str) else name
+                for name, info in model.model_fields.items() if info.is_required()]
+    if dataclasses.is_dataclass(model):
+        return [f.name for f in dataclasses.fields(model)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if is_typeddict(model):
+        return sorted(model.__required_keys__)
+    return []
+
+
+def reader_mismatch(reader: Any, adapter: TypeAdapter[Any], model: Any,
+                    fields: tuple[str, ...]) -> str | None:
+    """Why records read with the Avro ``reader`` schema could never become the handler's
+    payload, or ``None``: a field the model requires (or, without a model, a key or hash
+    field) that the schema lacks; a field the schema adds that a model forbidding extra
+    fields would refuse. Checked at start-up: each would fail every message."""
+    if not isinstance(reader, dict) or reader.get("type") != "record":
+        return None
+    avro = {f["name"] for f in reader.get("fields", [])}
+    if model is None:
+        lacking = [f for f in fields if f not in avro]
+        return f"it has no field {lacking} (key or hash fields)" if lacking else None
+    try:
+        js = adapter.json_schema(mode="validation")
+    except Exception:  # a model pydantic cannot describe: nothing to compare
+        return None
+    names = set(fields_of(model) or ())
+    lacking = [f for f in js.get("required", []) if f not in avro
+               and _name_of(model, f) not in avro]
+    if lacking:
+        return f"it has no field {lacking}, which {getattr(model, '__name__', model)} requires"
+    if js.get("additionalProperties") is False:
+        extra = sorted(avro - set(js.get("properties", {})) - names)
+        if extra:
+            return (f"its fields {extra} are not in {getattr(model, '__name__', model)}, "
+                    "which forbids extra fields")
+    return None
+
+
+def _name_of(model: Any, alias: str) -> str | None:
+    """The field name behind a pydantic model's alias (a model that also validates by
+    name accepts either)."""
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        for name, info in model.model_fields.items():
+            if info.alias == alias or info.validation_alias == alias:
+                return name
     return None
 
 
@@ -306,5 +372,5 @@ class AvroObjectCodec:
         return self.schemas.encode(self.schema, as_python(self.adapter, payload))
 
 
-__all__ = ["FORMATS", "AvroCodec", "AvroObjectCodec", "Codec", "JsonCodec", "adapter_for",
-           "fields_of", "fingerprint"]
+__all__ = ["FORMATS", "AvroCodec", "AvroObjectCodec", "Codec", "CodecFactory", "JsonCodec",
+           "adapter_for", "fields_of", "fingerprint", "reader_mismatch", "required_fields"]

@@ -82,6 +82,9 @@ class DeadLetter:
     namespace: str | None = None
     first_failure_at: dt.datetime | None = None
     last_failure_at: dt.datetime | None = None
+    # The processing span's context (traceparent...), when tracing is on (tracing.py):
+    # it replaces the original's, which is that span's parent.
+    trace: tuple[tuple[str, bytes], ...] = ()
 
     def record(self, limit: int) -> Record:
         """The DLQ record: the original key and value bytes and headers, plus ours."""
@@ -137,8 +140,10 @@ class DeadLetter:
             # replay lineage stays: a replayed message that fails again says so
             (k, v or b"")
             for k, v in (self.source.headers() or [])
-            if not k.startswith(PREFIX) or k.startswith("idem.replay.")
+            if (not k.startswith(PREFIX) or k.startswith("idem.replay."))
+            and not (self.trace and k.lower() in ("traceparent", "tracestate"))
         ]
+        original += list(self.trace)
         return original + [(k, v.encode("utf-8")) for k, v in pairs]
 
 

@@ -129,5 +129,15 @@ class BrokerError(FrameworkError):
     """The Kafka client reported an error."""
 
 
+class DeliveryFailed(BrokerError):
+    """Records sent with :meth:`kafka_idem.App.producer` were not acknowledged by Kafka."""
+
+    def __init__(self, message: str | None = None, *,
+                 failures: list[tuple[str, bytes | None, str]] | None = None,
+                 **context: Any) -> None:
+        super().__init__(message, **context)
+        self.failures = failures or []  # (topic, Kafka key, error) of each record
+
+
 class SchemaRegistryUnavailable(FrameworkError):
     """The schema registry could not be asked; the message waits, it is not dead-lettered."""

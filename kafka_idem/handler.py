@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from kafka_idem.codec import (
     FORMATS,
     Codec,
+    CodecFactory,
     adapter_for,
     fields_of,
 )
@@ -133,7 +134,7 @@ class Handler(Generic[M]):
         schema: str | None,
         retry: RetryPolicy | None,
         errors: tuple[tuple[type[BaseException], ErrorKind], ...],
-        format: Format | Codec | None = None,
+        format: Format | Codec | CodecFactory | None = None,
         binder: Callable[[Handler[Any]], Codec] | None = None,
         concurrency: int = 1,
         ordering_key: KeySpec | None = None,
@@ -164,7 +165,7 @@ class Handler(Generic[M]):
             if format == "avro" and not schema:
                 raise ConfigError(f"handler {name!r}: format 'avro' needs schema= (the Avro "
                                   "reader schema's full name, from schemas_dir)", setting="schema")
-        elif format is not None and not isinstance(format, Codec):
+        elif format is not None and not isinstance(format, (Codec, CodecFactory)):
             raise ConfigError(f"handler {name!r}: format {format!r} is neither "
                               f"{list(FORMATS)} nor a codec (name, decode, encode)",
                               setting="format")
@@ -181,6 +182,12 @@ class Handler(Generic[M]):
                     f"{getattr(model, '__name__', model)}",
                     setting="key/hash_fields",
                 )
+        check = getattr(format, "check_handler", None)
+        if callable(check):  # a codec's own checks of the model and fields, now
+            try:
+                check(self)
+            except ConfigError as exc:
+                raise ConfigError(f"handler {name!r}: {exc.message}", **exc.context) from exc
 
     # --- payloads -----------------------------------------------------------
 
@@ -191,7 +198,7 @@ class Handler(Generic[M]):
         if isinstance(self.format, str):
             return self.format
         if self.format is not None:
-            return self.format.name
+            return str(getattr(self.format, "name", type(self.format).__name__))
         return "avro" if self.schema else None
 
     @property

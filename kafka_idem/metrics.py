@@ -16,14 +16,15 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    start_http_server,
 )
 
+from kafka_idem import health
 from kafka_idem.store import describe
 
 log = logging.getLogger(__name__)
 
 OUTCOMES = ("succeeded", "replayed", "busy", "conflict", "retried", "dead_lettered")
+DECIDED = ("succeeded", "replayed", "conflict", "dead_lettered")  # the offset may move
 
 
 class Metrics:
@@ -66,15 +67,41 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.config_errors = Counter(
+            "kafka_idem_config_errors_total",
+            "Configuration errors met while processing: the partition is held, the message "
+            "not charged (alert on any increase).",
+            ["topic", "handler"],
+            registry=r,
+        )
         self.handler_seconds = Histogram(
             "kafka_idem_handler_duration_seconds",
             "Handler run time.",
             ["topic", "handler"],
             registry=r,
         )
+        self.deliveries = Counter(
+            "kafka_idem_deliveries_total",
+            "Deliveries decided (succeeded, replayed, conflict, dead-lettered): each one "
+            "lets its offset move. Sum over members; duplicates_total / deliveries_total "
+            "is the group's duplicate ratio.",
+            ["topic", "handler"],
+            registry=r,
+        )
+        self.duplicates = Counter(
+            "kafka_idem_duplicates_total",
+            "Deliveries of a key that had already succeeded, answered with its stored "
+            "result (the handler did not run).",
+            ["topic", "handler"],
+            registry=r,
+        )
+        # Deprecated, kept for one release: a per-process ratio cannot be summed across
+        # members (use the two counters above); removed in the next release.
         self.duplicate_ratio = Gauge(
             "kafka_idem_duplicate_ratio",
-            "Replayed / all decided messages since start.",
+            "DEPRECATED (removed in the next release): replayed / decided messages since "
+            "this process started; use kafka_idem_duplicates_total / "
+            "kafka_idem_deliveries_total.",
             registry=r,
         )
         self.lag = Gauge(
@@ -100,13 +127,17 @@ class Metrics:
             "Records processing for longer than the threshold (sampled).",
             registry=r,
         )
+        self.health: health.Health | None = None  # set by the Runner: /livez, /readyz
         self._decided = 0
         self._replayed = 0
         self._lock = threading.Lock()
 
     def outcome(self, topic: str, handler: str, outcome: str, n: int = 1) -> None:
         self.messages.labels(topic, handler, outcome).inc(n)
-        if outcome in ("succeeded", "replayed", "conflict", "dead_lettered"):
+        if outcome in DECIDED:
+            self.deliveries.labels(topic, handler).inc(n)
+            if outcome == "replayed":
+                self.duplicates.labels(topic, handler).inc(n)
             with self._lock:
                 self._decided += n
                 if outcome == "replayed":
@@ -114,7 +145,9 @@ class Metrics:
                 self.duplicate_ratio.set(self._replayed / self._decided)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        """Serve ``/metrics`` (and ``/livez``, ``/readyz`` when a runner set
+        :attr:`health`) on ``addr:port``; return the port bound."""
+        server = health.serve(self.registry, self.health, port, addr)
         bound = int(server.server_address[1])
         log.info("metrics endpoint started on %s:%d", addr, bound,
                  extra={"action": "metrics", "port": bound})

@@ -70,6 +70,12 @@ def require_current(conn: psycopg.Connection[Any], schema: str) -> None:
     """Raise :class:`ConfigError` when the store lacks migrations this code needs
     (a deploy before its migrate): run `kafka-idem migrate` first."""
     have = set(applied_versions(conn, schema))
+    if not have:
+        raise ConfigError(
+            f"this database has no kafka_idem store in schema {schema!r}: run `kafka-idem "
+            "migrate` to create it (or give the store's --database-url / --schema)",
+            setting="schema_name",
+        )
     missing = [m for m in migrations() if m.version not in have]
     if missing:
         names = ", ".join(f"{m.version:04d}_{m.name}" for m in missing)
@@ -88,17 +94,69 @@ def _lock(conn: psycopg.Connection[Any], schema: str) -> None:
     conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"kafka_idem:{schema}",))
 
 
+_KINDS = {"r": "table", "p": "table", "v": "view", "m": "materialized view"}
+# What an app's migration can create that a reader of its report cares about.
+_CATALOG = """
+SELECT 'schema', nspname, '' FROM pg_namespace
+UNION ALL
+SELECT c.relkind::text, n.nspname, c.relname FROM pg_class c
+  JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind IN ('r','p','v','m')
+UNION ALL
+SELECT 'column', n.nspname, c.relname || '.' || a.attname FROM pg_attribute a
+  JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+  WHERE c.relkind IN ('r','p') AND a.attnum > 0 AND NOT a.attisdropped
+"""
+
+
+@dataclass(frozen=True)
+class AppStep:
+    """What one of an app's migrations (``@app.migration``) did: its name and the
+    objects that exist now and did not before it ran (``kind name``)."""
+
+    name: str
+    created: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"{self.name}: " + (f"created {', '.join(self.created)}" if self.created
+                                   else "nothing new (what it creates exists already)")
+
+
+def _catalog(conn: psycopg.Connection[Any]) -> set[tuple[str, str, str]]:
+    skip = ("pg_catalog", "information_schema")
+    return {(kind, ns, name) for kind, ns, name in conn.execute(_CATALOG).fetchall()
+            if ns not in skip and not ns.startswith(("pg_toast", "pg_temp"))}
+
+
+def _created(before: set[tuple[str, str, str]], after: set[tuple[str, str, str]]) -> tuple[
+        str, ...]:
+    new = after - before
+    tables = {(ns, name) for kind, ns, name in new if kind in ("r", "p")}
+    out = []
+    for kind, ns, name in sorted(new, key=lambda t: (t[0] != "schema", t[1], t[2])):
+        if kind == "column" and (ns, name.split(".", 1)[0]) in tables:
+            continue  # the columns of a new table are the table
+        what = "schema" if kind == "schema" else _KINDS.get(kind, kind)
+        out.append(f"{what} {ns}" if kind == "schema" else f"{what} {ns}.{name}")
+    return tuple(out)
+
+
 def migrate_app(
     dsn: str, schema: str, steps: Sequence[Callable[[psycopg.Connection[Any]], None]]
-) -> None:
-    """Run an app's own migrations in one transaction, under the store's advisory lock."""
+) -> list[AppStep]:
+    """Run an app's own migrations in one transaction, under the store's advisory lock;
+    return what each one created (``kafka-idem migrate --app`` prints it)."""
     if not steps:
-        return
+        return []
+    done = []
     with (translate_errors(), psycopg.connect(dsn, autocommit=False) as conn,
           conn.transaction()):
         _lock(conn, schema)
         for step in steps:
+            before = _catalog(conn)
             step(conn)
+            done.append(AppStep(getattr(step, "__name__", repr(step)),
+                                _created(before, _catalog(conn))))
+    return done
 
 
 def migrate(

@@ -9,9 +9,9 @@ a failure is decides what happens to the message:
 * the registry cannot be asked (refused, timed out, HTTP 5xx, 401/403):
   :class:`~kafka_idem.errors.SchemaRegistryUnavailable`, a framework error: the
   partition waits and retries, the message is never charged;
-* the id names no schema (HTTP 404), or a schema kafka_idem cannot use (Protobuf,
-  a schema that does not parse): :class:`~kafka_idem.errors.Undecodable`, the
-  message is dead-lettered with the id.
+* the id names no schema (HTTP 404), or a schema this codec cannot use (one that
+  does not parse; Protobuf, which :class:`kafka_idem.protobuf.ProtobufCodec` reads):
+  :class:`~kafka_idem.errors.Undecodable`, the message is dead-lettered with the id.
 
 Producing (:meth:`RegistryCodec.encode`) registers the handler's schema under the
 subject ``<topic>-value`` (TopicNameStrategy) once and frames with its id: the Avro
@@ -40,7 +40,13 @@ from kafka_idem.codec import (
     sniff,
     validate,
 )
-from kafka_idem.errors import ConfigError, MessageError, SchemaRegistryUnavailable, Undecodable
+from kafka_idem.errors import (
+    ConfigError,
+    KafkaIdemError,
+    MessageError,
+    SchemaRegistryUnavailable,
+    Undecodable,
+)
 
 T = TypeVar("T")
 NOT_FOUND = 404
@@ -58,23 +64,43 @@ def registry_client(url: str, options: dict[str, Any]) -> Any:
         raise ConfigError(f"schema registry client: {exc}", setting="schema_registry") from exc
 
 
-def ask(what: str, call: Callable[[], T], *, schema_id: int | None = None) -> T:
-    """Run one registry call, turning its failures into whose fault they are."""
+def registry_trouble(exc: BaseException) -> bool:
+    """``exc`` came from asking the registry (an HTTP answer or a transport failure), not
+    from the bytes of a message."""
     from confluent_kafka.schema_registry.error import SchemaRegistryError
 
+    return isinstance(exc, SchemaRegistryError | OSError) or \
+        type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore")
+
+
+def blame(exc: BaseException, what: str, *, schema_id: int | None = None,
+          fmt: str = "registry") -> KafkaIdemError:
+    """Whose fault a failed registry call is: an id the registry does not know is the
+    message's (:class:`Undecodable`), anything else the framework's
+    (:class:`SchemaRegistryUnavailable`: retried, never charged)."""
+    from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+    if isinstance(exc, SchemaRegistryError):
+        if exc.http_status_code == NOT_FOUND and schema_id is not None:
+            return Undecodable(f"{fmt}: schema id {schema_id} not found in the registry",
+                               schema_id=schema_id)
+        return SchemaRegistryUnavailable(
+            f"schema registry answered HTTP {exc.http_status_code} to {what}: "
+            f"{exc.error_message}", schema_id=schema_id)
+    # httpx transport errors: refused, reset, timed out, TLS
+    return SchemaRegistryUnavailable(
+        f"schema registry unreachable ({what}): {type(exc).__name__}: {exc}",
+        schema_id=schema_id)
+
+
+def ask(what: str, call: Callable[[], T], *, schema_id: int | None = None,
+        fmt: str = "registry") -> T:
+    """Run one registry call, turning its failures into whose fault they are (``fmt``: the
+    format named in the message's error)."""
     try:
         return call()
-    except SchemaRegistryError as exc:
-        if exc.http_status_code == NOT_FOUND and schema_id is not None:
-            raise Undecodable(f"registry: schema id {schema_id} not found in the registry",
-                              schema_id=schema_id) from exc
-        raise SchemaRegistryUnavailable(
-            f"schema registry answered HTTP {exc.http_status_code} to {what}: "
-            f"{exc.error_message}", schema_id=schema_id) from exc
-    except Exception as exc:  # httpx transport errors: refused, reset, timed out, TLS
-        raise SchemaRegistryUnavailable(
-            f"schema registry unreachable ({what}): {type(exc).__name__}: {exc}",
-            schema_id=schema_id) from exc
+    except Exception as exc:
+        raise blame(exc, what, schema_id=schema_id, fmt=fmt) from exc
 
 
 class RegistryCodec:
@@ -145,8 +171,9 @@ class RegistryCodec:
         elif kind == "JSON":
             decoder = (kind, None)
         else:
-            raise Undecodable(f"registry: schema id {schema_id} is a {kind} schema; kafka_idem "
-                              "decodes registry-framed AVRO and JSON only", schema_id=schema_id)
+            raise Undecodable(f"registry: schema id {schema_id} is a {kind} schema; a 'registry' "
+                              "handler reads Avro and JSON Schema (Protobuf: "
+                              "format=ProtobufCodec(<message class>))", schema_id=schema_id)
         with self._lock:
             self._decoders[schema_id] = decoder
         return decoder
@@ -176,4 +203,4 @@ class RegistryCodec:
         return head + self.json.encode(payload)
 
 
-__all__ = ["RegistryCodec", "ask", "registry_client"]
+__all__ = ["RegistryCodec", "ask", "blame", "registry_client", "registry_trouble"]

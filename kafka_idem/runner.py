@@ -39,19 +39,23 @@ from types import FrameType
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
+from kafka_idem import kafka_logs, topics
 from kafka_idem.app import App
 from kafka_idem.consume import log
-from kafka_idem.consume.gauges import Lag, sample_store
+from kafka_idem.consume.gauges import LAG_EVERY_SECONDS, Lag, sample_store
 from kafka_idem.consume.keyed import KeyedState
 from kafka_idem.consume.letters import send_letters
 from kafka_idem.consume.offsets import Offsets
 from kafka_idem.consume.ordered import KeyedResults
 from kafka_idem.consume.outcome import Result
 from kafka_idem.consume.partitions import TP, Partitions
+from kafka_idem.consume.progress import Progress
 from kafka_idem.consume.units import Units
 from kafka_idem.dlq import DeadLetterer
-from kafka_idem.errors import BrokerError
+from kafka_idem.errors import BrokerError, ConfigError, FrameworkError
+from kafka_idem.health import Health
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.metrics import Metrics, Sampler
 from kafka_idem.store import Store, connect
@@ -60,8 +64,11 @@ from kafka_idem.store import Store, connect
 class Runner:
     """One consumer group member running ``app``'s handlers until stopped."""
 
-    def __init__(self, app: App, *, metrics: Metrics | None = None) -> None:
+    def __init__(self, app: App, *, metrics: Metrics | None = None,
+                 topics_command: str | None = None) -> None:
         self.app = app
+        # what the missing-topics warning tells the operator to run
+        self.topics_command = topics_command or "kafka-idem topics create MODULE:APP"
         self.settings = s = app.settings
         self.metrics = metrics or Metrics()
         self.store = Store(schema=s.schema_name, table=s.table, namespace=app.namespace)
@@ -82,10 +89,15 @@ class Runner:
         self.consumer: Consumer | None = None
         self.producer: Producer | None = None
         self.dlq: DeadLetterer | None = None
-        self._fatal: str | None = None
+        self._fatal: FrameworkError | None = None
+        self.missing_topics: set[str] = set()  # warned about once; logged again when found
+        self.progress = Progress(s.progress_seconds)
+        # /livez and /readyz (served with /metrics): the loop reports its own progress.
+        self.health = Health(liveness_seconds=s.liveness_seconds, max_lag=s.readiness_max_lag)
+        self.metrics.health = self.health
         self._polled_at = time.monotonic()
-        # A loop that did not poll for this long may have lost its partitions
-        # without knowing yet: it starts no new work before it polls.
+        # A loop that did not poll for this long may have lost its partitions without
+        # knowing yet: it starts no key-ordered message before it polls.
         self._stall_limit = min(s.session_timeout_ms, s.max_poll_interval_ms) / 2000
         self.sampler = Sampler(
             self.metrics, lambda: sample_store(s, self.store), interval=s.metrics_sample_seconds
@@ -100,7 +112,7 @@ class Runner:
     def install_signal_handlers(self) -> None:
         def stop(signum: int, _frame: FrameType | None) -> None:
             log.info("stopping", extra={"action": "stopping", "kind": signal.Signals(signum).name})
-            self.stopping.set()
+            self.stop()
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
@@ -112,9 +124,11 @@ class Runner:
         conf = s.consumer_config(self.app.group_id)
         conf["error_cb"] = self._on_error
         conf["on_commit"] = self._on_commit
+        conf["enable.partition.eof"] = True  # the lag of an idle partition (/readyz)
         self.consumer = Consumer(conf)
         self.producer = Producer({**s.producer_config(), "error_cb": self._on_error})
         self.dlq = DeadLetterer(self.producer, header_limit=s.error_message_max)
+        self._check_topics()
         if self.leases is not None:
             self.leases.start()
         self.sampler.start()
@@ -122,6 +136,30 @@ class Runner:
                                 on_revoke=self._on_revoke, on_lost=self._on_lost)
         log.info("consumer started",
                  extra={"action": "started", "topic": ",".join(self.app.topics)})
+
+    def _check_topics(self) -> None:
+        """Say once, before joining, which topics the app needs that the cluster lacks
+        (librdkafka would otherwise report each subscribed one as it notices it)."""
+        # Its own client: a full metadata request on the consumer keeps librdkafka from
+        # noticing a subscribed topic created later (until its 5-minute refresh).
+        admin = AdminClient(self.settings.admin_config())
+        try:
+            absent = topics.missing(self.app, admin, timeout=5.0)
+        except FrameworkError as exc:  # the broker is not answering yet: the loop will say
+            log.debug("topic check skipped: %s", exc, extra={"action": "topics"})
+            return
+        self._warn_missing(absent)
+
+    def _warn_missing(self, absent: list[str]) -> None:
+        new = [t for t in absent if t not in self.missing_topics]
+        if not new:
+            return
+        self.missing_topics.update(new)
+        log.warning(
+            "topic%s %s do%s not exist; create %s with: %s (this member starts consuming a "
+            "topic as soon as it exists)", "s" if len(new) > 1 else "", ", ".join(new),
+            "" if len(new) > 1 else "es", "them" if len(new) > 1 else "it",
+            self.topics_command, extra={"action": "topics_missing", "topic": ",".join(new)})
 
     def _check_schema(self) -> None:
         """Refuse to run on a store older than this code (deploy-before-migrate), or
@@ -146,7 +184,7 @@ class Runner:
                     break
                 self.step()
                 if self._fatal:
-                    raise BrokerError(self._fatal)
+                    raise self._fatal
         finally:
             self.close()
         return 0
@@ -176,7 +214,13 @@ class Runner:
         self._harvest()  # what ran in the loop thread (local_workers = 0) applies at once
         self._commit_pending()
         self._pause_resume()
-        self.lag.observe(self.consumer, self.parts)
+        ready = self.health.ready().ok
+        lags = self.lag.observe(self.consumer, self.parts, self.health.assignment(),
+                                every=LAG_EVERY_SECONDS if ready else 1.0)
+        if lags is not None:
+            self.health.observed(lags)
+        self.health.round()
+        self.progress.tick(time.monotonic())
 
     def _ingest(self, msgs: list[Any]) -> None:
         stale = 0
@@ -192,9 +236,15 @@ class Runner:
                 self.parts.add(msg, time.monotonic())
                 continue
             if err.code() == KafkaError._PARTITION_EOF:
+                self.lag.reached_end((msg.topic(), msg.partition()), msg.offset())
                 continue
-            if err.fatal():
-                self._fatal = f"fatal consumer error: {err}"
+            if err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART and msg.topic():
+                # said once, with the command that fixes it (not librdkafka's words again)
+                self._warn_missing([msg.topic()])
+                log.debug("consumer error: %s", err, extra={"action": "consumer_error"})
+                continue
+            if err.fatal() or err.code() in (KafkaError._FATAL, KafkaError.FENCED_INSTANCE_ID):
+                self._fatal = self._fatal_error(err)
             log.warning("consumer error: %s", err, extra={"action": "consumer_error"})
         if stale:
             log.info("dropped %d messages of partitions no longer assigned", stale,
@@ -219,6 +269,7 @@ class Runner:
         counts = self.parts.apply(results, now) + self.units.keyed.apply(keyed, now)
         for (topic, outcome), n in counts.items():
             self.metrics.outcome(topic, self.app.handlers[topic].name, outcome, n)
+        self.progress.add(counts)
 
     def _commit_pending(self, *, sync: bool = False) -> None:
         """Commit each partition's finished prefix (asynchronously in the loop,
@@ -238,8 +289,13 @@ class Runner:
 
     def _on_assign(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", _names(partitions), extra={"action": "assigned"})
+        self.health.assigned(_tps(partitions))
         self.newly_assigned.extend(partitions)
         self.assigned.update(_tps(partitions))
+        found = sorted({p.topic for p in partitions} & self.missing_topics)
+        if found:
+            self.missing_topics.difference_update(found)
+            log.info("topic %s exists now", ", ".join(found), extra={"action": "topics_found"})
 
     def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         log.info("revoked %s", _names(partitions), extra={"action": "revoked"})
@@ -247,6 +303,7 @@ class Runner:
         self._drain(partitions)  # their work in flight finishes first, then their offsets
         tps = _tps(partitions)
         self.lag.forget(tps)
+        self.health.revoked(tps)
         self.offsets.commit_leaving(consumer, tps)
 
     def _on_lost(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
@@ -256,15 +313,29 @@ class Runner:
         tps = _tps(partitions)
         self.parts.forget(tps)
         self.lag.forget(tps)
+        self.health.revoked(tps)
 
     def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
         self.offsets.acknowledged(err, partitions)
 
     def _on_error(self, err: KafkaError) -> None:
-        if err.fatal():
-            # e.g. a second member with our group.instance.id fenced us (a zombie).
-            self._fatal = f"fatal Kafka error: {err}"
-        log.warning("kafka: %s", err, extra={"action": "kafka_error"})
+        if err.fatal() or err.code() in (KafkaError._FATAL, KafkaError.FENCED_INSTANCE_ID):
+            self._fatal = self._fatal_error(err)
+        kafka_logs.error(err)  # deduplicated: with the broker down this repeats every 50 ms
+
+    def _fatal_error(self, err: KafkaError) -> FrameworkError:
+        """The exception a fatal client error ends the member with. librdkafka reports a
+        static member replaced by another with the same group.instance.id as a ``_FATAL``
+        error (confluent-kafka does not expose the original FENCED_INSTANCE_ID code), so
+        its text is the one place that says so: then it is the setting's fault (exit 2)."""
+        fenced = err.code() == KafkaError.FENCED_INSTANCE_ID or "fenced" in err.str().lower()
+        if fenced and self.settings.group_instance_id is not None:
+            return ConfigError(
+                f"another member of group {self.app.group_id!r} joined with this member's "
+                f"group.instance.id {self.settings.group_instance_id!r} and replaced it: every "
+                "member needs its own (KAFKA_IDEM_GROUP_INSTANCE_ID, or run --instance-id)",
+                setting="group_instance_id")
+        return BrokerError(f"fatal Kafka error: {err.str()}")
 
     def _drain(self, partitions: list[TopicPartition] | None = None) -> None:
         """Wait for the units in flight (stopping leased units between messages when
@@ -278,6 +349,7 @@ class Runner:
     # --- the end -----------------------------------------------------------------
 
     def stop(self) -> None:
+        self.health.stopping()  # /readyz says so while the member drains
         self.stopping.set()
 
     def close(self) -> None:
@@ -296,6 +368,7 @@ class Runner:
         if self.leases is not None:
             self.leases.stop()
         self.sampler.stopped.set()
+        self.progress.tick(time.monotonic(), final=True)
         log.info("consumer stopped", extra={"action": "stopped"})
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +21,7 @@ from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_va
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from kafka_idem.errors import ConfigError
+from kafka_idem.kafka_logs import KAFKA_LOG
 from kafka_idem.redact import option_secrets, redact, redact_options, secrets_in
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:39092"
@@ -73,6 +75,12 @@ class Settings(BaseSettings):
         SecretStr(DEFAULT_DATABASE_URL), description="PostgreSQL connection URL (secret)."
     )
     group_id: str | None = Field(None, description="Consumer group id (defaults to the app name).")
+    group_instance_id: str | None = Field(
+        None,
+        description="Static group membership: this member's librdkafka group.instance.id, "
+        "stable across its restarts ({hostname} is replaced by the host name). A member "
+        "restarted within session_timeout_ms gets its partitions back without a rebalance.",
+    )
     namespace: str | None = Field(
         None,
         description="Scope of the app's idempotency keys in the store (defaults to the app "
@@ -119,6 +127,11 @@ class Settings(BaseSettings):
         True, description="Run local-mode batches on the optimistic batch path (see batch.py)."
     )
     dlq_suffix: str = Field(".dlq", min_length=1, description="Default DLQ topic suffix.")
+    name_prefix: str = Field(
+        "", description="Put before every topic, consumer group and transactional id that "
+        "kafka-idem's own tools create (verify, dlq replay, the DLQ readers), for clusters "
+        "whose ACLs grant names by prefix.",
+    )
     error_message_max: int = Field(
         1024, ge=64, le=65536, description="Bound on error text stored and put in DLQ headers."
     )
@@ -150,7 +163,11 @@ class Settings(BaseSettings):
         default_factory=dict, description="librdkafka options passed through (JSON in env)."
     )
     max_poll_interval_ms: int = Field(300_000, ge=1000, description="librdkafka option.")
-    session_timeout_ms: int = Field(45_000, ge=1000, description="librdkafka option.")
+    session_timeout_ms: int = Field(
+        10_000, ge=1000,
+        description="librdkafka session.timeout.ms: how long the group waits for a member "
+        "that stopped heartbeating (e.g. SIGKILLed) before its partitions move.",
+    )
     idle_in_transaction_timeout_seconds: float = Field(
         300.0,
         ge=0,
@@ -167,6 +184,17 @@ class Settings(BaseSettings):
         "127.0.0.1", description="Address /metrics binds (0.0.0.0 in a container)."
     )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="/metrics port.")
+    liveness_seconds: float = Field(
+        300.0, gt=0, description="/livez fails when the loop made no progress this long."
+    )
+    readiness_max_lag: int = Field(
+        1000, ge=0, description="/readyz: most messages an assigned partition may be behind."
+    )
+    progress_seconds: float = Field(
+        10.0, ge=0,
+        description="A member logs what it finished (per topic and outcome) at INFO at most "
+        "this often, and never while idle; 0 switches the line off.",
+    )
     log_format: Literal["text", "json"] = Field("text", description="Log output format.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
 
@@ -188,6 +216,21 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"{value!r} is not a usable consumer group id: it must be non-empty, without "
                 "leading or trailing spaces, newlines or other control characters"
+            )
+        return value
+
+    @field_validator("group_instance_id")
+    @classmethod
+    def _group_instance_id(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if "{hostname}" in value:
+            value = value.replace("{hostname}", socket.gethostname())
+        # Kafka's own rule for group.instance.id (the broker refuses anything else).
+        if len(value) > 249 or not TOPIC_CHARS.fullmatch(value) or value in (".", ".."):
+            raise ValueError(
+                f"{value!r} is not a usable group.instance.id: 1-249 ASCII letters, digits, "
+                "'.', '_' and '-' ({hostname} is replaced by the host name)"
             )
         return value
 
@@ -216,10 +259,10 @@ class Settings(BaseSettings):
             ) from None
         return value
 
-    @field_validator("dlq_suffix")
+    @field_validator("dlq_suffix", "name_prefix")
     @classmethod
     def _topic_suffix(cls, value: str) -> str:
-        if not TOPIC_CHARS.fullmatch(value):
+        if value and not TOPIC_CHARS.fullmatch(value):
             raise ValueError(
                 f"{value!r} would make invalid topic names: Kafka topic names use only "
                 "ASCII letters, digits, '.', '_' and '-'"
@@ -269,6 +312,7 @@ class Settings(BaseSettings):
             "auto.offset.reset": "earliest",
             "partition.assignment.strategy": "cooperative-sticky",
             "fetch.wait.max.ms": 50,
+            "logger": KAFKA_LOG,  # librdkafka's lines through logging, deduplicated
             **self.kafka,
         }
         conf.update(
@@ -280,16 +324,20 @@ class Settings(BaseSettings):
                 **_PROTECTED_CONSUMER,
             }
         )
+        if self.group_instance_id is not None:
+            conf["group.instance.id"] = self.group_instance_id
         return conf
 
     def producer_config(self) -> dict[str, Any]:
-        conf: dict[str, Any] = {"linger.ms": 5, "message.timeout.ms": 30_000}
+        conf: dict[str, Any] = {"linger.ms": 5, "message.timeout.ms": 30_000,
+                                "logger": KAFKA_LOG}
         conf.update({k: v for k, v in self.kafka.items() if not _consumer_only(k)})
         conf.update({"bootstrap.servers": self.bootstrap_servers, **_PROTECTED_PRODUCER})
         return conf
 
     def admin_config(self) -> dict[str, Any]:
-        conf = {k: v for k, v in self.kafka.items() if not _consumer_only(k)}
+        conf: dict[str, Any] = {"logger": KAFKA_LOG}
+        conf.update({k: v for k, v in self.kafka.items() if not _consumer_only(k)})
         conf["bootstrap.servers"] = self.bootstrap_servers
         return conf
 

@@ -12,6 +12,9 @@
 #   KAFKA_IDEM_KAFKA_PORT   client port (default 39092); controller uses port+1
 #   KAFKA_IDEM_LOCAL_DIR    where .local lives (default <repo>/.local)
 #   KAFKA_IDEM_KAFKA_START_TIMEOUT  seconds to wait for readiness (default 90)
+#   KAFKA_IDEM_KAFKA_EXTRA_CONFIG   a file of broker properties appended to the generated
+#                           ones (a later line wins), e.g. a SASL listener and an
+#                           authorizer for the ACL test (tests/acceptance/test_acl_prefix.py)
 #
 # Everything lives in $KAFKA_IDEM_LOCAL_DIR/kafka/{libs,config,data,logs}; delete
 # data/ to get an empty cluster, libs/ to refetch the jars.
@@ -223,6 +226,9 @@ offsets.topic.segment.bytes=16777216
 transaction.state.log.segment.bytes=16777216
 log.retention.hours=24
 EOF
+  if [[ -n "${KAFKA_IDEM_KAFKA_EXTRA_CONFIG:-}" ]]; then
+    cat "$KAFKA_IDEM_KAFKA_EXTRA_CONFIG" >>"$SERVER_PROPS"
+  fi
 
   # log4j2 config: broker log to a rolling file, noisy request loggers quiet.
   cat >"$LOG4J_PROPS" <<EOF

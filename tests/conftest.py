@@ -2,8 +2,9 @@
 database (cloned from a migrated template) and fresh topics per test.
 
 The services come from KAFKA_IDEM_BOOTSTRAP_SERVERS / KAFKA_IDEM_DATABASE_URL,
-which ``./dev test`` sets after starting the local ones. Tests never skip for a
-missing service: they fail and say how to start it.
+which ``./dev test`` sets after starting the local ones; the schema registry from
+``schema_registry`` (started on first use). Tests never skip for a missing service:
+they fail and say how to start it.
 """
 
 from __future__ import annotations
@@ -54,6 +55,24 @@ def wait_for(predicate: Callable[[], Any], *, timeout: float = 60.0, what: str =
 
 
 # --- services ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def schema_registry() -> str:
+    """The URL of a real Confluent-compatible Schema Registry: KAFKA_IDEM_TEST_SCHEMA_REGISTRY_URL
+    if set, else the local Apicurio Registry of ``scripts/registry.sh``, started now (built
+    the first time: a few minutes) and left running like the broker. It is shared: tests
+    use subjects of their own (fresh topic names), never fixed schema ids. Fault injection
+    (an outage, a 5xx) needs the in-test registry (``tests/registry.py``) instead."""
+    url = os.environ.get("KAFKA_IDEM_TEST_SCHEMA_REGISTRY_URL")
+    if url:
+        return url
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "registry.sh"), "start"],
+                          capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode != 0:
+        pytest.fail(f"the local schema registry did not start (scripts/registry.sh start):\n"
+                    f"{done.stderr[-4000:]}")
+    return done.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,14 @@ for what kafka_idem's client calls:
   (the same schema text gets the same id, as in Confluent's registry);
 * ``POST /subjects/{subject}`` (lookup) and ``GET /subjects/{subject}/versions/latest``.
 
-No real Confluent-compatible registry could be started on this machine (README,
-"Payload formats"). ``down = True`` answers 503 to everything (an outage).
+Schemas are returned as they were registered, whatever ``?format=`` asks: a
+Protobuf schema registered by ``ProtobufSerializer`` is the base64 serialized
+``FileDescriptorProto`` that ``format=serialized`` asks for.
+
+The registry tests run against a real one (Apicurio Registry, ``scripts/registry.sh``,
+the ``schema_registry`` fixture); this one is for what a real registry cannot do on
+demand: ``down = True`` answers 503 to everything (an outage), ``requests`` lists
+what a codec asked (its cache), and the unit tests need no service.
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ class Registry:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever,
+                                       kwargs={"poll_interval": 0.05}, daemon=True)
 
     def register(self, subject: str, schema: str, schema_type: str = "AVRO") -> int:
         with self.lock:

@@ -1,7 +1,7 @@
 """The chaos run: a consumer group under seeded faults, then the anomaly checker.
 
     python -m kafka_idem.chaos.run --duration 120 --faults 24 --seed 7 --members 3 \\
-        [--json report.json] [--allow-broker-restart] [--keep]
+        [--format avro|json] [--json report.json] [--allow-broker-restart] [--keep]
 
 Everything is fresh and named after a run id: the topic ``chaos.<id>.charge-requested``
 (6 partitions) and its ``.dlq``, the database ``chaos_<id>`` (store and
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import random
 import sys
 import tempfile
@@ -84,6 +85,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--members", type=int, default=3, help="group members at the start (2-4)")
     ap.add_argument("--rate", type=float, default=150.0, help="messages per second (default 150)")
     ap.add_argument("--partitions", type=int, default=6, help="source topic partitions")
+    ap.add_argument("--format", choices=("avro", "json"), default=None,
+                    help="payload format of the charges (PAYMENTS_FORMAT: default avro, "
+                    "Avro single-object; json: validated by pydantic's JSON parser)")
     ap.add_argument("--mode", choices=("local", "leased"), default="local",
                     help="the payments handler's processing mode (default local)")
     ap.add_argument("--concurrency", type=int, default=1,
@@ -127,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # the payments example, from any working directory
+    if args.format:  # before consumers.payments is imported; the members inherit it
+        os.environ["PAYMENTS_FORMAT"] = args.format
+    fmt = os.environ.get("PAYMENTS_FORMAT", "avro")
     s = load_settings()
     seed = args.seed if args.seed is not None else random.randrange(1_000_000_000)
     run_id = uuid.uuid4().hex[:8]
@@ -138,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logs = Path(tempfile.mkdtemp(prefix=f"kafka-idem-chaos-{run_id}-"))
     console.rule(f"kafka_idem chaos run {run_id}: seed {seed}, {args.faults} faults over "
-                 f"{args.duration:.0f}s, {args.members} members, {args.mode} mode")
+                 f"{args.duration:.0f}s, {args.members} members, {args.mode} mode, {fmt} "
+                 "payloads")
     say(f"Kafka {s.bootstrap_servers}, PostgreSQL {s.redacted()['database_url']}, "
         f"faults: {', '.join(args.types)}")
     admin = AdminClient({**s.admin_config(), **QUIET})
@@ -341,6 +349,8 @@ def _replay_args(args: argparse.Namespace, seed: int) -> str:
         parts.append("--async-handler")
     if args.allow_broker_restart:
         parts.append("--allow-broker-restart")
+    if args.format:
+        parts.append(f"--format {args.format}")
     return " ".join(parts)
 
 

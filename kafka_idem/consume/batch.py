@@ -335,7 +335,9 @@ class BatchPath:
         prep = _prep(item)
         assert claim.token is not None
         ctx = context(conn, item.handler, item.msg, prep, claim)
-        with self.steps.handler_time(item.handler):
+        tracing = self.steps.tracing
+        tracing.note(item.msg, handler=item.handler.name, key=prep.key, attempts=claim.attempts)
+        with self.steps.handler_time(item.handler), tracing.step(item.msg, "handler"):
             try:
                 return item.handler(prep.model, ctx)
             except Exception as exc:
@@ -364,9 +366,12 @@ def _committed(handler: Handler[Any], msg: Message, result: Result) -> Note | No
     kind says "dead-lettering"); a success is not logged here."""
     if not isinstance(result, Finished):
         return None
-    fields = {"key": result.key, "handler": handler.name, **where(msg)}
     if result.outcome is Ended.REPLAYED:
-        return Note(logging.DEBUG, "replayed stored result", "replayed", fields)
+        if not log.isEnabledFor(logging.DEBUG):  # most of a duplicate-heavy batch
+            return None
+        return Note(logging.DEBUG, "replayed stored result", "replayed",
+                    {"key": result.key, "handler": handler.name, **where(msg)})
+    fields = {"key": result.key, "handler": handler.name, **where(msg)}
     if result.outcome is Ended.CONFLICT:
         return Note(logging.WARNING, "payload conflict", "conflict", fields)
     if result.letter is not None:

@@ -21,6 +21,7 @@ import psycopg
 from kafka_idem.app import App, Handler
 from kafka_idem.consume.batch import BatchPath, Fallback
 from kafka_idem.consume.database import Database
+from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.leased import LeasedPath
 from kafka_idem.consume.local import LocalPath
 from kafka_idem.consume.outcome import Message, Parts, Prepared, Result, Results
@@ -29,6 +30,7 @@ from kafka_idem.errors import FrameworkError, MessageError, StoreUnavailable
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.metrics import Metrics
 from kafka_idem.store import Conn, Store, classify_db_error
+from kafka_idem.tracing import Tracing
 
 
 class Processor:
@@ -41,6 +43,7 @@ class Processor:
         store: Store,
         metrics: Metrics,
         leases: LeaseKeeper | None = None,
+        hold: ConfigHold | None = None,
     ) -> None:
         self.app = app
         self.settings = app.settings
@@ -50,7 +53,9 @@ class Processor:
         self.leases = leases
         self.group_id = app.group_id
         self.db = Database(self.settings, application_name=f"kafka_idem:{app.name}")
-        self.steps = Steps(app, store=self.store, metrics=metrics, db=self.db)
+        self.tracing = Tracing(group=app.group_id)
+        self.steps = Steps(app, store=self.store, metrics=metrics, db=self.db,
+                           tracing=self.tracing, hold=hold)
         self.local_path = LocalPath(self.steps, self.db)
         self.leased_path = LeasedPath(self.steps, self.db, leases)
         self.batch_path = BatchPath(self.steps, self.db)
@@ -66,7 +71,12 @@ class Processor:
         return self.steps.prepare(handler, msg)
 
     def run_local(self, parts: Parts) -> Results:
-        """The batch path when it applies, else (or on fallback) the per-message path."""
+        """The batch path when it applies, else (or on fallback) the per-message path;
+        a span per message when tracing is on (:mod:`kafka_idem.tracing`)."""
+        with self.tracing.unit([m for _, msgs in parts for m in msgs]) as spans:
+            return spans.finish(self._run_local(parts))
+
+    def _run_local(self, parts: Parts) -> Results:
         handlers = {self.app.handlers[tp[0]] for tp, _ in parts}
         if self.settings.batch_path and all(h.batch for h in handlers):
             try:
@@ -93,4 +103,7 @@ class Processor:
         self, msg: Message, *, reentrant: uuid.UUID | None = None,
         prepared: Prepared | None = None,
     ) -> Result:
-        return self.leased_path.run(msg, reentrant=reentrant, prepared=prepared)
+        with self.tracing.unit([msg]) as spans:
+            tp = (msg.topic(), msg.partition())
+            res = self.leased_path.run(msg, reentrant=reentrant, prepared=prepared)
+            return spans.finish({tp: [res]})[tp][0]

@@ -23,31 +23,54 @@ class Lag:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self._last = 0.0
+        self._end: dict[TP, int] = {}  # idle partitions' end reached, since assigned
 
-    def observe(self, consumer: Consumer, parts: Partitions) -> None:
+    def observe(self, consumer: Consumer, parts: Partitions, assigned: Iterable[TP] = (),
+                every: float = LAG_EVERY_SECONDS) -> dict[TP, int | None] | None:
+        """Refresh the gauge of every partition assigned or queued (at most every
+        ``every`` seconds); return each one's lag (``None``: not known yet, nothing
+        fetched since it was assigned), or ``None`` when it was too early to look."""
         now = time.monotonic()
-        if now - self._last < LAG_EVERY_SECONDS:
-            return
+        if now - self._last < every:
+            return None
         self._last = now
-        for (topic, part), st in parts.items():
+        lags: dict[TP, int | None] = {}
+        for topic, part in sorted(set(assigned) | {tp for tp, _ in parts.items()}):
+            st = parts.get((topic, part))
+            lags[(topic, part)] = None
             try:
-                _low, high = consumer.get_watermark_offsets(
+                low, high = consumer.get_watermark_offsets(
                     TopicPartition(topic, part), cached=True
                 )
                 # Lag counts what is not finished: messages waiting in our queue
                 # (fetched but pending) as much as those not fetched yet.
-                first = st.first_offset()
+                first = st.first_offset() if st is not None else None
                 done = (
                     first if first is not None
                     else consumer.position([TopicPartition(topic, part)])[0].offset
                 )
+                if done < 0 and high >= 0:
+                    # Nothing handed to us since the assignment (an idle partition): the
+                    # fetcher started at the committed offset; once it reached the end
+                    # (librdkafka's end-of-partition event) that is what is finished.
+                    done = high if low == high else self._end.get((topic, part), -1)
             except KafkaException:
                 continue
             if high >= 0 and done >= 0:
+                lags[(topic, part)] = max(high - done, 0)
                 self.metrics.lag.labels(topic, str(part)).set(max(high - done, 0))
+        return lags
+
+    def reached_end(self, tp: TP, offset: int) -> None:
+        """librdkafka's end-of-partition event: the fetcher of ``tp`` is at ``offset``,
+        the end (no blocking call to ask for the committed offset in the loop)."""
+        self._end[tp] = offset
 
     def forget(self, tps: Iterable[TP]) -> None:
         """Drop the series of partitions this member no longer has."""
+        tps = list(tps)
+        for tp in tps:
+            self._end.pop(tp, None)
         for topic, part in tps:
             with contextlib.suppress(KeyError):
                 self.metrics.lag.remove(topic, str(part))

@@ -16,7 +16,7 @@ from kafka_idem.consume.database import Database
 from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
 from kafka_idem.consume.steps import Steps, log
 from kafka_idem.consume.verdicts import where
-from kafka_idem.errors import FrameworkError, MessageError, StaleOwner
+from kafka_idem.errors import ConfigError, FrameworkError, MessageError, StaleOwner
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.store import Claim, Conn, Outcome, describe
 
@@ -42,6 +42,8 @@ class LeasedPath:
         else:
             try:
                 prep = steps.prepare_or_reject(handler, msg)
+            except ConfigError as exc:  # held, never charged (consume/held.py)
+                return steps.hold.hold(handler, msg, exc, token=reentrant)
             except FrameworkError as exc:  # e.g. the registry is down: not the message's fault
                 steps.metrics.framework_errors.labels(type(exc).__name__).inc()
                 log.warning("cannot decode now (%s); will retry", describe(exc),
@@ -108,6 +110,8 @@ def around_failure(
         return verdict.result
     if isinstance(exc, StaleOwner):
         return Deferred(steps.settings.busy_retry_seconds, Reason.BUSY)
+    if isinstance(exc, ConfigError):  # our claim stays ours: re-entered when retried
+        return steps.hold.hold(steps.handler(msg), msg, exc, token=token)
     # Our surroundings failed (database down, a store error): never charged.
     steps.metrics.framework_errors.labels(type(exc).__name__).inc()
     log.warning(

@@ -24,7 +24,13 @@ from kafka_idem.consume.outcome import (
 )
 from kafka_idem.consume.steps import Steps, log
 from kafka_idem.consume.verdicts import where
-from kafka_idem.errors import FrameworkError, MessageError, StaleOwner, TransientStoreError
+from kafka_idem.errors import (
+    ConfigError,
+    FrameworkError,
+    MessageError,
+    StaleOwner,
+    TransientStoreError,
+)
 from kafka_idem.store import Conn, Outcome, describe, is_data_error, rejected
 
 
@@ -88,7 +94,10 @@ class LocalPath:
     def _one(self, conn: Conn, msg: Message) -> Result:
         steps = self.steps
         handler = steps.handler(msg)
-        prep = steps.prepare_or_reject(handler, msg)
+        try:
+            prep = steps.prepare_or_reject(handler, msg)
+        except ConfigError as exc:  # e.g. an app's own codec: held, never charged
+            return steps.hold.hold(handler, msg, exc)
         if not isinstance(prep, Prepared):
             return prep
         try:
@@ -103,6 +112,8 @@ class LocalPath:
             verdict = steps.undecodable(handler, msg, exc, key=prep.key)
             verdict.note.write(log)
             return verdict.result
+        except ConfigError as exc:  # rolled back with its savepoint: held, never charged
+            return steps.hold.hold(handler, msg, exc)
         except (TransientStoreError, StaleOwner) as exc:
             self.db.raise_if_gone(exc)
             log.info("transient store error (%s); will retry", describe(exc),

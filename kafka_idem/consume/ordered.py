@@ -32,6 +32,7 @@ from kafka_idem.app import App
 from kafka_idem.consume import log
 from kafka_idem.consume.aio import AsyncConnections, AsyncLeasedPath, EventLoop
 from kafka_idem.consume.executor import Processor
+from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.keyed import Entry, KeyedState, NotNow
 from kafka_idem.consume.leased import LeasedPath
 from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
@@ -111,8 +112,10 @@ class KeyedUnits:
     def __init__(
         self, app: App, parts: Partitions, *, store: Store, metrics: Metrics,
         leases: LeaseKeeper | None, stopping: threading.Event,
+        hold: ConfigHold | None = None,
     ) -> None:
         self.app = app
+        self.hold = hold
         self.settings = app.settings
         self.parts = parts
         self.store = store
@@ -290,7 +293,7 @@ class KeyedUnits:
         proc: Processor | None = getattr(self._local, "processor", None)
         if proc is None:
             proc = Processor(self.app, store=self.store, metrics=self.metrics,
-                             leases=self.leases)
+                             leases=self.leases, hold=self.hold)
             self._local.processor = proc
             with self._processors_lock:
                 self._processors.append(proc)
@@ -305,7 +308,7 @@ class KeyedUnits:
         if self._loop is None:
             self._loop = EventLoop()
             steps = Processor(self.app, store=self.store, metrics=self.metrics,
-                              leases=self.leases).steps  # decisions only: no connection
+                              leases=self.leases, hold=self.hold).steps  # no connection
             self._conns = AsyncConnections(
                 self.settings, application_name=f"kafka_idem:{self.app.name}")
             self._aio = AsyncLeasedPath(self.app, steps=steps, leases=self.leases,

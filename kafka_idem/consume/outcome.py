@@ -62,6 +62,7 @@ class Reason(enum.StrEnum):
     BUSY = "busy"  # another owner's live lease, or a retry not due yet
     RETRY = "retry"  # it failed and is due again after a backoff
     FRAMEWORK = "framework"  # our surroundings failed (database, registry): not charged
+    CONFIG = "config"  # a configuration error (consume/held.py): not charged, held
     DLQ = "dlq"  # its dead letter was not acknowledged
 
 

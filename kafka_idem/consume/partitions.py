@@ -68,6 +68,10 @@ class Committable:
     def delay(self, res: Deferred) -> float:
         """How long a deferred message waits: its own delay, or when our surroundings
         failed, a jittered growing wait (never charged to the message)."""
+        if res.reason == "config":
+            # Waiting will not fix it (consume/held.py): 1 s, 2 s, 4 s ... up to a minute.
+            self.framework_failures += 1
+            return float(min(60, 2 ** min(self.framework_failures - 1, 6)))
         if res.reason in ("framework", "dlq"):
             self.framework_failures += 1
             return self._jitter(0.1, min(10.0, 0.2 * 2 ** min(self.framework_failures, 6)))

@@ -20,6 +20,7 @@ from typing import Any
 
 from kafka_idem.app import App, Context, Done, Handler
 from kafka_idem.consume.database import Database
+from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.outcome import (
     Deferred,
     Ended,
@@ -62,6 +63,7 @@ from kafka_idem.store import (
     classify_db_error,
     describe,
 )
+from kafka_idem.tracing import Tracing
 
 # Every part of the message path logs under the name it always had, so log filters
 # and dashboards that select "kafka_idem.processing" keep seeing all of it.
@@ -70,13 +72,18 @@ log = logging.getLogger("kafka_idem.processing")
 
 class Steps:
     def __init__(
-        self, app: App, *, store: Store, metrics: Metrics, db: Database
+        self, app: App, *, store: Store, metrics: Metrics, db: Database,
+        tracing: Tracing | None = None,
+        hold: ConfigHold | None = None,
     ) -> None:
         self.app = app
         self.settings = app.settings
         self.store = store
         self.metrics = metrics
         self.db = db
+        self._letters: dict[str, Letters] = {}
+        self.tracing = tracing or Tracing()
+        self.hold = hold or ConfigHold(metrics)  # configuration errors: held, loudly
 
     def handler(self, msg: Message) -> Handler[Any]:
         return self.app.handlers[msg.topic()]
@@ -114,9 +121,15 @@ class Steps:
     # --- verdicts --------------------------------------------------------------------
 
     def letters(self, handler: Handler[Any]) -> Letters:
-        return Letters(dlq_topic=self.app.dlq_topic(handler), group=self.app.group_id,
-                       handler=handler.name, namespace=self.store.namespace,
-                       message_max=self.settings.error_message_max)
+        """How ``handler``'s dead letters are addressed (made once per handler: every
+        replay and conflict of a batch asks for it)."""
+        letters = self._letters.get(handler.name)
+        if letters is None:
+            letters = self._letters[handler.name] = Letters(
+                dlq_topic=self.app.dlq_topic(handler), group=self.app.group_id,
+                handler=handler.name, namespace=self.store.namespace,
+                message_max=self.settings.error_message_max)
+        return letters
 
     def undecodable(
         self, handler: Handler[Any], msg: Message, exc: MessageError, key: str | None = None
@@ -153,10 +166,11 @@ class Steps:
         """A new key claimed and committed in one round trip (autocommit), or ``None``."""
         conn.autocommit = True
         try:
-            return self.store.claim_new(
-                conn, key=prep.key, request_hash=prep.request_hash,
-                delivery=delivery(handler, msg), lease_seconds=self.settings.lease_seconds,
-            )
+            with self.tracing.step(msg, "claim"):
+                return self.store.claim_new(
+                    conn, key=prep.key, request_hash=prep.request_hash,
+                    delivery=delivery(handler, msg), lease_seconds=self.settings.lease_seconds,
+                )
         finally:
             if not conn.closed:
                 conn.autocommit = False
@@ -166,17 +180,20 @@ class Steps:
         reentrant: uuid.UUID | None = None,
     ) -> Claim:
         policy = self.app.retry_policy(handler)
-        return self.store.claim(
-            conn,
-            key=prep.key,
-            request_hash=prep.request_hash,
-            delivery=delivery(handler, msg),
-            lease_seconds=self.settings.lease_seconds,
-            max_attempts=policy.max_attempts,
-            max_elapsed_seconds=policy.max_elapsed,
-            reentrant_token=reentrant,
-            reconcile_first=handler.reconcile is not None,
-        )
+        with self.tracing.step(msg, "claim"):
+            claim = self.store.claim(
+                conn,
+                key=prep.key,
+                request_hash=prep.request_hash,
+                delivery=delivery(handler, msg),
+                lease_seconds=self.settings.lease_seconds,
+                max_attempts=policy.max_attempts,
+                max_elapsed_seconds=policy.max_elapsed,
+                reentrant_token=reentrant,
+                reconcile_first=handler.reconcile is not None,
+            )
+        self.tracing.note(msg, handler=handler.name, key=prep.key, attempts=claim.attempts)
+        return claim
 
     # --- the handler ------------------------------------------------------------------
 
@@ -209,10 +226,15 @@ class Steps:
                 with contextlib.ExitStack() as stack:
                     pipe = stack.enter_context(conn.pipeline()) if pipelined else None
                     stack.enter_context(conn.transaction())  # rolled back alone on failure
-                    result, how = self._call(handler, prep, ctx, claim)
-                    if pipe is not None:
-                        pipe.sync()  # the handler's statements answer here
-                    self.store.complete(conn, key=prep.key, token=claim.token, result=result)
+                    self.tracing.note(msg, handler=handler.name, key=prep.key,
+                                      attempts=claim.attempts)
+                    with self.tracing.step(msg, "handler"):
+                        result, how = self._call(handler, prep, ctx, claim)
+                        if pipe is not None:
+                            pipe.sync()  # the handler's statements answer here
+                    with self.tracing.step(msg, "complete"):
+                        self.store.complete(conn, key=prep.key, token=claim.token,
+                                            result=result)
                     if hold is not None:
                         hold.release()  # before the commit (see LeaseKeeper.hold)
             except (FrameworkError, StaleOwner):

@@ -26,6 +26,7 @@ from typing import Any
 from kafka_idem.app import App
 from kafka_idem.consume import log
 from kafka_idem.consume.executor import Processor
+from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.ordered import KeyedResults, KeyedUnits
 from kafka_idem.consume.outcome import Deferred, Result
 from kafka_idem.consume.partitions import TP, Partitions, PartitionState
@@ -71,8 +72,9 @@ class Units:
         self._thread_local = threading.local()
         self._processors: list[Processor] = []
         self._processors_lock = threading.Lock()
+        self.hold = ConfigHold(metrics)  # one rate limit for all of the member's threads
         self.keyed = KeyedUnits(app, parts, store=store, metrics=metrics, leases=leases,
-                                stopping=stopping)
+                                stopping=stopping, hold=self.hold)
 
     @property
     def busy(self) -> bool:
@@ -223,7 +225,7 @@ class Units:
         if proc is None:
             proc = Processor(
                 self.app, store=self.store, metrics=self.metrics,
-                leases=self.leases,
+                leases=self.leases, hold=self.hold,
             )
             self._thread_local.processor = proc
             with self._processors_lock:

@@ -125,7 +125,7 @@ def scan(
 ) -> Generator[DlqRecord, None, None]:
     """The records of ``dlq_topic`` matching ``selection``, from the beginning to the end
     offsets captured when the scan starts (partition by partition in offset order)."""
-    consumer = Consumer(reader_config(settings, READER_GROUP))
+    consumer = Consumer(reader_config(settings, f"{settings.name_prefix}{READER_GROUP}"))
     try:
         starts, ends = bounds(consumer, dlq_topic, selection)
         for batch in batches(consumer, dlq_topic, starts, ends, BATCH_SIZE):

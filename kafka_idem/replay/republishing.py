@@ -19,6 +19,7 @@ from typing import Any
 
 from confluent_kafka import Producer
 
+from kafka_idem import tracing
 from kafka_idem.dlq import PREFIX
 from kafka_idem.errors import BrokerError, ConfigError
 from kafka_idem.replay.reading import kafka_errors
@@ -67,16 +68,17 @@ def republish(
     caller flushes (or commits its transaction).
     """
     target = target_of(record, to_topic)
-    kwargs: dict[str, Any] = {
-        "key": record.key,
-        "value": record.value,
-        "headers": replay_headers(record, actor=actor),
-    }
-    if to_topic is None and record.original_partition is not None:
-        kwargs["partition"] = record.original_partition
-    if on_delivery is not None:
-        kwargs["on_delivery"] = on_delivery
-    producer.produce(target, **kwargs)
+    with tracing.replaying(record, target) as trace_headers:  # a span when tracing is on
+        kwargs: dict[str, Any] = {
+            "key": record.key,
+            "value": record.value,
+            "headers": tracing.with_trace(replay_headers(record, actor=actor), trace_headers),
+        }
+        if to_topic is None and record.original_partition is not None:
+            kwargs["partition"] = record.original_partition
+        if on_delivery is not None:
+            kwargs["on_delivery"] = on_delivery
+        producer.produce(target, **kwargs)
 
 
 class Deliveries:

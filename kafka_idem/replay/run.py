@@ -80,9 +80,11 @@ REPLAY_GROUP_PREFIX = "kafka-idem-replay"
 
 
 def replay_group(dlq_topic: str, selection: Selection, to_topic: str | None,
-                 include_permanent: bool = False) -> str:
+                 include_permanent: bool = False, prefix: str = "") -> str:
     """The replay's own consumer group (and transactional id): the same replay, run
     again, resumes where the last one stopped; a different selection starts afresh.
+    ``prefix`` (the ``name_prefix`` setting, ``--prefix``) goes in front, for clusters
+    whose ACLs grant group and transactional ids by prefix.
 
     >>> replay_group("p.dlq", Selection(kind="permanent"), None)  # doctest: +ELLIPSIS
     'kafka-idem-replay.p.dlq....'
@@ -92,7 +94,7 @@ def replay_group(dlq_topic: str, selection: Selection, to_topic: str | None,
         spec_["include_permanent"] = True
     spec = json.dumps(spec_, sort_keys=True)
     digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
-    return f"{REPLAY_GROUP_PREFIX}.{dlq_topic}.{digest}"
+    return f"{prefix}{REPLAY_GROUP_PREFIX}.{dlq_topic}.{digest}"
 
 
 @dataclass
@@ -183,7 +185,8 @@ def replay(
     if to_topic is not None and to_topic == dlq_topic:
         raise ConfigError("the target topic cannot be the DLQ topic itself", setting="to")
     store = store or Store(schema=settings.schema_name, table=settings.table)
-    group = group or replay_group(dlq_topic, selection, to_topic, include_permanent)
+    group = group or replay_group(dlq_topic, selection, to_topic, include_permanent,
+                                  prefix=settings.name_prefix)
     summary = ReplaySummary(dlq_topic, group, to_topic, dry_run, run=uuid.uuid4().hex[:12])
     conn = connect(settings.dsn, application_name="kafka_idem.replay")
     try:

@@ -312,6 +312,22 @@ class Store(AdminQueries):
             ).fetchone()
         return row is not None
 
+    def expire_leases(self, conn: Conn, *, key: str | None = None) -> list[str]:
+        """The test kit's clock: every live lease of this namespace (or only ``key``'s)
+        ends now, as if its owner had stalled past it; returns the keys. The next claim
+        of such a key takes it over (a new token, ``attempts + 1``, reconcile first)
+        and the stalled owner's completion finds no row. Never called by a consumer."""
+        with translate_errors(key=key):
+            rows = conn.execute(self.q["expire_leases"], {"ns": self.ns, "key": key}).fetchall()
+        return [r[0] for r in rows]
+
+    def wipe(self, conn: Conn) -> None:
+        """The test kit's clean slate: every record and audit row of the store gone, in
+        one of the kit's throwaway databases only (``kafka_idem_kit_*``; refused
+        elsewhere with :class:`IllegalTransition`). Never called by a consumer."""
+        with translate_errors():
+            conn.execute(self.q["wipe"])
+
     # --- the batch path (kafka_idem.consume.batch) ---------------------------------------
 
     def claim_batch(
@@ -360,7 +376,8 @@ class Store(AdminQueries):
         return found[0] if found else None
 
     def succeeded(self, conn: Conn, keys: Sequence[str]) -> dict[str, tuple[str, Any]]:
-        """``{key: (request_hash, result)}`` for the keys among ``keys`` that succeeded."""
+        """``{key: (request_hash, result)}`` for the keys among ``keys`` (distinct) that
+        succeeded."""
         with translate_errors():
             rows = conn.execute(
                 self.q["succeeded_results"], {"ns": self.ns, "keys": list(keys)}

@@ -201,7 +201,7 @@ class Kafka:
         return sorted(sent, key=lambda s: (s.partition, s.offset))
 
     def end_offsets(self, topic: str) -> dict[int, int]:
-        c = self._consumer(f"kafka-idem-verify-probe-{self.run_id}")
+        c = self._consumer(f"{self.settings.name_prefix}kafka-idem-verify-probe-{self.run_id}")
 
         def ask() -> dict[int, int]:
             parts = c.list_topics(topic, timeout=TIMEOUT).topics[topic].partitions
@@ -237,7 +237,8 @@ class Kafka:
         ends = self.end_offsets(topic)
         if not any(ends.values()):
             return []
-        c = self._consumer(f"kafka-idem-verify-reader-{uuid.uuid4().hex[:8]}",
+        c = self._consumer(
+            f"{self.settings.name_prefix}kafka-idem-verify-reader-{uuid.uuid4().hex[:8]}",
                            **{"enable.partition.eof": True})
         out: list[Any] = []
         try:

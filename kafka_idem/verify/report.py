@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kafka_idem.cli_text import cell, cell_lines
+from kafka_idem.cli_text import cell, cell_lines, plain
 from kafka_idem.redact import redact
 
 PASS, FAIL, SKIPPED = "PASS", "FAIL", "SKIPPED"
@@ -109,30 +109,45 @@ class Report:
         path.write_text(json.dumps(self.to_json(), indent=2, default=str) + "\n")
 
     def print(self, console: Console) -> None:
-        """The table; every text plain (never markup), control characters escaped,
-        secrets masked."""
+        """The table on a terminal of 100 columns or more, else (piped, or narrower) one
+        block of plain lines per scenario; every text plain (never markup), control
+        characters escaped, secrets masked."""
         def text(value: str) -> str:
             return redact(value, self.secrets)
 
+        if not console.is_terminal or console.width < 100:
+            lines = [plain(f"kafka-idem verify  run {self.run_id}")]
+            for o in self.outcomes:
+                lines.append(plain(f"{o.id}. {o.title} ({o.seconds:.1f}s): {o.status}"))
+                lines += [plain(f"  {text(c)}") for c in _checks(o)]
+                lines += [plain(f"  {text(f)}") for f in format_figures(o.figures).split("\n")
+                          if f]
+            console.file.write("".join(f"{line}\n" for line in lines))
+            return
         table = Table(title=cell(f"kafka-idem verify  run {self.run_id}"), show_lines=True)
         table.add_column("scenario", no_wrap=False, max_width=24)
         table.add_column("what was checked")
         table.add_column("durable figures read")
         table.add_column("result", justify="center")
         for o in self.outcomes:
-            checks = [f"{'✓' if c.ok else '✗'} {c.what}" + ("" if c.ok or not c.detail
-                                                            else f": {c.detail}")
-                      for c in o.checks]
-            if o.error:
-                checks.append(f"✗ error: {o.error}")
-            if o.skipped:
-                checks.append(f"skipped: {o.skipped}")
+            checks = _checks(o)
             style = {PASS: "bold green", FAIL: "bold red"}.get(o.status, "bold yellow")
             table.add_row(cell_lines([f"{o.id}. {o.title}", f"({o.seconds:.1f}s)"]),
                           cell_lines(text(c) for c in checks),
                           cell_lines(text(format_figures(o.figures)).split("\n")),
                           cell(o.status, style=style))
         console.print(table)
+
+
+def _checks(o: Outcome) -> list[str]:
+    checks = [f"{'✓' if c.ok else '✗'} {c.what}" + ("" if c.ok or not c.detail
+                                                    else f": {c.detail}")
+              for c in o.checks]
+    if o.error:
+        checks.append(f"✗ error: {o.error}")
+    if o.skipped:
+        checks.append(f"skipped: {o.skipped}")
+    return checks
 
 
 _UUID = re.compile(r"\b([0-9a-f]{8})-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")

@@ -6,50 +6,14 @@ from __future__ import annotations
 
 import os
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.outcome import Deferred, Finished
 from kafka_idem.metrics import Metrics
 from kafka_idem.store import Store
+from kafka_idem.testing.message import FakeMessage
 from kafka_idem.verify.app import Config, build_app
-
-
-@dataclass
-class FakeMessage:
-    """The parts of ``confluent_kafka.Message`` the processor reads."""
-
-    topic_: str
-    partition_: int
-    offset_: int
-    key_: bytes | None
-    value_: bytes | None
-    headers_: list[tuple[str, bytes]] = field(default_factory=list)
-
-    def topic(self) -> str:
-        return self.topic_
-
-    def partition(self) -> int:
-        return self.partition_
-
-    def offset(self) -> int:
-        return self.offset_
-
-    def key(self) -> bytes | None:
-        return self.key_
-
-    def value(self) -> bytes | None:
-        return self.value_
-
-    def headers(self) -> list[tuple[str, bytes]]:
-        return self.headers_
-
-    def timestamp(self) -> tuple[int, int]:
-        return (0, -1)
-
-    def error(self) -> None:
-        return None
 
 
 def describe(result: Any) -> dict[str, Any]:
@@ -73,7 +37,7 @@ def race_one(conf: dict[str, Any], value: bytes, offset: int, barrier: Any, queu
         proc = Processor(app, store=Store(schema=conf["store_schema"], table=conf["table"],
                                           namespace=app.namespace),
                          metrics=Metrics())
-        msg = FakeMessage(conf["topic"], 0, offset, b"race", value)
+        msg = FakeMessage(conf["topic"], offset=offset, key=b"race", value=value)
         proc.connection()  # connected before the barrier: the race is on the claim
         barrier.wait(timeout=60)
         if conf["mode"] == "local":

@@ -117,9 +117,11 @@ class Workspace:
         self.sid = sid
         self.store_schema = f"verify_{run_id}_s{sid}"
         self.biz_schema = f"{self.store_schema}_biz"
-        self.topic = f"kafka-idem-verify.{run_id}.s{sid}"
+        # name_prefix (--prefix): every topic and group is the run's, inside the prefix
+        # a cluster's ACLs grant
+        self.topic = f"{settings.name_prefix}kafka-idem-verify.{run_id}.s{sid}"
         self.dlq = f"{self.topic}{settings.dlq_suffix}"
-        self.group = f"kafka-idem-verify.{run_id}.s{sid}"
+        self.group = self.topic
         self.store = Store(schema=self.store_schema, table=TABLE, namespace=APP_NAME)
         self.logdir = logdir
         self.members: list[Member] = []

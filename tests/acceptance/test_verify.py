@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -101,10 +102,13 @@ def test_verify_passes_all_six_scenarios_and_cleans_up(tmp_path: Path,
     assert report["logs"] is None  # member logs removed after a clean pass
 
 
-def test_one_scenario_with_keep_leaves_its_artefacts(tmp_path: Path,
-                                                     admin: AdminClient) -> None:
+def test_one_scenario_with_keep_leaves_its_artefacts_named_inside_the_prefix(
+        tmp_path: Path, admin: AdminClient) -> None:
+    """--prefix (a cluster whose ACLs grant names by prefix): every topic and consumer
+    group the run made on the broker starts with it (scripts/acl_check.py runs verify on
+    a broker with such ACLs)."""
     path = tmp_path / "report.json"
-    proc = verify("--scenario", "3", "--keep", "--json", str(path))
+    proc = verify("--scenario", "3", "--keep", "--prefix", "team-a.", "--json", str(path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(path.read_text())
     run_id = report["run_id"]
@@ -115,7 +119,15 @@ def test_one_scenario_with_keep_leaves_its_artefacts(tmp_path: Path,
         assert schemas_of(run_id) == sorted(names["schemas"]) == [
             f"verify_{run_id}_s3", f"verify_{run_id}_s3_biz"]
         assert topics_of(admin, run_id) == sorted(names["topics"])
+        assert names["topics"] == [f"team-a.kafka-idem-verify.{run_id}.s3",
+                                   f"team-a.kafka-idem-verify.{run_id}.s3.dlq"]
+        on_broker = groups_of(admin, run_id)
+        assert on_broker and all(g.startswith("team-a.") for g in on_broker), on_broker
         assert "kept for inspection" in proc.stdout
+        # piped: the report is plain lines, not a table squeezed to COLUMNS
+        assert re.search(r"^3\. repeat after success \(\d+\.\ds\): PASS$", proc.stdout,
+                         re.MULTILINE), proc.stdout
+        assert "│" not in proc.stdout
         assert all(name in proc.stdout for name in names["schemas"] + names["topics"])
         assert report["logs"] and Path(report["logs"]).is_dir()
     finally:

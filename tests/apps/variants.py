@@ -9,6 +9,8 @@ tests.apps.variants:app`` can be started with different faults:
 * ``PERMANENT_ORDERS``: raise Permanent (a bug or bad data, "fixed" by restarting without it).
 * ``KILL_AFTER_WRITE_ORDERS``: SIGKILL this process right after the business
   write, on the first attempt (crash before the success state).
+* ``BLOCK_FILE`` / ``BLOCK_ORDERS``: before the business write, wait while the file
+  exists (a handler stuck on something slow; delete the file to let it go on).
 * ``CRASH_BEFORE_OFFSET_COMMIT=1``: SIGKILL this process right after the database
   commit, before the Kafka offset commit.
 """
@@ -44,6 +46,10 @@ def charge(msg: payments.ChargeRequested, ctx: Context) -> dict[str, Any]:
         os.environ.get("RETRYABLE_ATTEMPTS", "1")
     ):
         raise Retryable(f"injected transient failure on attempt {ctx.attempt}")
+    block = os.environ.get("BLOCK_FILE")
+    if block and _hit("BLOCK_ORDERS", msg.order_id):
+        while os.path.exists(block):
+            time.sleep(0.05)
     result = payments.charge(msg, ctx)
     if _hit("KILL_AFTER_WRITE_ORDERS", msg.order_id) and ctx.attempt == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -70,6 +76,7 @@ app.handlers[payments.TOPIC].fn = charge
 
 # The fault hooks live in the per-message handler above; the example's bulk handler
 # (used on the batch path) would bypass them. With any hook set, run without it.
-_HOOKS = ("SLOW_ORDERS", "RETRYABLE_ORDERS", "PERMANENT_ORDERS", "KILL_AFTER_WRITE_ORDERS")
+_HOOKS = ("BLOCK_ORDERS", "SLOW_ORDERS", "RETRYABLE_ORDERS", "PERMANENT_ORDERS",
+          "KILL_AFTER_WRITE_ORDERS")
 if any(os.environ.get(var) for var in _HOOKS):
     app.handlers[payments.TOPIC].bulk = None

@@ -12,7 +12,7 @@ from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.outcome import Deferred, Finished
 from kafka_idem.metrics import Metrics
 from kafka_idem.store import Store
-from kafka_idem.verify.workers import FakeMessage
+from kafka_idem.testing import FakeMessage
 
 
 def describe(result: Any) -> tuple[str, str, str | None]:
@@ -40,7 +40,7 @@ def processor(dsn: str, topic: str, mode: str, hold: float = 0.0) -> Processor:
 def process_one(dsn: str, topic: str, mode: str, value: bytes, offset: int,
                 barrier: Any, queue: Any, hold: float = 0.0) -> None:
     proc = processor(dsn, topic, mode, hold)
-    msg = FakeMessage(topic, 0, offset, b"order", value)
+    msg = FakeMessage(topic, offset=offset, key=b"order", value=value)
     proc.connection()  # connect before the barrier, so the race is on the claim
     barrier.wait(timeout=30)
     if mode == "local":

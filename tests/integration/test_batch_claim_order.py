@@ -21,7 +21,7 @@ from kafka_idem.consume.batch import READ_FIRST_AT, Fallback, claim_order, run_b
 from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.outcome import Deferred, Finished, Result
 from kafka_idem.store import Delivery, Outcome, Store, connect
-from kafka_idem.verify.workers import FakeMessage
+from kafka_idem.testing import FakeMessage
 from tests.apps.workers import processor
 from tests.conftest import DB
 
@@ -54,8 +54,8 @@ class Batches:
     def msgs(self, *charges: tuple[str, str]) -> list[FakeMessage]:
         out = []
         for order, amount in charges:
-            out.append(FakeMessage(TOPIC, 0, self.offset, order.encode(),
-                                   encode_charge("t1", order, amount)))
+            out.append(FakeMessage(TOPIC, offset=self.offset, key=order.encode(),
+                                   value=encode_charge("t1", order, amount)))
             self.offset += 1
         return out
 

@@ -30,7 +30,7 @@ from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.outcome import Deferred, Finished, Result
 from kafka_idem.metrics import Metrics
 from kafka_idem.store import Store
-from tests.apps.workers import FakeMessage
+from kafka_idem.testing import FakeMessage
 from tests.conftest import DB
 from tests.integration.support import charge_app
 
@@ -130,7 +130,7 @@ def run_until_finished(proc: Processor, msg: FakeMessage, mode: str,
 
 
 def message(amount: str = "10.00", *, tenant: str = "t1") -> FakeMessage:
-    return FakeMessage(TOPIC, 0, 5, b"o1", encode_charge(tenant, "o1", amount))
+    return FakeMessage(TOPIC, offset=5, key=b"o1", value=encode_charge(tenant, "o1", amount))
 
 
 @pytest.mark.parametrize("mode", ["local", "leased"])

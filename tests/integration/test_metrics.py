@@ -292,7 +292,10 @@ def test_metrics_count_what_happened(db: DB, topics: Topics, members: Members, g
     assert value(fs, "kafka_idem_handler_duration_seconds_count", **on) == len(calls)
     assert value(fs, "kafka_idem_handler_duration_seconds_bucket", le="+Inf", **on) == len(calls)
     assert value(fs, "kafka_idem_handler_duration_seconds_sum", **on) > 0
-    ratio = value(fs, "kafka_idem_duplicate_ratio")
+    # Counters a group can sum: every decided delivery once, the duplicates among them.
+    assert value(fs, "kafka_idem_deliveries_total", **on) == total
+    assert value(fs, "kafka_idem_duplicates_total", **on) == replayed
+    ratio = value(fs, "kafka_idem_duplicate_ratio")  # deprecated, kept one release
     assert ratio == pytest.approx(replayed / total), (ratio, replayed, total)
 
     # --- sampled database gauges -----------------------------------------------------------
@@ -328,6 +331,8 @@ def test_metrics_endpoint_serves_prometheus_text(db: DB, topics: Topics, members
     assert types["kafka_idem_dlq_produce_failures"] == "counter"
     assert types["kafka_idem_handler_duration_seconds"] == "histogram"
     assert types["kafka_idem_duplicate_ratio"] == "gauge"
+    assert types["kafka_idem_deliveries"] == "counter"
+    assert types["kafka_idem_duplicates"] == "counter"
     assert types["kafka_idem_records"] == "gauge"
     assert types["kafka_idem_consumer_lag_messages"] == "gauge"
     assert types["kafka_idem_expired_leases"] == "gauge"

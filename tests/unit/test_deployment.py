@@ -9,7 +9,10 @@ so every name they use is checked to exist.
 * ``Dockerfile``: copies what exists, where the example expects it.
 * ``deploy/prometheus.yml``, ``deploy/alerts.yml`` and the Grafana dashboard: every
   PromQL expression parses (promql-parser) and uses only metric names and labels
-  that :class:`kafka_idem.metrics.Metrics` exports; the dashboard shows them all.
+  that :class:`kafka_idem.metrics.Metrics` exports; the dashboard shows them all,
+  except the deprecated ones, which nothing in deploy/ uses.
+* ``deploy/kubernetes/payments.yaml``: its commands and settings as for compose; its
+  liveness and readiness probes are ``/livez`` and ``/readyz`` on the metrics port.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ DOCKERFILE = ROOT / "Dockerfile"
 PROMETHEUS = ROOT / "deploy" / "prometheus.yml"
 ALERTS = ROOT / "deploy" / "alerts.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "kafka_idem.json"
+KUBERNETES = ROOT / "deploy" / "kubernetes" / "payments.yaml"
+# Kept one release for compatibility; dashboards and alerts must not use them.
+DEPRECATED = {"kafka_idem_duplicate_ratio"}
 PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
 
 PREFIX = "KAFKA_IDEM_"
@@ -382,21 +388,19 @@ def test_one_shot_steps_wait_for_healthy_services() -> None:
 
 
 def test_topics_step_creates_the_apps_topics_and_dlqs() -> None:
-    from consumers.payments import app
+    from kafka_idem.cli import cli
 
-    expected = set(app.topics) | {app.dlq_topic(h) for h in app.handlers.values()}
-    lines = [line for line in shell_lines(services()["topics"])
-             if line and Path(line[0]).name == "kafka-topics.sh"]
-    created = {}
-    for line in lines:
-        assert "--create" in line and "--if-not-exists" in line, line
-        assert line[line.index("--bootstrap-server") + 1] == "kafka:9092", line
-        assert line[line.index("--replication-factor") + 1] == "1", line
-        created[line[line.index("--topic") + 1]] = int(line[line.index("--partitions") + 1])
-    assert set(created) == expected
+    svc = services()["topics"]
+    command = [str(c) for c in svc["command"]]
+    assert command[:3] == ["kafka-idem", "topics", "create"], command
+    assert "create" in cli.commands["topics"].commands  # type: ignore[attr-defined]
+    # the same app as the members, so its topics are the ones they subscribe to
+    run = [str(c) for c in services()["payments"]["command"]]
+    assert command[3] == run[run.index("run") + 1] == "consumers.payments:app"
     replicas = services()["payments"]["deploy"]["replicas"]
-    assert created[app.topics[0]] >= replicas, "every member needs a partition"
-    assert services()["topics"]["image"] == services()["kafka"]["image"]
+    assert int(command[command.index("--partitions") + 1]) >= replicas, "a partition each"
+    assert environment(svc)[f"{PREFIX}BOOTSTRAP_SERVERS"] == "kafka:9092"
+    assert svc["image"] == services()["payments"]["image"]
 
 
 def test_payments_is_a_scalable_gracefully_stopping_group() -> None:
@@ -542,9 +546,21 @@ def test_dashboard_shows_every_exported_metric() -> None:
     shown = set()
     for where, expr in dashboard_exprs():
         shown |= check_expr(expr, names, where)
-    families = {f.name for f in Metrics().registry.collect()}
+    families = {f.name for f in Metrics().registry.collect()} - DEPRECATED
     missing = {f for f in families if not any(s.startswith(f) for s in shown)}
     assert not missing, f"metrics not on the dashboard: {sorted(missing)}"
+
+
+def test_nothing_in_deploy_uses_a_deprecated_metric() -> None:
+    names = exported()
+    used = set()
+    for where, expr in dashboard_exprs():
+        used |= check_expr(expr, names, where)
+    for group in yaml.safe_load(ALERTS.read_text())["groups"]:
+        for rule in group["rules"]:
+            used |= check_expr(rule["expr"], names, rule["alert"])
+    assert not used & DEPRECATED, sorted(used & DEPRECATED)
+    assert {"kafka_idem_duplicates_total", "kafka_idem_deliveries_total"} <= used
 
 
 def test_dashboard_is_provisioned_against_the_prometheus_service() -> None:
@@ -580,7 +596,9 @@ def test_required_metrics_exist_with_prometheus_names() -> None:
         "kafka_idem_handler_duration_seconds_bucket": {"topic", "handler", "le"},
         "kafka_idem_records": {"status"},  # status="processing" among them
         "kafka_idem_expired_leases": set(),
-        "kafka_idem_duplicate_ratio": set(),
+        "kafka_idem_duplicate_ratio": set(),  # deprecated: kept one release
+        "kafka_idem_duplicates_total": {"topic", "handler"},
+        "kafka_idem_deliveries_total": {"topic", "handler"},
         "kafka_idem_retries_total": {"topic", "handler"},
         "kafka_idem_long_running_records": set(),
         "kafka_idem_consumer_lag_messages": {"topic", "partition"},
@@ -628,3 +646,73 @@ def test_dockerfile_builds_the_app_image() -> None:
     assert Path(copied["consumers"]).parent == Path(copied["schemas"]).parent
     assert ("STOPSIGNAL", "SIGTERM") in steps
     assert any(op == "USER" and rest != "root" for op, rest in steps), "run as non-root"
+
+
+# --- health checks: compose and Kubernetes ---------------------------------------------------
+
+
+def test_compose_health_check_asks_livez_on_the_metrics_port() -> None:
+    svc = services()["payments"]
+    test = " ".join(str(t) for t in svc["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{metrics_port(svc)}/livez" in test, test
+    assert "/metrics" not in test, "a thread answers /metrics even when the loop is stuck"
+
+
+def kubernetes() -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(KUBERNETES.read_text()) if d]
+
+
+def containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = doc["spec"]["template"]["spec"]
+    return list(spec["containers"])
+
+
+def k8s_env(container: dict[str, Any]) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_kubernetes_commands_and_settings_are_real(monkeypatch: pytest.MonkeyPatch) -> None:
+    known = known_variables()
+    seen = set()
+    for doc in kubernetes():
+        if doc["kind"] not in ("Deployment", "Job"):
+            continue
+        for c in containers(doc):
+            line = [str(a) for a in c["command"]]
+            assert Path(line[0]).name == "kafka-idem", line
+            ctx = parse_cli(line)
+            seen.add(ctx.info_name)
+            for spec in app_specs(ctx):
+                assert load_app(spec).handlers
+            env = k8s_env(c)
+            unknown = [n for n in env if n.startswith(PREFIX) and n not in known]
+            assert not unknown, unknown
+            with monkeypatch.context() as mp:
+                for name in [n for n in os.environ if n.startswith(PREFIX)]:
+                    mp.delenv(name)
+                for k, v in env.items():
+                    if k.startswith(PREFIX) and v is not None:
+                        mp.setenv(k, v)
+                load_settings()  # the literal values load
+    assert seen == {"migrate", "run"}
+
+
+def test_kubernetes_probes_are_livez_and_readyz_on_the_metrics_port() -> None:
+    (deployment,) = [d for d in kubernetes() if d["kind"] == "Deployment"]
+    (c,) = containers(deployment)
+    line = [str(a) for a in c["command"]]
+    port = int(line[line.index("--metrics-port") + 1])
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert k8s_env(c)[f"{PREFIX}METRICS_ADDR"] == "0.0.0.0"  # probes come from the kubelet
+
+    def target(probe: str) -> tuple[str, int]:
+        get = c[probe]["httpGet"]
+        p = get["port"]
+        return get["path"], ports[p] if isinstance(p, str) else int(p)
+
+    assert target("livenessProbe") == ("/livez", port)
+    assert target("readinessProbe") == ("/readyz", port)
+    assert target("startupProbe") == ("/livez", port)
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= 10
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kafka_idem.dlq import REQUIRED_HEADERS, DeadLetter, bounded
+from kafka_idem.testing import FakeMessage
 
 KEY = b"order-9"
 VALUE = b"\xc3\x01" + b"\x11" * 8 + b"avro-body-bytes"
@@ -18,44 +19,19 @@ FIRST = dt.datetime(2024, 5, 1, 10, 0, tzinfo=dt.UTC)
 LAST = dt.datetime(2024, 5, 1, 10, 5, tzinfo=dt.timezone(dt.timedelta(hours=2)))
 
 
-class FakeMessage:
-    """The parts of ``confluent_kafka.Message`` a DeadLetter reads."""
-
-    def __init__(
-        self,
-        *,
-        headers: list[tuple[str, bytes | None]] | None = None,
-        timestamp: tuple[int, int] = (1, 1_714_557_600_000),
-    ) -> None:
-        self._headers = headers
-        self._timestamp = timestamp
-
-    def topic(self) -> str:
-        return "payments.charge-requested"
-
-    def partition(self) -> int:
-        return 3
-
-    def offset(self) -> int:
-        return 1234
-
-    def timestamp(self) -> tuple[int, int]:
-        return self._timestamp
-
-    def key(self) -> bytes:
-        return KEY
-
-    def value(self) -> bytes:
-        return VALUE
-
-    def headers(self) -> list[tuple[str, bytes | None]] | None:
-        return self._headers
+def message(
+    *, headers: list[tuple[str, bytes | None]] | None = None,
+    timestamp: int | None = 1_714_557_600_000,
+) -> FakeMessage:
+    """The source message a DeadLetter reads (the kit's stub, no broker)."""
+    return FakeMessage("payments.charge-requested", partition=3, offset=1234, key=KEY,
+                       value=VALUE, headers=headers, timestamp=timestamp)
 
 
 def letter(source: Any = None, **overrides: Any) -> DeadLetter:
     fields: dict[str, Any] = {
         "dlq_topic": "payments.charge-requested.dlq",
-        "source": source or FakeMessage(),
+        "source": source or message(),
         "kind": "permanent",
         "error_class": "Permanent",
         "error_message": "amount must be positive, got -5",
@@ -105,7 +81,7 @@ def test_key_header_only_when_a_key_was_built() -> None:
 
 
 def test_missing_timestamp_is_minus_one() -> None:
-    h = as_dict(letter(FakeMessage(timestamp=(0, 0))).headers(1024))
+    h = as_dict(letter(message(timestamp=None)).headers(1024))
     assert h["idem.original.timestamp"] == "-1"
 
 
@@ -147,7 +123,7 @@ def test_error_class_is_bounded_and_the_key_never_cut() -> None:
 
 
 def test_original_headers_travel_along_and_earlier_idem_headers_are_dropped() -> None:
-    source = FakeMessage(
+    source = message(
         headers=[
             ("traceparent", b"00-abc-def-01"),
             ("content-type", b"avro"),

@@ -83,10 +83,12 @@ def test_the_format_a_handler_gets_when_it_names_none() -> None:
         _ = register(App("d", default_format="registry"), model=Order).codec
 
 
-def test_a_missing_schema_name_fails_when_the_codec_is_bound() -> None:
+def test_a_missing_schema_name_fails_when_the_codec_is_bound_naming_the_schema_setting() -> None:
     app = App("a", schemas_dir=ROOT / "schemas")
     register(app, model=Order, schema="nope.Missing", name="place")
-    with pytest.raises(ConfigError, match=r"handler 'place': no Avro schema named 'nope\.Missing'"):
+    with pytest.raises(ConfigError, match=r"handler 'place': schema 'nope\.Missing' is not among "
+                       r"the Avro schemas of .*found: orders\.OrderPlaced, payments\."
+                       r"ChargeRequested\) \(setting=schema\)"):
         app.bind_codecs()
 
 
@@ -114,3 +116,46 @@ def test_a_codec_object_is_used_and_its_output_validated_into_the_model() -> Non
         h.decode(b"t,o")
     with pytest.raises(InvalidPayload, match="csv: payload does not validate: amount"):
         h.decode(b"t,o,ten")
+
+
+class Reserve(BaseModel):
+    shop: str
+    order_id: str
+    qty: int
+
+
+class StrictCharge(BaseModel):
+    model_config = {"extra": "forbid"}
+    tenant_id: str
+    order_id: str
+    amount: Decimal
+
+
+@pytest.mark.parametrize(("options", "text"), [
+    # a model whose required fields the schema lacks: every message would be invalid
+    ({"model": Reserve, "key": "{shop}:reserve:{order_id}", "hash_fields": ("qty",)},
+     r"schema 'payments\.ChargeRequested' does not fit the handler: it has no field "
+     r"\['shop', 'qty'\], which Reserve requires"),
+    # no model: a key field the schema lacks would leave every message without a key
+    ({"model": None, "key": "{shop}:reserve:{order_id}", "hash_fields": ("amount",)},
+     r"schema 'payments\.ChargeRequested' does not fit the handler: it has no field "
+     r"\['shop'\] \(key or hash fields\)"),
+    # a model refusing extra fields, and a schema with more
+    ({"model": StrictCharge},
+     r"schema 'payments\.ChargeRequested' does not fit the handler: its fields \['currency', "
+     r"'request_id', 'requested_at'\] are not in StrictCharge, which forbids extra fields"),
+])
+def test_an_avro_reader_schema_that_cannot_fill_the_payload_fails_when_the_codec_is_bound(
+    options: dict[str, Any], text: str,
+) -> None:
+    app = App("a", schemas_dir=ROOT / "schemas")
+    register(app, schema="payments.ChargeRequested", name="place", **options)
+    with pytest.raises(ConfigError, match=rf"handler 'place': {text}.*\(setting=schema\)"):
+        app.bind_codecs()
+
+
+def test_a_reader_schema_that_fits_the_model_binds() -> None:
+    app = App("a", schemas_dir=ROOT / "schemas")
+    h = register(app, model=Order, schema="payments.ChargeRequested", name="place")
+    app.bind_codecs()
+    assert h.codec.name == "avro"

@@ -1,6 +1,7 @@
 """The request hash is a function of the logical payload, not of its wire format: one
 intent sent as JSON (a number or a string amount), as Avro single-object (a scale-2
-decimal), registry-framed Avro or registry-framed JSON gets one hash (property tests)."""
+decimal), registry-framed Avro, registry-framed JSON or registry-framed Protobuf (the
+amount a string, a ``confluent.type.Decimal`` or a double) gets one hash (property tests)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from hypothesis import strategies as st
 from consumers.orders_json import OrderPlaced
 from kafka_idem.codec import AvroCodec, AvroObjectCodec, Codec, JsonCodec, adapter_for
 from kafka_idem.keys import hash_payload
+from kafka_idem.protobuf import ProtobufCodec
 from kafka_idem.registry import RegistryCodec, registry_client
+from tests import protos
 from tests.conftest import ROOT
 from tests.registry import Registry
 
@@ -61,12 +64,29 @@ def codecs() -> Iterator[dict[str, Codec]]:
             "registry avro": RegistryCodec(client, ADAPTER, subject="a-value", schemas=SCHEMAS,
                                            schema="orders.OrderPlaced"),
             "registry json": RegistryCodec(client, ADAPTER, subject="j-value"),
+            **{f"protobuf {kind} amount": ProtobufCodec(message, client=client, topic=f"p-{kind}",
+                                                        adapter=ADAPTER)
+               for kind, message in PROTOBUF.items()},
         }
+
+
+PROTOBUF = {"string": protos.OrderPlaced, "decimal": protos.DecimalOrderPlaced,
+            "double": protos.DoubleOrderPlaced}
+
+
+@pytest.fixture(scope="module")
+def plain_protobuf() -> Iterator[dict[str, Codec]]:
+    """Without a model: the payload is the dict of the message's values."""
+    with Registry() as registry:
+        client = registry_client(registry.url, {"max.retries": 0})
+        yield {kind: ProtobufCodec(message, client=client, topic=f"plain-{kind}")
+               for kind, message in PROTOBUF.items() if kind != "string"}
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=FIXTURE)
 @given(intent=intents)
 def test_one_intent_has_one_hash_in_every_format(codecs: dict[str, Codec],
+                                                 plain_protobuf: dict[str, Codec],
                                                  intent: dict[str, Any]) -> None:
     hashes = {name: hash_payload(codec.decode(codec.encode(full(intent, f"r-{name}"))), FIELDS)
               for name, codec in codecs.items()}
@@ -78,6 +98,10 @@ def test_one_intent_has_one_hash_in_every_format(codecs: dict[str, Codec],
         # No model: a dict of what the JSON parser made (a float amount) hashes the same.
         plain = JsonCodec().decode(hand_written_json(intent, text))
         hashes[f"dict {text}"] = hash_payload(plain, FIELDS)
+    for kind, codec in plain_protobuf.items():  # a Decimal or a float amount, no model
+        payload = codec.decode(codec.encode(full(intent, f"r-plain-{kind}")))
+        assert isinstance(payload, dict)
+        hashes[f"protobuf dict, {kind} amount"] = hash_payload(payload, FIELDS)
     assert len(set(hashes.values())) == 1, hashes
 
 

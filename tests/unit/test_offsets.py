@@ -14,23 +14,13 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from kafka_idem.consume.offsets import Offsets
 from kafka_idem.consume.outcome import Deferred, Finished
 from kafka_idem.consume.partitions import Partitions
+from kafka_idem.testing import FakeMessage
 
 T = "orders"
 
 
-@dataclass(frozen=True)
-class Msg:
-    p: int
-    o: int
-
-    def topic(self) -> str:
-        return T
-
-    def partition(self) -> int:
-        return self.p
-
-    def offset(self) -> int:
-        return self.o
+def msg(partition: int, offset: int) -> FakeMessage:
+    return FakeMessage(T, partition=partition, offset=offset)
 
 
 @dataclass
@@ -59,7 +49,7 @@ def setup(*partitions: int, offsets: int = 5) -> tuple[Partitions, StubConsumer,
     parts = Partitions()
     for p in partitions:
         for o in range(offsets):
-            parts.add(Msg(p, o), 0.0)
+            parts.add(msg(p, o), 0.0)
     consumer = StubConsumer()
     return parts, consumer, Offsets(parts)
 
@@ -206,6 +196,6 @@ def test_an_acknowledgement_for_a_forgotten_partition_is_ignored() -> None:
     offsets.commit(consumer)
     parts.forget([(T, 0)])
     offsets.acknowledged(None, [Ack(T, 0, 1)])  # type: ignore[list-item]
-    parts.add(Msg(0, 1), 2.0)  # assigned again
+    parts.add(msg(0, 1), 2.0)  # assigned again
     offsets.commit(consumer)
     assert consumer.calls == [(True, {0: 1})]

@@ -8,32 +8,20 @@ a partition is due again, what to pause and resume, what a revoke forgets).
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 
 import pytest
 
 from kafka_idem.consume.outcome import Deferred, Finished
 from kafka_idem.consume.partitions import Partitions
+from kafka_idem.testing import FakeMessage
 
 T = "orders"
 TP0 = (T, 0)
 TP1 = (T, 1)
 
 
-@dataclass(frozen=True)
-class Msg:
-    t: str
-    p: int
-    o: int
-
-    def topic(self) -> str:
-        return self.t
-
-    def partition(self) -> int:
-        return self.p
-
-    def offset(self) -> int:
-        return self.o
+def msg(topic: str, partition: int, offset: int) -> FakeMessage:
+    return FakeMessage(topic, partition=partition, offset=offset)
 
 
 def upper(low: float, high: float) -> float:
@@ -44,7 +32,7 @@ def upper(low: float, high: float) -> float:
 def filled(*offsets: int, partition: int = 0, now: float = 0.0) -> Partitions:
     parts = Partitions(jitter=upper)
     for o in offsets:
-        parts.add(Msg(T, partition, o), now)
+        parts.add(msg(T, partition, o), now)
     return parts
 
 
@@ -56,9 +44,9 @@ def offsets_of(parts: Partitions, tp: tuple[str, int]) -> list[int]:
 
 def test_messages_queue_in_order_and_a_refetch_is_not_queued_twice() -> None:
     parts = filled(5, 6, 7)
-    parts.add(Msg(T, 0, 6), 1.0)  # a re-fetch after a rewind
-    parts.add(Msg(T, 0, 8), 1.0)
-    parts.add(Msg(T, 1, 0), 1.0)
+    parts.add(msg(T, 0, 6), 1.0)  # a re-fetch after a rewind
+    parts.add(msg(T, 0, 8), 1.0)
+    parts.add(msg(T, 1, 0), 1.0)
     assert offsets_of(parts, TP0) == [5, 6, 7, 8]
     assert offsets_of(parts, TP1) == [0]
 
@@ -129,7 +117,7 @@ def test_our_own_failures_back_off_with_growth_and_a_success_resets_it() -> None
 def test_partitions_are_due_in_the_order_of_their_deadlines() -> None:
     parts = Partitions(jitter=upper)
     for p in (0, 1, 2):
-        parts.add(Msg(T, p, 0), 100.0)
+        parts.add(msg(T, p, 0), 100.0)
     parts.apply({(T, 0): [Deferred(3.0, "busy")], (T, 1): [Deferred(1.0, "busy")],
                  (T, 2): [Deferred(2.0, "busy")]}, now=100.0)
     due_at = {t: [tp[1] for tp, _ in parts.due(100.0 + t)] for t in (0.5, 1.0, 2.0, 3.0)}
@@ -184,7 +172,7 @@ def test_a_partition_in_a_unit_with_a_short_queue_is_neither_paused_nor_resumed(
 
 def test_a_forgotten_partition_drops_its_queue_and_ignores_late_results() -> None:
     parts = filled(0, 1)
-    parts.add(Msg(T, 1, 7), 0.0)
+    parts.add(msg(T, 1, 7), 0.0)
     parts.apply({TP0: [Finished("succeeded")]}, now=0.0)
     parts.forget([TP0])
     assert parts.get(TP0) is None
@@ -192,14 +180,14 @@ def test_a_forgotten_partition_drops_its_queue_and_ignores_late_results() -> Non
     assert parts.pending_commits(in_flight_too=True) == []
     assert offsets_of(parts, TP1) == [7]
     # Assigned again: it starts afresh, re-fetched messages queue again.
-    parts.add(Msg(T, 0, 0), 2.0)
+    parts.add(msg(T, 0, 0), 2.0)
     assert offsets_of(parts, TP0) == [0]
 
 
 def test_pending_commits_skip_a_partition_with_a_commit_in_flight_unless_asked() -> None:
     parts = Partitions(jitter=upper)
     for p in (0, 1):
-        parts.add(Msg(T, p, 0), 0.0)
+        parts.add(msg(T, p, 0), 0.0)
     parts.apply({TP0: [Finished("succeeded")], TP1: [Finished("succeeded")]}, now=0.0)
     st = parts.get(TP0)
     assert st is not None
@@ -207,3 +195,18 @@ def test_pending_commits_skip_a_partition_with_a_commit_in_flight_unless_asked()
     assert parts.pending_commits(in_flight_too=False) == [(TP1, 1)]
     assert parts.pending_commits(in_flight_too=True) == [(TP0, 1), (TP1, 1)]
     assert parts.pending_commits(in_flight_too=True, of=[TP1, ("other", 0)]) == [(TP1, 1)]
+
+
+def test_a_partition_held_on_a_configuration_error_waits_longer_each_time_up_to_a_minute() -> None:
+    parts = Partitions(jitter=upper)
+    parts.add(msg(T, 0, 0), now=0.0)
+    delays, now = [], 0.0
+    for _ in range(9):
+        parts.apply({TP0: [Deferred(0.0, "config")]}, now=now)
+        st = parts.get(TP0)
+        assert st is not None
+        delays.append(st.not_before - now)
+        now = st.not_before
+    assert delays == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+    parts.apply({TP0: [Finished("succeeded")]}, now=now)
+    assert parts.get(TP0).framework_failures == 0  # type: ignore[union-attr]

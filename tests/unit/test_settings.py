@@ -285,3 +285,29 @@ def test_an_app_namespace_defaults_to_its_name_and_is_checked() -> None:
     with pytest.raises(ConfigError) as info:
         _ = App("bad\nname").namespace
     assert "KAFKA_IDEM_NAMESPACE" in str(info.value) and "'bad\\nname'" in str(info.value)
+
+
+# --- group membership -------------------------------------------------------------
+
+
+def test_a_member_is_dynamic_by_default_with_a_ten_second_session() -> None:
+    conf = Settings().consumer_config("g")
+    assert "group.instance.id" not in conf
+    assert conf["session.timeout.ms"] == 10_000
+
+
+def test_static_membership_sets_group_instance_id_with_the_host_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("socket.gethostname", lambda: "payments-2")
+    monkeypatch.setenv("KAFKA_IDEM_GROUP_INSTANCE_ID", "{hostname}-a")
+    s = load_settings()
+    assert s.group_instance_id == "payments-2-a"
+    assert s.consumer_config("g")["group.instance.id"] == "payments-2-a"
+
+
+@pytest.mark.parametrize("value", ["", "a b", "näme", "x" * 250, ".."])
+def test_a_group_instance_id_kafka_would_refuse_names_the_setting(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"invalid setting group_instance_id "
+                       r"\(KAFKA_IDEM_GROUP_INSTANCE_ID\): .*not a usable group\.instance\.id"):
+        load_settings(group_instance_id=value)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import random
-from dataclasses import dataclass, field
 
 import psycopg
 import pytest
@@ -27,6 +26,7 @@ from kafka_idem.consume.verdicts import (
 from kafka_idem.errors import InvalidPayload, Undecodable
 from kafka_idem.retry import RetryPolicy
 from kafka_idem.store import Claim, Failure, Outcome
+from kafka_idem.testing import FakeMessage
 
 T0 = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
 T1 = T0 + dt.timedelta(minutes=5)
@@ -37,36 +37,8 @@ LETTERS = Letters(dlq_topic="payments.dlq", group="payments", handler="charge",
 BUSY_CAP = 2.0
 
 
-@dataclass
-class StubMessage:
-    topic_: str = "payments"
-    partition_: int = 3
-    offset_: int = 42
-    headers_: list[tuple[str, bytes | None]] = field(default_factory=list)
-
-    def topic(self) -> str:
-        return self.topic_
-
-    def partition(self) -> int:
-        return self.partition_
-
-    def offset(self) -> int:
-        return self.offset_
-
-    def key(self) -> bytes | None:
-        return b"o1"
-
-    def value(self) -> bytes | None:
-        return b"\xc3\x01"
-
-    def headers(self) -> list[tuple[str, bytes | None]]:
-        return self.headers_
-
-    def timestamp(self) -> tuple[int, int]:
-        return (1, 1_700_000_000_000)
-
-
-MSG = StubMessage()
+MSG = FakeMessage("payments", partition=3, offset=42, key=b"o1", value=b"\xc3\x01",
+                  headers=[], timestamp=1_700_000_000_000)
 
 
 def decide(claim: Claim) -> Verdict:

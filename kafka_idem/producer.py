@@ -1,0 +1,138 @@
+"""Producing messages the way a handler reads them: :meth:`kafka_idem.App.producer`.
+
+    with app.producer() as producer:
+        producer.send("inventory.reserve", Reserve(shop="s1", order_id="o-1", sku="k", qty=2))
+        producer.send("inventory.reserve", {"shop": "s1", "order_id": "o-2", "sku": "k", "qty": 1})
+    # leaving the block flushes: DeliveryFailed if Kafka did not acknowledge a record
+
+Each payload (a model instance, or a mapping the model accepts) is encoded with the
+topic's handler's codec (JSON, Avro single-object, registry, or the handler's own),
+then decoded back the way the consumer will decode it, so a payload the handler
+could never read (a missing field, a key field left blank, a key over
+``key_max_bytes``) fails here, in the producer, and is never sent.
+
+**The Kafka key is the message's idempotency key** (UTF-8), unless ``key=`` says
+otherwise. Every delivery of one business intent — a producer retry, a resend with a
+new request id, a replay — then lands in one partition, in order, behind the first:
+its duplicate is answered by the stored result on the member that owns the partition
+instead of racing another member for the same record (which would wait, ``busy``, and
+retry). Pass ``key=`` (bytes or str) to partition by something else, e.g. by order id
+when different operations on one order must stay in order, or ``key=None`` for no key.
+
+The producer is idempotent with ``acks=all`` (the settings' ``producer_config``, with
+``KAFKA_IDEM_KAFKA`` options such as SASL/TLS): a broker-side retry never doubles a
+record. :meth:`Producer.flush` waits for every acknowledgement and raises
+:class:`~kafka_idem.errors.DeliveryFailed` naming the records that failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Producer as KafkaProducer
+
+from kafka_idem.codec import validate
+from kafka_idem.errors import ConfigError, DeliveryFailed
+from kafka_idem.keys import check_key
+
+if TYPE_CHECKING:
+    from kafka_idem.app import App
+
+
+class _Key:
+    """The default of ``send(key=...)``: the idempotency key."""
+
+
+IDEMPOTENCY_KEY: Any = _Key()
+
+
+class Producer:
+    """Sends payloads to handlers' topics, encoded with their codecs and keyed by their
+    idempotency keys (module docs). Not thread-safe; one per thread."""
+
+    def __init__(self, app: App, *, config: Mapping[str, Any] | None = None,
+                 timeout: float = 30.0) -> None:
+        self.app = app
+        self.timeout = timeout
+        conf = {**app.settings.producer_config(), **(config or {})}
+        self._producer = KafkaProducer(conf)
+        self._failures: list[tuple[str, bytes | None, str]] = []
+        self.sent = 0  # acknowledged since the producer was made
+
+    def send(
+        self, topic: str, payload: Any, *, key: bytes | str | None = IDEMPOTENCY_KEY,
+        headers: Mapping[str, bytes | str] | None = None, partition: int | None = None,
+    ) -> str:
+        """Queue ``payload`` for ``topic`` (whose handler's codec encodes it); return its
+        idempotency key. The record is sent in the background: :meth:`flush` (or leaving
+        the ``with`` block) waits for its acknowledgement."""
+        handler = self.app.handlers.get(topic)
+        if handler is None:
+            raise ConfigError(
+                f"no handler of app {self.app.name!r} reads topic {topic!r}: the producer "
+                f"encodes with the topic's handler (topics: {', '.join(self.app.topics)})",
+                setting="topic")
+        if isinstance(payload, Mapping) and isinstance(handler.format, str | None):
+            # a built-in codec: the mapping becomes the model first, as the consumer will
+            # see it (InvalidPayload names the fields, never their values)
+            payload = validate(handler.adapter, payload, fmt=handler.codec.name)
+        value = handler.encode(payload)
+        # What the consumer will make of these bytes: a payload it could not read fails
+        # here (InvalidPayload, MissingKeyField, InvalidKey), before it is sent.
+        model = handler.decode(value)
+        idem_key = check_key(handler.key.build(model), self.app.settings.key_max_bytes,
+                             escaped=handler.key.escapes)
+        kafka_key = idem_key.encode() if key is IDEMPOTENCY_KEY else key
+        kwargs: dict[str, Any] = {"key": kafka_key, "value": value, "on_delivery": self._report}
+        if headers:
+            kwargs["headers"] = list(headers.items())
+        if partition is not None:
+            kwargs["partition"] = partition
+        while True:
+            try:
+                self._producer.produce(topic, **kwargs)
+                break
+            except BufferError:  # the local queue is full: let deliveries drain first
+                self._producer.poll(0.5)
+            except KafkaException as exc:  # e.g. over message.max.bytes, checked locally
+                raise DeliveryFailed(f"cannot send to {topic!r}: {exc.args[0]}",
+                                     failures=[(topic, kafka_key if isinstance(kafka_key, bytes)
+                                                else None, str(exc.args[0]))]) from exc
+        self._producer.poll(0)
+        return idem_key
+
+    def _report(self, err: KafkaError | None, msg: Any) -> None:
+        if err is None:
+            self.sent += 1
+        else:
+            self._failures.append((msg.topic(), msg.key(), err.str()))
+
+    def flush(self, timeout: float | None = None) -> int:
+        """Wait until every queued record is acknowledged; return how many records were
+        acknowledged so far. Raise :class:`DeliveryFailed` if any was not (the failures
+        are reported once)."""
+        wait = self.timeout if timeout is None else timeout
+        left = self._producer.flush(wait)
+        failures, self._failures = self._failures, []
+        if failures:
+            topic, _key, error = failures[0]
+            raise DeliveryFailed(
+                f"{len(failures)} record(s) not delivered (first: topic {topic!r}: {error})"
+                + (f"; {left} more still unacknowledged" if left else ""), failures=failures)
+        if left:
+            raise DeliveryFailed(f"{left} record(s) not acknowledged within {wait:g} s")
+        return self.sent
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.flush()
+
+
+__all__ = ["IDEMPOTENCY_KEY", "Producer"]

@@ -1,0 +1,174 @@
+"""``Harness.check``: the scenario matrix planned for a handler, run scenario by
+scenario from a clean database, and reported (an ``AssertionError`` carries the report
+when a scenario failed)."""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kafka_idem.errors import ConfigError, MessageError
+from kafka_idem.handler import Handler
+from kafka_idem.retry import no_wait
+from kafka_idem.testing.case import Case, Reference, settings_for, show, told
+from kafka_idem.testing.harness import Harness
+from kafka_idem.testing.message import FakeMessage
+from kafka_idem.testing.report import CheckReport, ScenarioResult
+from kafka_idem.testing.sandbox import Path
+from kafka_idem.testing.scenarios import LEASED_ONLY, RUN, SCENARIOS
+from kafka_idem.testing.values import conflicting, other_keys
+
+NEEDS_SUCCESS = ("crash_before_commit", "retries_exhausted", "unknown_outcome",
+                 "lease_takeover")
+# leased: the next owner's claim is a second attempt (a takeover or a retry)
+NEEDS_RETRY = ("crash_before_commit", "unknown_outcome", "lease_takeover")
+
+
+def paths_of(handler: Handler[Any]) -> list[Path]:
+    """The paths ``handler``'s messages can take; the first is the reference."""
+    if handler.mode == "leased":
+        return ["leased"]
+    return ["per-message", "batch"] if handler.batch else ["per-message"]
+
+
+def _plan(handler: Handler[Any], paths: list[Path],
+          names: Iterable[str] | None) -> list[tuple[str, Path]]:
+    chosen = list(SCENARIOS) if names is None else list(names)
+    unknown = [n for n in chosen if n not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
+    plan: list[tuple[str, Path]] = []
+    for name in SCENARIOS:
+        if name not in chosen:
+            continue
+        if name in LEASED_ONLY and handler.mode != "leased":
+            continue
+        if name == "batch":
+            if "batch" in paths:
+                plan.append((name, "batch"))
+            continue
+        plan.extend((name, p) for p in paths if not (name == "once" and p == paths[0]))
+    return plan
+
+
+def run_one(case: Case, name: str, path: Path) -> ScenarioResult:
+    out = ScenarioResult(name, SCENARIOS[name], path)
+    started = time.monotonic()
+    if name in NEEDS_SUCCESS and not case.succeeded:
+        out.skipped = f"the reference did not succeed ({show(case.first)})"
+        return out
+    budget = case.harness.base.retry_policy(case.handler).max_attempts
+    if path == "leased" and name in NEEDS_RETRY and budget < 2:
+        out.skipped = (f"a retry budget of {budget} attempt leaves none for the next owner "
+                       "(max_attempts)")
+        return out
+    for remote in case.harness.remotes.values():
+        remote.reset()
+    case.harness.hooks.forget()
+    try:
+        RUN[name](case, path, out)
+    except Exception as exc:
+        out.wrong("the scenario could not run: " + "".join(
+            traceback.format_exception_only(exc)).strip())
+    out.seconds = time.monotonic() - started
+    return out
+
+
+def _derived(harness: Harness, topic: str, data: bytes, prepare: Callable[[bytes], Any],
+             conflict: Any, batch: Iterable[Any] | None) -> tuple[bytes | None, list[bytes]]:
+    """The conflicting payload and the batch's payloads: the ones given (a conflict
+    checked to keep the key and change the request), else made from ``data``."""
+    handler = harness.handler(topic)
+    try:
+        first = prepare(data)
+    except MessageError:  # the message itself does not decode: nothing to derive
+        return None, [data] if batch is None else [harness.encode(topic, v) for v in batch]
+    if conflict is None:
+        other = conflicting(handler, data, prepare)
+    else:
+        other = harness.encode(topic, conflict)
+        theirs = prepare(other)
+        same = theirs.request_hash == first.request_hash
+        if theirs.key != first.key or same:
+            raise ValueError(f"conflict= must have the key {first.key!r} and another request "
+                             f"hash; it has the key {theirs.key!r} and "
+                             f"{'the same' if same else 'another'} request hash")
+    if batch is not None:
+        return other, [harness.encode(topic, v) for v in batch]
+    others = other_keys(handler, data, prepare, 2)
+    # the message, another key, a duplicate, the conflict, a third key: one unit
+    return other, [data, *others[:1], data, *([other] if other is not None else []),
+                   *others[1:]]
+
+
+def check(
+    harness: Harness,
+    topic: str,
+    value: Any,
+    *,
+    key: str | bytes | None = None,
+    headers: Any = None,
+    conflict: Any = None,
+    batch: Iterable[Any] | None = None,
+    scenarios: Iterable[str] | None = None,
+) -> CheckReport:
+    """See :meth:`Harness.check`."""
+    started = time.monotonic()
+    handler = harness.handler(topic)
+    if not harness.tables and not harness.remotes:
+        raise ConfigError(
+            "check has nothing to compare: it compares the app's own tables and remote "
+            "fakes, and the app's migrations made no table; register its set-up with "
+            "@app.migration, name its tables (tables=[...]) or pass remotes={...}",
+            setting="tables")
+    paths = paths_of(handler)
+    data = harness.encode(topic, value)
+    stamp = int(time.time() * 1000)
+
+    def at(offset: int, payload: bytes) -> FakeMessage:
+        return FakeMessage(topic, offset=offset, key=key, value=payload, headers=headers,
+                           timestamp=stamp)
+
+    msg = at(0, data)
+    plan = _plan(handler, paths, scenarios)
+    report = CheckReport(
+        handler=handler.name, topic=topic, mode=handler.mode,
+        tables=[t.name for t in harness.tables],
+        left_out=[f"{t.name}.{c} ({why})" for t in harness.tables for c, why in t.left_out],
+        remotes=list(harness.remotes))
+    with no_wait():
+        for remote in harness.remotes.values():
+            remote.reset()
+        harness.hooks.forget()
+        with harness.scratch(**settings_for(paths[0])) as sb:
+            proc = sb.processor()
+            d = sb.drive(proc, msg, paths[0])
+            case = Case(harness, handler, msg, paths,
+                        Reference(d, sb.state(harness.tables), {}))
+            case.ref.effects = case.effects()
+
+            def prepare(payload: bytes) -> Any:
+                return proc.prepare(handler, at(0, payload))
+
+            other, payloads = _derived(harness, topic, data, prepare, conflict, batch)
+        rows = ", ".join(f"{len(r.rows)} row(s) in {name}" for name, r in case.ref.state.items())
+        report.reference.append(f"delivered once on the {paths[0]} path: {told(d)}; {rows}")
+        if d.result is not None:
+            report.reference.append(f"stored result: {json.dumps(d.result, default=str)}")
+        report.reference += [f"remote {n!r}: {sum(c.values())} effect(s)"
+                             for n, c in case.ref.effects.items()]
+        if d.outcome == "deferred":
+            raise AssertionError(f"kafka_idem check of handler {handler.name!r}: the "
+                                 f"reference delivery did not finish ({told(d)})")
+        if other is not None:
+            case.conflict = at(1, other)
+        case.batch = [at(i, p) for i, p in enumerate(payloads)]
+        for name, path in plan:
+            report.results.append(run_one(case, name, path))
+    report.seconds = time.monotonic() - started
+    if not report.passed:
+        raise AssertionError(str(report))
+    return report

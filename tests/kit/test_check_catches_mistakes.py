@@ -1,0 +1,117 @@
+"""Negative controls of Harness.check: handlers with the mistakes that break
+exactly-once effects, each caught, the report naming the scenario (and the table or
+remote that shows it); the same handlers without the mistake pass.
+
+One harness for the module (tests/apps/kit_shop.py, an app written as a user would),
+the mistake switched on per test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from decimal import Decimal
+
+import pytest
+
+from kafka_idem.testing import Harness
+from tests.apps import kit_shop
+from tests.conftest import ADMIN_DSN
+
+ORDER = {"tenant_id": "t1", "order_id": "o-1", "amount": Decimal("12.50"), "note": "first"}
+
+
+@pytest.fixture(scope="module")
+def harness() -> Iterator[Harness]:
+    with Harness(kit_shop.app, database_url=ADMIN_DSN, remotes={"bank": kit_shop.bank}) as h:
+        yield h
+
+
+@pytest.fixture
+def mistake() -> Iterator[dict[str, str]]:
+    yield kit_shop.MISTAKE
+    kit_shop.MISTAKE["now"] = "none"
+
+
+def failed(harness: Harness, topic: str, mistake: dict[str, str], name: str) -> str:
+    mistake["now"] = name
+    with pytest.raises(AssertionError) as caught:
+        harness.check(topic, ORDER)
+    return str(caught.value)
+
+
+def failing_scenarios(report: str) -> set[str]:
+    return {line.split()[1] + " " + line.split()[2] for line in report.splitlines()
+            if line.startswith("FAILED ")}
+
+
+def test_the_handlers_without_a_mistake_pass_every_scenario(harness: Harness) -> None:
+    local = harness.check(kit_shop.ORDERS, ORDER)
+    leased = harness.check(kit_shop.PAYMENTS, ORDER)
+    assert local.passed and leased.passed
+    ran = {(r.name, r.path) for r in local.results if not r.skipped}
+    assert ran == {("once", "batch")} | {
+        (n, p) for n in ("twice", "crash_before_commit", "crash_before_offset_commit",
+                         "concurrent", "conflict", "retries_exhausted")
+        for p in ("per-message", "batch")} | {("batch", "batch")}
+    assert {r.name for r in leased.results if not r.skipped} == {
+        "twice", "crash_before_commit", "crash_before_offset_commit", "concurrent",
+        "conflict", "retries_exhausted", "unknown_outcome", "lease_takeover"}
+    takeover = leased.result("lease_takeover")
+    assert any("reconcile x1" in line for line in takeover.story), takeover.story
+
+
+def test_a_write_through_a_second_connection_fails(harness: Harness,
+                                                   mistake: dict[str, str]) -> None:
+    report = failed(harness, kit_shop.ORDERS, mistake, "own_connection")
+    assert failing_scenarios(report) == {
+        "crash_before_commit [per-message]:", "crash_before_commit [batch]:",
+        "retries_exhausted [per-message]:", "retries_exhausted [batch]:"}
+    assert "table shop.orders: 1 row(s) more than the reference" in report
+    assert "extra   {key: 't1:order:o-1', order_id: 'o-1', amount: 12.50, invoice: None}" \
+        in report
+
+
+def test_a_counter_incremented_without_the_key_fails(harness: Harness,
+                                                     mistake: dict[str, str]) -> None:
+    report = failed(harness, kit_shop.ORDERS, mistake, "counter_own_connection")
+    assert "crash_before_commit [per-message]:" in failing_scenarios(report)
+    assert "retries_exhausted [batch]:" in failing_scenarios(report)
+    assert "missing {name: 'orders', n: 1}" in report
+    assert "extra   {name: 'orders', n: 2}" in report  # counted twice for one order
+
+
+def test_a_counter_drawn_from_a_sequence_fails(harness: Harness,
+                                               mistake: dict[str, str]) -> None:
+    # nextval() is not rolled back: the crashed attempt's number is lost, the
+    # redelivery's invoice is 2 where a single delivery's is 1.
+    report = failed(harness, kit_shop.ORDERS, mistake, "sequence_counter")
+    assert failing_scenarios(report) == {"crash_before_commit [per-message]:",
+                                         "crash_before_commit [batch]:"}
+    assert "invoice: 1}" in report and "invoice: 2}" in report
+
+
+@pytest.mark.parametrize("topic", [kit_shop.ORDERS, kit_shop.PAYMENTS])
+def test_a_remote_call_without_the_key_fails(harness: Harness, mistake: dict[str, str],
+                                             topic: str) -> None:
+    report = failed(harness, topic, mistake, "remote_without_key")
+    scenarios = {s.split(" [")[0] for s in failing_scenarios(report)}
+    expected = {"crash_before_commit", "retries_exhausted"} | (
+        {"unknown_outcome", "lease_takeover"} if topic == kit_shop.PAYMENTS else set())
+    assert scenarios == expected
+    assert "remote 'bank': 2 effect(s), the reference has 1" in report
+
+
+def test_a_bulk_handler_unlike_the_handler_fails(harness: Harness,
+                                                 mistake: dict[str, str]) -> None:
+    report = failed(harness, kit_shop.ORDERS, mistake, "bulk_skips_counter")
+    assert {"once [batch]:", "batch [batch]:"} <= failing_scenarios(report)
+    assert "table shop.counters" in report
+    assert all("[per-message]" not in s for s in failing_scenarios(report))
+
+
+def test_a_reconciler_that_records_nothing_fails(harness: Harness,
+                                                 mistake: dict[str, str]) -> None:
+    report = failed(harness, kit_shop.PAYMENTS, mistake, "reconcile_forgets_row")
+    assert failing_scenarios(report) == {"crash_before_commit [leased]:",
+                                         "unknown_outcome [leased]:",
+                                         "lease_takeover [leased]:"}
+    assert "table shop.charges: 1 row(s) of the reference missing" in report
