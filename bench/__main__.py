@@ -51,7 +51,9 @@ from rich.table import Table
 
 from bench import pgbench, procstat
 from bench.effects import TABLE
+from bench.gateway import ACCOUNTS, GATEWAY_PATHS, GatewayProcess, ideal
 from bench.workload import PARTITIONS, Plan, create_topic, end_offsets, produce_backlog
+from consumers import gateway as gateway_example
 from consumers import payments
 from kafka_idem.migrate import migrate
 from kafka_idem.settings import Settings, load_settings
@@ -71,9 +73,16 @@ PATHS: dict[str, tuple[str, str, str, bool, str]] = {
     "batch_json": ("kafka_idem batch, JSON payloads (bulk handler)", "framework", "local", True,
                    "json"),
     "dup90": ("kafka_idem batch, 90% duplicates", "framework", "local", True, "dup"),
+    "gateway": ("kafka_idem leased, gateway 50 ms, concurrency=1", "gateway", "leased", False,
+                "gw1"),
+    "gateway_c64": ("kafka_idem leased, gateway 50 ms, concurrency=64", "gateway", "leased",
+                    False, "gw"),
+    "gateway_async": ("kafka_idem leased, gateway 50 ms, async def, concurrency=64", "gateway",
+                      "leased", False, "gw"),
 }
 ALL = ["raw", "pgbench", "naive", "leased", "batch", "batch_json", "batch_nobulk", "dup90",
-       "rss"]
+       "rss", "gateway", "gateway_c64", "gateway_async"]
+ONE_PARTITION = ("gw", "gw1")  # the gateway rows: one partition, key-ordered inside it
 BATCH_FAMILY = ("batch", "batch_json", "batch_nobulk", "dup90")
 FORMATS = {"json": "json"}  # topic key -> payload format (the others: the app's, Avro)
 RSS_FLAT_MB = 10.0
@@ -109,6 +118,7 @@ def create_payments_tables(dsn: str) -> None:
         try:
             with psycopg.connect(dsn) as conn:
                 payments.create_tables(conn)
+                gateway_example.create_tables(conn)
             return
         except psycopg.errors.UniqueViolation:
             if attempt == 2:
@@ -198,6 +208,8 @@ def render(
             continue
         limit = limits.get("sql_batched") if m.path in BATCH_FAMILY else limits.get(
             "sql_per_message")
+        if m.path in GATEWAY_PATHS:
+            limit = ideal(m.path)  # "x SQL limit" of a gateway row: x concurrency / 50 ms
         _row(table, m, raw, limit, naive)
     if rss is not None:
         table.add_row(
@@ -358,6 +370,11 @@ def targets(
     if (le := by.get("leased")) is not None:
         add("leased >= 0.8 x pgbench per-message", _ratio(le.rate,
             limits.get("sql_per_message")), 0.8, "x")
+    for path in ("gateway_c64", "gateway_async"):
+        if (g := by.get(path)) is not None:
+            add(f"{path}: >= 0.7 x {ideal(path):,.0f} msgs/s (64 / 50 ms), exactly once, "
+                "in key order", _ratio(g.rate, ideal(path)) if g.throughput.get("ok") else None,
+                0.7, "x")
     if (d := by.get("dup90")) is not None:
         add("90%-duplicates msgs/s >= 20,000", d.rate or None, 20_000, "msgs/s")
     if rss is not None:
@@ -370,7 +387,7 @@ def targets(
 
 
 def render_targets(ts: list[dict[str, Any]]) -> Table:
-    table = Table(title="issue 6 targets", title_justify="left")
+    table = Table(title="targets (issues 6 and 15)", title_justify="left")
     for col in ("target", "measured", "met"):
         table.add_column(col, justify="left" if col == "target" else "right")
     for t in ts:
@@ -407,6 +424,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="latency runs produce at this fraction of the path's max [0.5]")
     parser.add_argument("--pgbench-seconds", type=float, help="per pgbench run [10; quick 3]")
     parser.add_argument("--pgbench-clients", default="1,4", help="pgbench -c values [1,4]")
+    parser.add_argument("--gateway-messages", type=int,
+                        help="topic of the gateway rows (1,000 accounts) [8000; quick 3000]; "
+                        "concurrency=1 gets a twentieth")
     parser.add_argument("--rss-messages", type=int,
                         help="messages of the RSS run (batch path) [1000000; quick 100000]")
     parser.add_argument("--profile", action="store_true",
@@ -425,6 +445,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.latency_seconds = args.latency_seconds or (5.0 if q else 10.0)
     args.pgbench_seconds = args.pgbench_seconds or (3.0 if q else 10.0)
     args.rss_messages = args.rss_messages or (100_000 if q else 1_000_000)
+    args.gateway_messages = args.gateway_messages or (3_000 if q else 8_000)
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if unknown := set(args.paths) - set(ALL):
         parser.error(f"unknown paths {sorted(unknown)}")
@@ -448,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         "dup": Plan(f"{run_id}d", args.messages, 0.9, seed),
         "json": Plan(f"{run_id}j", args.messages, args.dup_ratio, seed),
         "rss": Plan(f"{run_id}r", args.rss_messages, 0.0, seed),
+        "gw": Plan(f"{run_id}g", args.gateway_messages, 0.0, seed, tenants=ACCOUNTS),
+        # concurrency=1 runs at most 20 msgs/s: a shorter topic, the same accounts
+        "gw1": Plan(f"{run_id}h", max(args.gateway_messages // 20, 1), 0.0, seed,
+                    tenants=ACCOUNTS),
     }
     needed = {PATHS[p][4] for p in consumer_paths} | ({"rss"} if "rss" in wanted else set())
     if args.profile:
@@ -460,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"bench {run_id}: seed {seed}, paths {','.join(wanted)}; load average "
                   f"{info['loadavg_start'][0]:.2f}; work files in {work}")
     rows: list[Measured] = []
+    gateway: GatewayProcess | None = None
     pg: list[pgbench.PgbenchResult] = []
     rss: dict[str, Any] | None = None
     profiles: dict[str, Any] = {}
@@ -478,19 +504,24 @@ def main(argv: list[str] | None = None) -> int:
                 "topic": topic, "group": group, "plan": plan.to_json(),
                 "schema": schema_for(path, phase) if kind != "raw" else None,
                 "batch_size": args.batch_size, "local_workers": args.local_workers,
-                "timeout": args.timeout, "verbose": args.verbose, **extra}
+                "timeout": args.timeout, "verbose": args.verbose,
+                "gateway_url": gateway.url if gateway is not None else None, **extra}
 
     try:
         create_payments_tables(s.dsn)
+        if any(p in GATEWAY_PATHS for p in wanted):
+            gateway = GatewayProcess()
+            console.print(f"gateway (50 ms per charge) on {gateway.url}, pid {gateway.proc.pid}")
         ends: dict[str, dict[int, int]] = {}
         for key in sorted(needed):
-            create_topic(admin, topics[key])
+            partitions = 1 if key in ONE_PARTITION else PARTITIONS
+            create_topic(admin, topics[key], partitions)
             created_topics.append(topics[key])
             t0 = time.perf_counter()
             _intents, messages = plans[key].build()
             produce_backlog(s, topics[key], messages, FORMATS.get(key))
             del messages, _intents
-            ends[key] = end_offsets(s, topics[key])
+            ends[key] = end_offsets(s, topics[key], partitions)
             console.print(f"produced {sum(ends[key].values()):,} messages to {topics[key]} in "
                           f"{time.perf_counter() - t0:.1f}s")
             if sum(ends[key].values()) != plans[key].n:
@@ -519,18 +550,26 @@ def main(argv: list[str] | None = None) -> int:
             plan = plans[topic_key]
             m = Measured(path, label)
             console.print(f"measuring {label} ...")
+            gw_cpu = gateway.cpu_seconds() if gateway is not None else 0.0
             m.throughput = run_worker(spec(path, "throughput", topics[topic_key], plan,
                                            ends=ends[topic_key], round_trips=True), work)
             m.throughput["messages"] = plan.n
+            if path in GATEWAY_PATHS and gateway is not None:
+                # the remote system's CPU (in "other"), over the whole worker run
+                m.throughput["gateway_cpu_ms_per_msg"] = round(
+                    (gateway.cpu_seconds() - gw_cpu) / plan.n * 1000, 3)
+                m.throughput["check"] = (f"{m.throughput.get('check', '')}; gateway "
+                                         f"{m.throughput['gateway_cpu_ms_per_msg']} ms CPU/msg")
             console.print(f"  {m.rate:,.0f} msgs/s; {m.throughput.get('check')}")
             if m.rate:
                 rate = max(m.rate * args.latency_fraction, 1.0)
                 n = max(int(rate * args.latency_seconds), 1)
                 lat_topic = f"bench.{run_id}.{path}.latency"
-                create_topic(admin, lat_topic)
+                create_topic(admin, lat_topic, 1 if topic_key in ONE_PARTITION else PARTITIONS)
                 created_topics.append(lat_topic)
                 lat_plan = Plan(f"{run_id}l{ALL.index(path)}", n,
-                                0.9 if path == "dup90" else args.dup_ratio, seed)
+                                0.9 if path == "dup90" else args.dup_ratio, seed,
+                                tenants=plan.tenants)
                 m.latency = run_worker(spec(path, "latency", lat_topic, lat_plan, rate=rate),
                                        work)
                 lat = m.latency.get("latency_ms") or {}
@@ -551,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
                               f" msgs/s; {out.get('check')}")
                 profiles[path] = out
     finally:
+        if gateway is not None:
+            gateway.stop()
         problems = [] if args.keep else cleanup(s, admin, created_topics, schemas, groups, run_id)
         for p in problems:
             console.print(f"[yellow]clean-up: {p}")
@@ -661,8 +702,9 @@ def write_results(
             {
                 "path": m.path, "label": m.label, "messages": m.messages, "msgs_per_s": m.rate,
                 "ratio_to_raw": _ratio(m.rate, limits.get("raw")),
-                "ratio_to_sql_limit": None if m.path == "raw" else _ratio(m.rate, limits.get(
-                    "sql_batched" if m.path in BATCH_FAMILY else "sql_per_message")),
+                "ratio_to_sql_limit": None if m.path == "raw" else _ratio(m.rate, (
+                    ideal(m.path) if m.path in GATEWAY_PATHS else limits.get(
+                        "sql_batched" if m.path in BATCH_FAMILY else "sql_per_message"))),
                 "ratio_to_naive": _ratio(m.rate, limits.get("naive")),
                 "cpu_s_per_1k": {k: m.cpu_per_1k(k) for k in ("consumer", "postgres", "broker",
                                                                "other")},
@@ -712,6 +754,8 @@ def cleanup(
             like = f"bench-{run_id}%"
             conn.execute("DELETE FROM payments.ledger WHERE tenant_id LIKE %s", (like,))
             conn.execute("DELETE FROM payments.balances WHERE tenant_id LIKE %s", (like,))
+            conn.execute("DELETE FROM payments.gateway_charges WHERE idempotency_key LIKE %s",
+                         (like,))
     except psycopg.Error as exc:
         problems.append(f"database clean-up: {exc}")
     dlq = [f"{t}.dlq" for t in topics]

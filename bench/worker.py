@@ -39,11 +39,14 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from bench import gateway as bench_gateway
 from bench import procstat, roundtrips
 from bench.effects import TABLE, check_effects, ledger_state
 from bench.naive import NaiveConsumer
 from bench.workload import Plan, tenants_of
+from consumers import gateway as gateway_example
 from consumers import payments
+from kafka_idem.consume.aio import AsyncLeasedPath
 from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.outcome import Finished
 from kafka_idem.runner import Runner
@@ -213,13 +216,19 @@ class FrameworkLoop:
     def __init__(self, s: Settings, spec: dict[str, Any], rec: Recorder) -> None:
         self.rec = rec
         mode = spec["mode"]
-        app = payments.build_app(
-            topic=spec["topic"], mode=mode, name=f"bench-{spec['path']}",
+        common = dict(
+            topic=spec["topic"], name=f"bench-{spec['path']}",
             group_id=spec["group"], schema_name=spec["schema"], table=TABLE,
             batch_size=spec["batch_size"], bootstrap_servers=s.bootstrap_servers,
             **({"local_workers": spec["local_workers"]} if spec.get("local_workers") else {}),
             database_url=s.dsn, kafka=s.kafka,
         )
+        if spec["kind"] == "gateway":
+            app = gateway_example.build_app(gateway_url=spec["gateway_url"], timeout=10.0,
+                                            **bench_gateway.app_settings(spec["path"]),
+                                            **common)
+        else:
+            app = payments.build_app(mode=mode, **common)
         if not spec.get("bulk", True):
             app.handlers[spec["topic"]].bulk = None
         self.runner = Runner(app)
@@ -258,6 +267,15 @@ class FrameworkLoop:
                 return res
 
             Processor.run_leased = run_leased  # type: ignore[method-assign,assignment]
+            original_async = AsyncLeasedPath.run
+
+            async def run_async(path: AsyncLeasedPath, msg: Any, *args: Any) -> Any:
+                res = await original_async(path, msg, *args)
+                if isinstance(res, Finished):
+                    rec.effect([msg])
+                return res
+
+            AsyncLeasedPath.run = run_async  # type: ignore[method-assign,assignment]
         else:
             # Where a batch's time goes: wall and thread CPU per step of the batch path
             # (wall - CPU = waiting, mostly for PostgreSQL); the rest of run_batch is
@@ -346,7 +364,9 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
     window: dict[str, Any] = {}
     profiler: Any = None
     check = spec["kind"] != "raw"
-    if check:
+    if spec["kind"] == "gateway":
+        mark = bench_gateway.mark(s.dsn)
+    elif check:
         mark, before = ledger_state(s.dsn, tenants_of(plan.tag))
 
     def on_first() -> None:
@@ -431,7 +451,10 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
                 stats.sort_stats("tottime").print_stats(40)
                 f.write(stream.getvalue())
         out["profile"] = path
-    if check:
+    if spec["kind"] == "gateway":
+        out["ok"], out["check"] = bench_gateway.check(s.dsn, spec["schema"], plan, mark,
+                                                      spec["gateway_url"])
+    elif check:
         intents, _messages = plan.build()
         out["ok"], out["check"] = check_effects(s.dsn, spec["schema"], intents, mark, before)
     else:

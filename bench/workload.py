@@ -53,6 +53,7 @@ class Plan:
     n: int
     dup_ratio: float
     seed: int
+    tenants: int = TENANTS
 
     def build(self) -> tuple[list[Intent], list[Intent]]:
         """Distinct intents, and the ``n`` messages (intents plus duplicates, shuffled)."""
@@ -60,7 +61,7 @@ class Plan:
         distinct = max(1, self.n - round(self.n * self.dup_ratio))
         intents = [
             Intent(
-                tenant_id=f"bench-{self.tag}-t{i % TENANTS:02d}",
+                tenant_id=f"bench-{self.tag}-t{i % self.tenants:02d}",
                 order_id=f"bench-{self.tag}-o{i:07d}",
                 amount=Decimal(rng.randint(1, 100_000)) / 100,
                 currency=rng.choice(CURRENCIES),
@@ -72,15 +73,17 @@ class Plan:
         return intents, messages
 
     def to_json(self) -> dict[str, Any]:
-        return {"tag": self.tag, "n": self.n, "dup_ratio": self.dup_ratio, "seed": self.seed}
+        return {"tag": self.tag, "n": self.n, "dup_ratio": self.dup_ratio, "seed": self.seed,
+                "tenants": self.tenants}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Plan:
-        return Plan(d["tag"], int(d["n"]), float(d["dup_ratio"]), int(d["seed"]))
+        return Plan(d["tag"], int(d["n"]), float(d["dup_ratio"]), int(d["seed"]),
+                    int(d.get("tenants", TENANTS)))
 
 
-def tenants_of(tag: str) -> list[str]:
-    return [f"bench-{tag}-t{i:02d}" for i in range(TENANTS)]
+def tenants_of(tag: str, n: int = TENANTS) -> list[str]:
+    return [f"bench-{tag}-t{i:02d}" for i in range(n)]
 
 
 def encode(m: Intent, fmt: str | None = None) -> bytes:
@@ -174,19 +177,19 @@ def produce_paced(
     }
 
 
-def end_offsets(s: Settings, topic: str) -> dict[int, int]:
+def end_offsets(s: Settings, topic: str, partitions: int = PARTITIONS) -> dict[int, int]:
     probe = Consumer({**s.consumer_config("bench-probe")})
     try:
         return {
             p: probe.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-            for p in range(PARTITIONS)
+            for p in range(partitions)
         }
     finally:
         probe.close()
 
 
-def create_topic(admin: AdminClient, topic: str) -> None:
-    for fut in admin.create_topics([NewTopic(topic, PARTITIONS, 1)]).values():
+def create_topic(admin: AdminClient, topic: str, partitions: int = PARTITIONS) -> None:
+    for fut in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
         fut.result(30)
 
 

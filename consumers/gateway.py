@@ -14,8 +14,9 @@ Two parts, both real:
       GET  /_requests      {"requests": [...]} every request received (tests count them)
       POST /_faults        {"drop_after_apply": n, ...} see :data:`FAULTS`
 
-  Run it alone with ``python -m consumers.gateway serve --port 8099``, or in
-  process: ``with Gateway() as gw: ... gw.url``.
+  Run it alone with ``python -m consumers.gateway serve --port 8099
+  [--latency-ms 50]``, or in process: ``with Gateway(latency=0.05) as gw: ... gw.url``.
+  ``latency`` is how long every charge takes to answer (a remote system's time).
 
 * The consumer app: ``payments.charge-requested`` (``PAYMENTS_TOPIC``), key
   ``{tenant_id}:charge:{order_id}``, hash over amount and currency, in
@@ -26,6 +27,9 @@ Two parts, both real:
   so it raises :class:`UnknownOutcome`; the next attempt first runs the
   reconciler, which asks the gateway by key (``GET /charges/<key>``) and
   completes the record with the charge found, without charging again.
+  ``build_app(concurrency=64)`` runs up to 64 charges at once (key-ordered);
+  ``build_app(use_async=True)`` registers the same handler and reconciler as
+  ``async def`` over :class:`AsyncGatewayClient` (asyncio streams).
 
   =========================================  ==========================
   gateway answer                             handler raises
@@ -47,8 +51,10 @@ purpose (like the ledger): a double completion would show as a second row.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime as dt
+import http
 import http.client
 import json
 import logging
@@ -56,6 +62,7 @@ import os
 import socket
 import struct
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -66,7 +73,16 @@ from types import TracebackType
 from typing import Any
 
 from consumers import payments
-from kafka_idem import App, Context, Done, Permanent, Retryable, RetryPolicy, UnknownOutcome
+from kafka_idem import (
+    App,
+    AsyncContext,
+    Context,
+    Done,
+    Permanent,
+    Retryable,
+    RetryPolicy,
+    UnknownOutcome,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +114,35 @@ class _State:
         self.delay_seconds = 5.0
         self.release = threading.Event()
         self.held = 0  # responses currently held
+        self.latency = 0.0  # seconds every charge takes
+
+    def apply(self, key: str, request: dict[str, Any]) -> tuple[int, Any]:
+        """Charge ``request`` under ``key`` once: (201, new charge), (200, the same charge
+        again) or (409, the key was first used with another request)."""
+        with self.lock:
+            existing = self.charges.get(key)
+            if existing is None:
+                charge = {
+                    "id": f"ch_{uuid.uuid4().hex[:16]}",
+                    "idempotency_key": key,
+                    "tenant_id": request["tenant_id"],
+                    "order_id": request["order_id"],
+                    "amount": str(request["amount"]),
+                    "currency": request["currency"],
+                    "created_at": dt.datetime.now(dt.UTC).isoformat(),
+                }
+                self.charges[key] = charge
+                return 201, charge
+        same = (
+            Decimal(existing["amount"]) == request["amount"]
+            and existing["currency"] == request["currency"]
+            and existing["tenant_id"] == request["tenant_id"]
+            and existing["order_id"] == request["order_id"]
+        )
+        if not same:
+            return 409, {"error": "idempotency key reused with a different request",
+                         "charge_id": existing["id"]}
+        return 200, existing
 
     def take_fault(self) -> str | None:
         with self.lock:
@@ -208,23 +253,16 @@ class _Handler(BaseHTTPRequestHandler):
         key = self.headers.get("Idempotency-Key")
         self._log(key)
         try:
-            body = self._read_json()
-            amount = Decimal(str(body["amount"]))
-            request: dict[str, Any] = {
-                "tenant_id": str(body["tenant_id"]),
-                "order_id": str(body["order_id"]),
-                "amount": amount,
-                "currency": str(body["currency"]),
-            }
-        except (ValueError, KeyError, TypeError, InvalidOperation):
-            self._send(400, {"error": "body must be JSON {amount, currency, tenant_id, order_id}"})
+            raw = self._read_json()
+        except ValueError:
+            raw = None
+        request, refused = _charge_request(key, raw)
+        if refused is not None:
+            self._send(*refused)
             return
-        if not key:
-            self._send(400, {"error": "the Idempotency-Key header is required"})
-            return
-        if not amount.is_finite() or amount <= 0:
-            self._send(422, {"error": "amount must be positive"})
-            return
+        assert key is not None and request is not None
+        if st.latency:
+            time.sleep(st.latency)
         fault = st.take_fault()
         if fault == "fail_before_apply":
             self._send(503, {"error": "injected: unavailable"})
@@ -255,35 +293,98 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # the client gave up meanwhile
 
     def _apply(self, key: str, request: dict[str, Any]) -> tuple[int, Any]:
-        st = self.server.state
-        with st.lock:
-            existing = st.charges.get(key)
-            if existing is None:
-                charge = {
-                    "id": f"ch_{uuid.uuid4().hex[:16]}",
-                    "idempotency_key": key,
-                    "tenant_id": request["tenant_id"],
-                    "order_id": request["order_id"],
-                    "amount": str(request["amount"]),
-                    "currency": request["currency"],
-                    "created_at": dt.datetime.now(dt.UTC).isoformat(),
-                }
-                st.charges[key] = charge
-                return 201, charge
-        same = (
-            Decimal(existing["amount"]) == request["amount"]
-            and existing["currency"] == request["currency"]
-            and existing["tenant_id"] == request["tenant_id"]
-            and existing["order_id"] == request["order_id"]
-        )
-        if not same:
-            return 409, {"error": "idempotency key reused with a different request",
-                         "charge_id": existing["id"]}
-        return 200, existing
+        return self.server.state.apply(key, request)
+
+
+def _charge_request(
+    key: str | None, body: Any
+) -> tuple[dict[str, Any] | None, tuple[int, dict[str, str]] | None]:
+    """A POST /charges body as a request, or the answer refusing it."""
+    try:
+        amount = Decimal(str(body["amount"]))
+        request: dict[str, Any] = {
+            "tenant_id": str(body["tenant_id"]),
+            "order_id": str(body["order_id"]),
+            "amount": amount,
+            "currency": str(body["currency"]),
+        }
+    except (ValueError, KeyError, TypeError, InvalidOperation):
+        return None, (400, {"error": "body must be JSON {amount, currency, tenant_id, order_id}"})
+    if not key:
+        return None, (400, {"error": "the Idempotency-Key header is required"})
+    if not amount.is_finite() or amount <= 0:
+        return None, (422, {"error": "amount must be positive"})
+    return request, None
+
+
+async def serve_asyncio(host: str, port: int, state: _State,
+                        on_ready: Any = None) -> None:
+    """The gateway's charges on one asyncio thread (``serve --asyncio``): the same
+    answers for POST /charges, GET /charges and GET /charges/<key>, HTTP/1.1 kept
+    alive, ``latency`` as an ``asyncio.sleep``; no fault injection. A benchmark's
+    remote system: thousands of charges a second on one core, where the threaded
+    server spends a thread per connection."""
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
+                    return
+                lines = head.decode("latin-1").split("\r\n")
+                method, target = lines[0].split(" ")[:2]
+                headers = {k.strip().lower(): v.strip() for k, _, v in
+                           (line.partition(":") for line in lines[1:] if line)}
+                data = await reader.readexactly(int(headers.get("content-length") or 0))
+                path = urllib.parse.urlsplit(target).path
+                key = headers.get("idempotency-key")
+                with state.lock:
+                    state.requests.append({"method": method, "path": target,
+                                           "idempotency_key": key})
+                status, body = 404, {"error": "not found"}
+                body_: Any = body
+                if method == "POST" and path == "/charges":
+                    try:
+                        raw = json.loads(data or b"null")
+                    except ValueError:
+                        raw = None
+                    request, refused = _charge_request(key, raw)
+                    if refused is not None:
+                        status, body_ = refused
+                    else:
+                        assert key is not None and request is not None
+                        if state.latency:
+                            await asyncio.sleep(state.latency)
+                        status, body_ = state.apply(key, request)
+                elif method == "GET" and path == "/charges":
+                    with state.lock:
+                        status, body_ = 200, {"charges": list(state.charges.values())}
+                elif method == "GET" and path.startswith("/charges/"):
+                    with state.lock:
+                        found = state.charges.get(urllib.parse.unquote(path[len("/charges/"):]))
+                    status, body_ = (200, found) if found else (
+                        404, {"error": "no charge with this idempotency key"})
+                out = json.dumps(body_).encode()
+                writer.write(f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n"
+                             f"Content-Type: application/json\r\nContent-Length: {len(out)}"
+                             "\r\n\r\n".encode() + out)
+                await writer.drain()
+                if headers.get("connection", "").lower() == "close":
+                    return
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(one, host, port, backlog=1024)
+    if on_ready is not None:
+        on_ready(server.sockets[0].getsockname()[1])
+    async with server:
+        await server.serve_forever()
 
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 256  # many clients at once (concurrency=64 and more)
     state: _State
 
 
@@ -293,9 +394,10 @@ class Gateway:
     ``port=0`` picks a free port. Only binds 127.0.0.1.
     """
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1") -> None:
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", *, latency: float = 0.0) -> None:
         self.server = _Server((host, port), _Handler)
         self.server.state = _State()
+        self.server.state.latency = latency
         self._thread: threading.Thread | None = None
 
     @property
@@ -431,6 +533,9 @@ class GatewayClient:
 
     def charge(self, key: str, request: dict[str, Any]) -> dict[str, Any]:
         status, answer = self._call("POST", "/charges", key=key, body=request)
+        return self._charged(status, answer)
+
+    def _charged(self, status: int, answer: Any) -> dict[str, Any]:
         if 200 <= status < 300:
             return dict(answer)
         reason = (answer or {}).get("error") if isinstance(answer, dict) else None
@@ -444,11 +549,97 @@ class GatewayClient:
             status, answer = self._call("GET", "/charges/" + urllib.parse.quote(key, safe=""))
         except Retryable as exc:  # can't ask: still unknown
             raise UnknownOutcome(str(exc)) from exc
+        return self._found(status, answer)
+
+    def _found(self, status: int, answer: Any) -> dict[str, Any] | None:
         if status == 200:
             return dict(answer)
         if status == 404:
             return None
         raise UnknownOutcome(f"gateway could not be asked about the charge ({status})")
+
+
+class AsyncGatewayClient(GatewayClient):
+    """:class:`GatewayClient` for ``async def`` handlers: asyncio streams, HTTP/1.1
+    connections kept open and reused (one per request in flight); the same answers,
+    the same errors. A failure after the request was written is an unknown outcome
+    (the reconciler asks the gateway by key), whether the connection was new or not."""
+
+    def __init__(self, url: str | None = None, timeout: float | None = None) -> None:
+        super().__init__(url, timeout)
+        # idle connections, each with the event loop it belongs to
+        self._idle: list[tuple[Any, asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        loop = asyncio.get_running_loop()
+        while self._idle:
+            owner, reader, writer = self._idle.pop()
+            if owner is loop and not reader.at_eof() and not writer.is_closing():
+                return reader, writer
+            writer.close()
+        parts = urllib.parse.urlsplit(self.url)
+        try:
+            return await asyncio.wait_for(
+                asyncio.open_connection(parts.hostname, parts.port), self.timeout)
+        except ConnectionRefusedError as exc:
+            raise Retryable(f"gateway refused the connection: {exc}") from exc
+        except (TimeoutError, OSError) as exc:
+            raise Retryable(f"gateway not reached: {type(exc).__name__}: {exc}") from exc
+
+    async def _acall(self, method: str, path: str, *, key: str | None = None,
+                     body: Any = None) -> tuple[int, Any]:
+        parts = urllib.parse.urlsplit(self.url)
+        data = json.dumps(body).encode() if body is not None else b""
+        head = [f"{method} {parts.path.rstrip('/')}{path} HTTP/1.1",
+                f"Host: {parts.netloc}", "Accept: application/json",
+                f"Content-Length: {len(data)}"]
+        if body is not None:
+            head.append("Content-Type: application/json")
+        if key is not None:
+            head.append(f"Idempotency-Key: {key}")
+        request = ("\r\n".join(head) + "\r\n\r\n").encode() + data
+        reader, writer = await self._connection()
+        keep = False
+        try:
+            writer.write(request)
+            status, raw, keep = await asyncio.wait_for(self._response(reader), self.timeout)
+        except (TimeoutError, OSError, EOFError, ValueError, asyncio.LimitOverrunError) as exc:
+            raise UnknownOutcome(f"no answer from the gateway: {type(exc).__name__}: {exc}"
+                                 ) from exc
+        finally:
+            if keep:
+                self._idle.append((asyncio.get_running_loop(), reader, writer))
+            else:
+                writer.close()
+        try:
+            return status, json.loads(raw or b"null")
+        except ValueError as exc:
+            raise UnknownOutcome(f"no answer from the gateway: a cut response ({exc})") from exc
+
+    @staticmethod
+    async def _response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
+        """(status, body, whether the connection may be reused)."""
+        head = await reader.readuntil(b"\r\n\r\n")  # IncompleteReadError is an EOFError
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in
+                   (line.partition(":") for line in lines[1:] if line)}
+        if "content-length" not in headers:
+            return status, await reader.read(), False  # the body ends with the connection
+        body = await reader.readexactly(int(headers["content-length"]))
+        return status, body, headers.get("connection", "").lower() != "close"
+
+    async def charge_async(self, key: str, request: dict[str, Any]) -> dict[str, Any]:
+        status, answer = await self._acall("POST", "/charges", key=key, body=request)
+        return self._charged(status, answer)
+
+    async def find_async(self, key: str) -> dict[str, Any] | None:
+        try:
+            status, answer = await self._acall(
+                "GET", "/charges/" + urllib.parse.quote(key, safe=""))
+        except Retryable as exc:  # can't ask: still unknown
+            raise UnknownOutcome(str(exc)) from exc
+        return self._found(status, answer)
 
 
 # --- the consumer app ---------------------------------------------------------------------
@@ -470,13 +661,27 @@ def create_tables(conn: Any) -> None:
     )
 
 
-def _record(ctx: Context, charge: dict[str, Any]) -> dict[str, Any]:
-    ctx.tx.execute(
+def _record_args(ctx: Context, charge: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+    return (
         "INSERT INTO payments.gateway_charges (idempotency_key, charge_id, amount, currency)"
         " VALUES (%s, %s, %s, %s)",
         (ctx.idempotency_key, charge["id"], Decimal(charge["amount"]), charge["currency"]),
     )
+
+
+def _record(ctx: Context, charge: dict[str, Any]) -> dict[str, Any]:
+    ctx.tx.execute(*_record_args(ctx, charge))
     return {"charge_id": charge["id"]}
+
+
+async def _record_async(ctx: AsyncContext, charge: dict[str, Any]) -> dict[str, Any]:
+    await ctx.tx.execute(*_record_args(ctx, charge))
+    return {"charge_id": charge["id"]}
+
+
+def _request(msg: payments.ChargeRequested) -> dict[str, Any]:
+    return {"tenant_id": msg.tenant_id, "order_id": msg.order_id,
+            "amount": str(msg.amount), "currency": msg.currency}
 
 
 def build_app(
@@ -486,18 +691,28 @@ def build_app(
     timeout: float | None = None,
     retry: RetryPolicy | None = None,
     name: str = "gateway",
+    concurrency: int | None = None,
+    ordering_key: str | None = None,
+    use_async: bool | None = None,
     **settings: Any,
 ) -> App:
     """The gateway app on ``topic``; ``gateway_url`` defaults to ``$GATEWAY_URL``,
     ``timeout`` to ``$GATEWAY_TIMEOUT_SECONDS`` (2 s); ``retry`` is the handler's own
-    policy (default: from the settings); ``settings`` override Settings fields."""
+    policy (default: from the settings); ``concurrency`` (``$GATEWAY_CONCURRENCY``, 1),
+    ``ordering_key`` (``$GATEWAY_ORDERING_KEY``) and ``use_async``
+    (``$GATEWAY_ASYNC=1``) choose how charges run; ``settings`` override Settings fields."""
     settings.setdefault("schemas_dir", payments.SCHEMAS_DIR)
+    if concurrency is None:
+        concurrency = int(os.environ.get("GATEWAY_CONCURRENCY") or 1)
+    if ordering_key is None:
+        ordering_key = os.environ.get("GATEWAY_ORDERING_KEY") or None
+    if use_async is None:
+        use_async = os.environ.get("GATEWAY_ASYNC", "") in ("1", "true", "yes")
     # No group_id here: KAFKA_IDEM_GROUP_ID (or run --group-id) chooses it, else the name.
-    client = GatewayClient(gateway_url, timeout)
+    client = AsyncGatewayClient(gateway_url, timeout)
     application = App(name, **settings)
     application.migration(create_tables)
-
-    @application.handler(
+    register = application.handler(
         topic=topic,
         model=payments.ChargeRequested,
         key="{tenant_id}:charge:{order_id}",
@@ -505,14 +720,29 @@ def build_app(
         schema=payments.SCHEMA,
         mode="leased",
         retry=retry,
+        concurrency=concurrency,
+        ordering_key=ordering_key,
     )
+    if use_async:
+
+        @register
+        async def charge_async(msg: payments.ChargeRequested, ctx: AsyncContext) -> Any:
+            found = await client.charge_async(ctx.idempotency_key, _request(msg))
+            return await _record_async(ctx, found)
+
+        @charge_async.reconciler
+        async def reconcile_async(msg: payments.ChargeRequested,
+                                  ctx: AsyncContext) -> Done | None:
+            found = await client.find_async(ctx.idempotency_key)
+            if found is None:
+                return None  # never applied: the handler runs again with the same key
+            return Done(await _record_async(ctx, found))
+
+        return application
+
+    @register
     def charge(msg: payments.ChargeRequested, ctx: Context) -> dict[str, Any]:
-        found = client.charge(ctx.idempotency_key, {
-            "tenant_id": msg.tenant_id,
-            "order_id": msg.order_id,
-            "amount": str(msg.amount),
-            "currency": msg.currency,
-        })
+        found = client.charge(ctx.idempotency_key, _request(msg))
         return _record(ctx, found)
 
     @charge.reconciler
@@ -533,9 +763,23 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the payment gateway on 127.0.0.1")
     serve.add_argument("--port", type=int, default=8099, help="port (0 = any free port)")
+    serve.add_argument("--latency-ms", type=float, default=0.0,
+                       help="how long every charge takes to answer")
+    serve.add_argument("--asyncio", action="store_true",
+                       help="serve charges on one asyncio thread (no fault injection)")
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.asyncio:
+        state = _State()
+        state.latency = args.latency_ms / 1000
+
+        def ready(port: int) -> None:
+            print(f"payment gateway listening on http://127.0.0.1:{port}", flush=True)
+
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve_asyncio("127.0.0.1", args.port, state, ready))
+        return
     if args.command == "serve":
-        gw = Gateway(port=args.port)
+        gw = Gateway(port=args.port, latency=args.latency_ms / 1000)
         print(f"payment gateway listening on {gw.url}", flush=True)
         try:
             gw.server.serve_forever()

@@ -24,13 +24,17 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kafka_idem import App, Context, Permanent
+from kafka_idem import App, AsyncContext, Context, Permanent
 from kafka_idem.codec import AvroCodec
 
 # The topic and mode can be changed from the environment so tests and demos can
 # run the same example on a fresh topic (PAYMENTS_TOPIC) or in leased mode.
 TOPIC = os.environ.get("PAYMENTS_TOPIC", "payments.charge-requested")
 MODE = os.environ.get("PAYMENTS_MODE", "local")
+# leased mode: key-ordered concurrency (the chaos run's --concurrency, --order-by-tenant)
+CONCURRENCY = int(os.environ.get("PAYMENTS_CONCURRENCY") or 1)
+ORDERING_KEY = os.environ.get("PAYMENTS_ORDERING_KEY") or None
+ASYNC = os.environ.get("PAYMENTS_ASYNC", "") in ("1", "true", "yes")
 # "json" runs the same example on JSON payloads (the chaos run and the bench use it to
 # prove and measure the JSON codec); producers' encode_charge follows it.
 FORMAT = os.environ.get("PAYMENTS_FORMAT", "avro")
@@ -88,20 +92,33 @@ def result_of(msg: ChargeRequested) -> dict[str, Any]:
     return {"order_id": msg.order_id, "amount": str(msg.amount), "currency": msg.currency}
 
 
+def _writes(msg: ChargeRequested, ctx: Context) -> list[tuple[str, tuple[Any, ...]]]:
+    return [
+        ("INSERT INTO payments.ledger (tenant_id, order_id, amount, currency, idempotency_key)"
+         " VALUES (%s, %s, %s, %s, %s)",
+         (msg.tenant_id, msg.order_id, msg.amount, msg.currency, ctx.idempotency_key)),
+        ("INSERT INTO payments.balances AS b (tenant_id, currency, balance) VALUES (%s, %s, %s)"
+         " ON CONFLICT (tenant_id, currency) DO UPDATE SET balance = b.balance + EXCLUDED.balance",
+         (msg.tenant_id, msg.currency, msg.amount)),
+    ]
+
+
 def charge(msg: ChargeRequested, ctx: Context) -> dict[str, Any]:
     problem = validate(msg)
     if problem is not None:
         raise problem
-    ctx.tx.execute(
-        "INSERT INTO payments.ledger (tenant_id, order_id, amount, currency, idempotency_key)"
-        " VALUES (%s, %s, %s, %s, %s)",
-        (msg.tenant_id, msg.order_id, msg.amount, msg.currency, ctx.idempotency_key),
-    )
-    ctx.tx.execute(
-        "INSERT INTO payments.balances AS b (tenant_id, currency, balance) VALUES (%s, %s, %s)"
-        " ON CONFLICT (tenant_id, currency) DO UPDATE SET balance = b.balance + EXCLUDED.balance",
-        (msg.tenant_id, msg.currency, msg.amount),
-    )
+    for statement, params in _writes(msg, ctx):
+        ctx.tx.execute(statement, params)
+    return result_of(msg)
+
+
+async def charge_async(msg: ChargeRequested, ctx: AsyncContext) -> dict[str, Any]:
+    """``charge`` as an ``async def`` handler (leased mode, ``PAYMENTS_ASYNC=1``)."""
+    problem = validate(msg)
+    if problem is not None:
+        raise problem
+    for statement, params in _writes(msg, ctx):
+        await ctx.tx.execute(statement, params)
     return result_of(msg)
 
 
@@ -143,6 +160,12 @@ def charge_many(
     return out
 
 
+def _key_order(mode: str) -> dict[str, Any]:
+    if mode != "leased":
+        return {}
+    return {"concurrency": CONCURRENCY, "ordering_key": ORDERING_KEY}
+
+
 def build_app(
     *, topic: str = TOPIC, mode: str = MODE, name: str = "payments", fmt: str = FORMAT,
     **settings: Any,
@@ -163,7 +186,8 @@ def build_app(
         format=fmt,  # type: ignore[arg-type]  # "avro": single-object encoding, reader SCHEMA
         schema=SCHEMA if fmt == "avro" else None,
         mode=mode,  # type: ignore[arg-type]
-    )(charge)
+        **_key_order(mode),
+    )(charge_async if ASYNC and mode == "leased" else charge)
     handler.bulk_handler(charge_many)
     return application
 

@@ -11,7 +11,7 @@
         return {"ok": True}
 """
 
-from kafka_idem.app import App, Context, Done, Handler
+from kafka_idem.app import App, AsyncContext, Context, Done, Handler
 from kafka_idem.errors import (
     ConfigError,
     DataRejected,
@@ -39,6 +39,7 @@ from kafka_idem.settings import Settings
 
 __all__ = [
     "App",
+    "AsyncContext",
     "ConfigError",
     "Context",
     "DataRejected",

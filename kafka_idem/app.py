@@ -21,6 +21,7 @@ JSON-able; it is stored and replayed, exactly, on every duplicate.
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ from kafka_idem.errors import (
 )
 from kafka_idem.handler import (
     DEFAULT_ERRORS,
+    AsyncContext,
     Context,
     Done,
     ErrorKind,
@@ -142,7 +144,9 @@ class App:
         name: str | None = None,
         retry: RetryPolicy | None = None,
         errors: Mapping[type[BaseException], ErrorKind] | None = None,
-    ) -> Callable[[Callable[[M, Context], Any]], Handler[M]]:
+        concurrency: int = 1,
+        ordering_key: KeySpec | None = None,
+    ) -> Callable[[Callable[[M, Any], Any]], Handler[M]]:
         """Register a handler for ``topic``.
 
         ``mode="local"`` (default) runs claim, handler and completion in one
@@ -165,6 +169,23 @@ class App:
         transaction with pipelined statements; when a batch falls back to the
         per-message path the handler may run again after a rollback, so keep
         its effects in this database (or pass ``batch=False``).
+
+        ``concurrency=N`` (leased mode) runs up to N messages of this handler at once
+        in a member, over its partitions, in key order: messages with the same
+        idempotency key, or the same ``ordering_key`` (a template or function like
+        ``key``, e.g. ``"{tenant_id}"``), run one after another in offset order,
+        others side by side; the offset is committed only over finished messages.
+        The member's ``max_concurrency`` setting caps all such handlers together.
+        An ``async def`` handler (leased mode) runs on the member's event loop with
+        an :class:`AsyncContext` (``ctx.tx`` a ``psycopg.AsyncConnection``)::
+
+            @app.handler(topic="charges", key="{tenant_id}:charge:{order_id}",
+                         hash_fields=("amount",), mode="leased", concurrency=64)
+            async def charge(msg: Charge, ctx: AsyncContext) -> dict:
+                async with httpx.AsyncClient() as http:
+                    r = await http.post(URL, headers={"Idempotency-Key": ctx.idempotency_key})
+                await ctx.tx.execute("INSERT INTO charges ...", (...))
+                return r.json()
         """
         check_topic_name(topic, setting="topic")
         if dlq_topic is not None:
@@ -175,8 +196,18 @@ class App:
             raise ConfigError(f"mode must be 'local' or 'leased', not {mode!r}", setting="mode")
         if not hash_fields:
             raise ConfigError("hash_fields must name at least one field", setting="hash_fields")
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ConfigError(f"concurrency must be a whole number >= 1, not {concurrency!r}",
+                              setting="concurrency")
+        if mode != "leased" and (concurrency > 1 or ordering_key is not None):
+            raise ConfigError("concurrency and ordering_key are for mode='leased' handlers "
+                              "(local mode runs batches; see local_workers)",
+                              setting="concurrency")
 
-        def register(fn: Callable[[M, Context], Any]) -> Handler[M]:
+        def register(fn: Callable[[M, Any], Any]) -> Handler[M]:
+            if inspect.iscoroutinefunction(fn) and mode != "leased":
+                raise ConfigError(f"handler {name or fn.__name__!r} is async def: async "
+                                  "handlers run in mode='leased'", setting="mode")
             mapping = tuple((errors or {}).items()) + self.errors + DEFAULT_ERRORS
             h = Handler(
                 fn,
@@ -193,6 +224,8 @@ class App:
                 errors=mapping,
                 format=format,
                 binder=self.bind_codec,
+                concurrency=concurrency,
+                ordering_key=ordering_key,
             )
             self.handlers[topic] = h
             return h
@@ -366,4 +399,4 @@ class _Validated:
         return self.codec.encode(payload)
 
 
-__all__ = ["App", "Context", "Done", "Handler", "StaleOwner"]
+__all__ = ["App", "AsyncContext", "Context", "Done", "Handler", "StaleOwner"]

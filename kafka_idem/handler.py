@@ -7,8 +7,9 @@ codec) and a :class:`Context` whose ``tx`` is an open psycopg transaction.
 
 from __future__ import annotations
 
+import inspect
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
@@ -73,6 +74,15 @@ class Context:
         return self._lease_lost is not None and self._lease_lost.is_set()
 
 
+@dataclass
+class AsyncContext(Context):
+    """An ``async def`` handler's :class:`Context`: ``tx`` is a
+    ``psycopg.AsyncConnection`` inside ``BEGIN`` (``await ctx.tx.execute(...)``);
+    everything else is the same."""
+
+    tx: psycopg.AsyncConnection[Any]  # type: ignore[assignment]
+
+
 @dataclass(frozen=True, slots=True)
 class Done:
     """What ``reconcile`` returns when the downstream says the operation already happened."""
@@ -80,7 +90,7 @@ class Done:
     result: Any = None
 
 
-Reconciler = Callable[[Any, Context], Done | None]
+Reconciler = Callable[[Any, Any], Done | Awaitable[Done | None] | None]
 BulkHandler = Callable[[list[tuple[Any, Context]], psycopg.Connection[Any]], list[Any]]
 
 
@@ -126,8 +136,13 @@ class Handler(Generic[M]):
         errors: tuple[tuple[type[BaseException], ErrorKind], ...],
         format: Format | Codec | CodecFactory | None = None,
         binder: Callable[[Handler[Any]], Codec] | None = None,
+        concurrency: int = 1,
+        ordering_key: KeySpec | None = None,
     ) -> None:
         self.fn = fn
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self.concurrency = concurrency
+        self.ordering = KeyTemplate(ordering_key) if ordering_key is not None else None
         self.name = name
         self.topic = topic
         self.model = model
@@ -223,13 +238,26 @@ class Handler(Generic[M]):
         """The bytes a producer sends for ``payload`` (a model instance or a mapping)."""
         return self.codec.encode(payload)
 
+    @property
+    def keyed(self) -> bool:
+        """Run key-ordered (:mod:`kafka_idem.consume.keyed`): many keys of a partition
+        at once, or an ``async def`` handler; else a partition's messages run as
+        prefixes, one after another."""
+        return self.concurrency > 1 or self.is_async
+
     def __call__(self, msg: M, ctx: Context) -> Any:
         return self.fn(msg, ctx)
 
     def reconciler(self, fn: Reconciler) -> Reconciler:
         """Register ``fn(msg, ctx) -> Done | None``: asked first on the attempt after an
         unknown outcome (or a lease lost mid-flight); ``Done(result)`` completes the
-        record without calling the handler again, ``None`` retries it with the same key."""
+        record without calling the handler again, ``None`` retries it with the same key.
+        An ``async def`` handler's reconciler is ``async def`` too (same ``ctx``)."""
+        if inspect.iscoroutinefunction(fn) != self.is_async:
+            kind = "async def" if self.is_async else "def"
+            raise ConfigError(f"handler {self.name!r} is {kind}: its reconciler must be "
+                              f"{kind} too (it shares the handler's ctx.tx)",
+                              setting="reconciler")
         self.reconcile = fn
         return fn
 

@@ -16,6 +16,13 @@ Each round, in the order a message travels:
    goes on, so ``max.poll.interval.ms`` is never exceeded and the member is not
    evicted); resume them when they are due and drained.
 
+Handlers with ``concurrency > 1`` or ``async def`` ones keep their partitions
+key-ordered (:mod:`~kafka_idem.consume.keyed`): step 3 starts single messages,
+many per partition, one at a time per key. A round that follows a stall of the
+process (e.g. SIGSTOP) longer than half the session timeout starts no key-ordered
+message before the next ``consume()``, which delivers a loss of the partitions
+first (their order across ordering keys depends on owning the partition).
+
 A revoke, a loss or a close first waits for the units in flight and applies
 their results, so callbacks never race with processing of the partitions they
 hand over. Paused partitions keep their fetched messages in our queue:
@@ -38,8 +45,10 @@ from kafka_idem import kafka_logs, topics
 from kafka_idem.app import App
 from kafka_idem.consume import log
 from kafka_idem.consume.gauges import LAG_EVERY_SECONDS, Lag, sample_store
+from kafka_idem.consume.keyed import KeyedState
 from kafka_idem.consume.letters import send_letters
 from kafka_idem.consume.offsets import Offsets
+from kafka_idem.consume.ordered import KeyedResults
 from kafka_idem.consume.outcome import Result
 from kafka_idem.consume.partitions import TP, Partitions
 from kafka_idem.consume.progress import Progress
@@ -68,7 +77,7 @@ class Runner:
         if any(h.mode == "leased" for h in app.handlers.values()):
             self.leases = LeaseKeeper(self.store, s.dsn, s.lease_seconds)
         self.stopping = threading.Event()
-        self.parts = Partitions()
+        self.parts = Partitions(make=self._make_state)
         self.offsets = Offsets(self.parts)
         self.units = Units(
             app, self.parts, store=self.store, metrics=self.metrics,
@@ -76,6 +85,7 @@ class Runner:
         )
         self.lag = Lag(self.metrics)
         self.newly_assigned: list[TopicPartition] = []
+        self.assigned: set[TP] = set()  # as the rebalance callbacks last left it
         self.consumer: Consumer | None = None
         self.producer: Producer | None = None
         self.dlq: DeadLetterer | None = None
@@ -85,9 +95,17 @@ class Runner:
         # /livez and /readyz (served with /metrics): the loop reports its own progress.
         self.health = Health(liveness_seconds=s.liveness_seconds, max_lag=s.readiness_max_lag)
         self.metrics.health = self.health
+        self._polled_at = time.monotonic()
+        # A loop that did not poll for this long may have lost its partitions without
+        # knowing yet: it starts no key-ordered message before it polls.
+        self._stall_limit = min(s.session_timeout_ms, s.max_poll_interval_ms) / 2000
         self.sampler = Sampler(
             self.metrics, lambda: sample_store(s, self.store), interval=s.metrics_sample_seconds
         )
+
+    def _make_state(self, topic: str, jitter: Any) -> KeyedState | None:
+        handler = self.app.handlers.get(topic)
+        return KeyedState(jitter=jitter) if handler is not None and handler.keyed else None
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -180,17 +198,19 @@ class Runner:
             self.consumer.resume(self.newly_assigned)
             self.newly_assigned = []
         max_wait = self.settings.batch_max_wait_seconds
-        busy = bool(self.units.in_flight)
+        busy = self.units.busy
         msgs = self.consumer.consume(
             num_messages=self.settings.batch_size,
             timeout=0.0 if busy else self.parts.wait_time(time.monotonic(), max_wait),
         )
+        self._polled_at = time.monotonic()
         if busy and not msgs:
             # Nothing to fetch right now: wait for a unit rather than spin.
             self.units.wait_any(min(self.parts.wait_time(time.monotonic(), max_wait), 0.05))
         self._ingest(msgs)
         self._harvest()
-        self.units.dispatch(time.monotonic())
+        now = time.monotonic()
+        self.units.dispatch(now, keyed=now - self._polled_at < self._stall_limit)
         self._harvest()  # what ran in the loop thread (local_workers = 0) applies at once
         self._commit_pending()
         self._pause_resume()
@@ -203,9 +223,16 @@ class Runner:
         self.progress.tick(time.monotonic())
 
     def _ingest(self, msgs: list[Any]) -> None:
+        stale = 0
         for msg in msgs:
             err = msg.error()
             if err is None:
+                if (msg.topic(), msg.partition()) not in self.assigned:
+                    # Fetched before a revoke that ran inside this consume(): librdkafka
+                    # can still return it. Its new owner starts from the committed offset;
+                    # queued here it would run a second copy of the partition.
+                    stale += 1
+                    continue
                 self.parts.add(msg, time.monotonic())
                 continue
             if err.code() == KafkaError._PARTITION_EOF:
@@ -219,20 +246,27 @@ class Runner:
             if err.fatal() or err.code() in (KafkaError._FATAL, KafkaError.FENCED_INSTANCE_ID):
                 self._fatal = self._fatal_error(err)
             log.warning("consumer error: %s", err, extra={"action": "consumer_error"})
+        if stale:
+            log.info("dropped %d messages of partitions no longer assigned", stale,
+                     extra={"action": "stale_messages"})
 
-    def _harvest(self, *, wait_all: bool = False) -> None:
+    def _harvest(self, *, wait_all: bool = False, leaving: set[TP] | None = None) -> None:
         """Apply the results of the units that finished (all of them, waiting, with
         ``wait_all``): dead letters acknowledged first, then the queues' prefixes."""
-        results = self.units.harvest(wait_all=wait_all)
-        if results is None:
+        harvested = self.units.harvest(wait_all=wait_all, leaving=leaving)
+        if harvested is None:
             return
+        results, keyed = harvested
         assert self.dlq is not None
-        send_letters(self.dlq, self.metrics, results)
-        self._apply(results, time.monotonic())  # delays count from the decision, not the round
+        letters: dict[Any, list[Result]] = {**results, **keyed}
+        send_letters(self.dlq, self.metrics, letters)
+        self._apply(results, keyed, time.monotonic())  # delays count from the decision
 
-    def _apply(self, results: dict[TP, list[Result]], now: float) -> None:
+    def _apply(
+        self, results: dict[TP, list[Result]], keyed: KeyedResults, now: float
+    ) -> None:
         """Pop each queue's finished prefix, schedule its deferred message, count outcomes."""
-        counts = self.parts.apply(results, now)
+        counts = self.parts.apply(results, now) + self.units.keyed.apply(keyed, now)
         for (topic, outcome), n in counts.items():
             self.metrics.outcome(topic, self.app.handlers[topic].name, outcome, n)
         self.progress.add(counts)
@@ -257,6 +291,7 @@ class Runner:
         log.info("assigned %s", _names(partitions), extra={"action": "assigned"})
         self.health.assigned(_tps(partitions))
         self.newly_assigned.extend(partitions)
+        self.assigned.update(_tps(partitions))
         found = sorted({p.topic for p in partitions} & self.missing_topics)
         if found:
             self.missing_topics.difference_update(found)
@@ -264,6 +299,7 @@ class Runner:
 
     def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         log.info("revoked %s", _names(partitions), extra={"action": "revoked"})
+        self.assigned.difference_update(_tps(partitions))
         self._drain(partitions)  # their work in flight finishes first, then their offsets
         tps = _tps(partitions)
         self.lag.forget(tps)
@@ -272,6 +308,7 @@ class Runner:
 
     def _on_lost(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
         log.warning("lost %s", _names(partitions), extra={"action": "lost"})
+        self.assigned.difference_update(_tps(partitions))
         self._drain(partitions)  # fenced in the store; nothing of it is committed here
         tps = _tps(partitions)
         self.parts.forget(tps)
@@ -303,10 +340,11 @@ class Runner:
     def _drain(self, partitions: list[TopicPartition] | None = None) -> None:
         """Wait for the units in flight (stopping leased units between messages when
         their partitions are leaving) and apply their results."""
-        if not self.units.in_flight:
+        if not self.units.busy:
             return
-        self.units.cancel(None if partitions is None else set(_tps(partitions)))
-        self._harvest(wait_all=True)
+        leaving = None if partitions is None else set(_tps(partitions))
+        self.units.cancel(leaving)
+        self._harvest(wait_all=True, leaving=leaving)
 
     # --- the end -----------------------------------------------------------------
 

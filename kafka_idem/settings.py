@@ -106,6 +106,18 @@ class Settings(BaseSettings):
         4, ge=1, le=64,
         description="Partitions processed at once in leased mode (one database connection each).",
     )
+    max_concurrency: int = Field(
+        64, ge=1, le=1024,
+        description="Messages in flight at once in this member over all key-ordered handlers "
+        "(concurrency > 1 or async def); each one holds a database connection (a sync one "
+        "also a thread).",
+    )
+    drain_seconds: float = Field(
+        10.0, ge=0,
+        description="On a revoke or a stop, how long key-ordered work in flight may take to "
+        "finish; what is still running then is abandoned (its lease and fencing keep it "
+        "exactly-once: its offset is not committed, the next owner takes the key over).",
+    )
     local_workers: int = Field(
         0, ge=0, le=16,
         description="Local-mode batches in flight at once on worker threads, over disjoint "

@@ -72,12 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", required=True)
     ap.add_argument("--dlq", help="DLQ topic (default: <topic>.dlq)")
     ap.add_argument("--max-attempts", type=int, help="default: KAFKA_IDEM_MAX_ATTEMPTS")
+    ap.add_argument("--ordered-by", choices=("tenant",),
+                    help="also check that each tenant's effects followed offset order")
     ap.add_argument("--json", type=Path, help="write the report here")
     args = ap.parse_args(argv)
     s = load_settings()
     report = check(bootstrap=s.bootstrap_servers, dsn=s.dsn, topic=args.topic, group=args.group,
                    dlq_topic=args.dlq, schema=s.schema_name, table=s.table,
-                   max_attempts=args.max_attempts or s.max_attempts, kafka=s.kafka)
+                   max_attempts=args.max_attempts or s.max_attempts, kafka=s.kafka,
+                   ordered_by=args.ordered_by)
     console = Console()
     console.print(report.figures_table())
     console.print(report.table())

@@ -1,4 +1,4 @@
-"""The nine checks: :func:`check` judges a payments run from durable state only.
+"""The checks: :func:`check` judges a payments run from durable state only.
 
 It reads and indexes that state once (:func:`~kafka_idem.chaos.evidence.gather`:
 the source topic, the DLQ topic, the group's committed offsets and PostgreSQL,
@@ -48,10 +48,17 @@ The nine checks (a count of anomalies each, with a few examples):
 8. **retry limit exceeded**: ``attempts - attempt_base > max_attempts``.
 9. **liveness**: a partition whose committed offset is not its end offset
    (lag), and, when the run passes it, lag not back to 0 within the bound.
+10. **key order** (when the run says the handler keeps an order, ``ordered_by``):
+   for every ordering key (the tenant) in each partition, effects applied out of
+   offset order: a ledger row (rows are numbered as they are inserted, and one
+   tenant's charges run one after another) whose accepted message comes after
+   that of a row inserted later. A local-mode batch inserts its rows in claim
+   order, not offset order, so only per-message runs are asked for it.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping
@@ -77,6 +84,7 @@ TITLES = {
     7: "committed offsets ahead of outcomes",
     8: "retry limit exceeded",
     9: "liveness (lag back to 0)",
+    10: "effects out of offset order per ordering key",
 }
 
 
@@ -103,6 +111,7 @@ def check(
     ledger: tuple[str, str] = ("payments", "ledger"),
     balances: tuple[str, str] = ("payments", "balances"),
     kafka: Mapping[str, Any] | None = None,
+    ordered_by: str | None = None,
 ) -> Report:
     """Judge the payments example's run on ``topic`` by ``group`` from durable state.
 
@@ -110,6 +119,8 @@ def check(
     the lag itself). ``acknowledged`` optionally maps each send the broker
     acknowledged, ``(partition, offset)``, to its value bytes (check 1).
     ``kafka`` passes librdkafka options (SASL/TLS) to the checker's clients.
+    ``ordered_by="tenant"``: the handler applied each tenant's charges of a
+    partition in offset order (check 10; not run without it).
     """
     dlq_topic = dlq_topic or f"{topic}.dlq"
     started = time.monotonic()
@@ -126,10 +137,12 @@ def check(
         _retry_limit(ev, max_attempts),
         _liveness(ev, liveness),
     ]
+    if ordered_by is not None:
+        checks.append(_key_order(ev, ordered_by))
     return Report(checks, _figures(ev, started))
 
 
-# --- the nine checks ------------------------------------------------------------------
+# --- the checks ------------------------------------------------------------------
 
 
 def _lost(ev: Evidence, acknowledged: Mapping[Pos, bytes | None] | None) -> Check:
@@ -338,6 +351,26 @@ def _liveness(ev: Evidence, liveness: Liveness | None) -> Check:
         "" if liveness is None else f", healed in {_secs(liveness.healed_in)} "
         f"(bound {liveness.bound:.0f}s)")
     return c9
+
+
+def _key_order(ev: Evidence, ordered_by: str) -> Check:
+    if ordered_by != "tenant":
+        raise ValueError(f"ordered_by must be 'tenant', not {ordered_by!r}")
+    c10 = Check(10, TITLES[10])
+    applied: dict[tuple[int, str], list[tuple[int, int, str]]] = defaultdict(list)
+    for key, rows in ev.ledger_rows.items():
+        pos = ev.accepted_at.get(key)
+        if pos is None or len(rows) != 1:
+            continue  # no accepted payload, or doubled: check 2's
+        applied[(pos[0], ev.accepted[key].tenant)].append((rows[0]["id"], pos[1], key))
+    for (p, tenant), effects in sorted(applied.items()):
+        effects.sort()  # as they were inserted
+        for (_, off_a, key_a), (_, off_b, key_b) in itertools.pairwise(effects):
+            if off_a > off_b:
+                c10.add(f"p{p} {tenant}: {key_a} (@{off_a}) applied before {key_b} (@{off_b})")
+    c10.examined = (f"{sum(len(e) for e in applied.values())} effects over {len(applied)} "
+                    "(partition, tenant) pairs")
+    return c10
 
 
 def _figures(ev: Evidence, started: float) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """What the checker returns, and the one measurement the run hands to it.
 
-:class:`Check` is one of the nine checks (its count of anomalies, up to
-:data:`EXAMPLES` examples, what it examined); :class:`Report` holds the nine and
+:class:`Check` is one of the checks (its count of anomalies, up to
+:data:`EXAMPLES` examples, what it examined); :class:`Report` holds them and
 the durable figures, with :meth:`Report.table`, :meth:`Report.figures_table`
 (rich tables) and :meth:`Report.to_json`. :class:`Liveness` is what the chaos
 run measured after healing (time to lag 0 and its bound), judged by check 9.

@@ -9,7 +9,9 @@ Everything is fresh and named after a run id: the topic ``chaos.<id>.charge-requ
 at the end unless ``--keep`` is given or an anomaly was found.
 
 1. ``--members`` ``kafka-idem run consumers.payments:app`` processes join the group
-   (session timeout 6 s, max.poll.interval 10 s, short backoffs).
+   (session timeout 6 s, max.poll.interval 10 s, short backoffs); ``--mode leased
+   --concurrency N [--order-by-tenant] [--async-handler]`` runs the handler
+   key-ordered (``--async-handler``: as ``async def``).
 2. A producer thread sends charge intents at ``--rate`` per second (idempotent,
    acks=all): originals, re-sends of earlier intents (new request id), payload
    conflicts, invalid charges (amount <= 0, unknown currency), undecodable bytes.
@@ -88,6 +90,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "Avro single-object; json: validated by pydantic's JSON parser)")
     ap.add_argument("--mode", choices=("local", "leased"), default="local",
                     help="the payments handler's processing mode (default local)")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="leased mode: the handler's concurrency (key-ordered above 1)")
+    ap.add_argument("--order-by-tenant", action="store_true",
+                    help="leased mode: ordering_key='{tenant_id}' (with --concurrency > 1)")
+    ap.add_argument("--async-handler", action="store_true",
+                    help="leased mode: the payments handler as async def (PAYMENTS_ASYNC=1)")
     ap.add_argument("--heal-timeout", type=float, default=180.0,
                     help="liveness bound: seconds for the lag to reach 0 after healing")
     ap.add_argument("--fault-types", default=",".join(FAULTS),
@@ -108,6 +116,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--members must be between {MIN_MEMBERS} and {MAX_MEMBERS}")
     if args.duration <= 0 or args.faults < 0 or args.rate <= 0 or args.partitions < 1:
         ap.error("--duration, --rate and --partitions must be positive, --faults >= 0")
+    if (args.concurrency != 1 or args.order_by_tenant or args.async_handler) \
+            and args.mode != "leased":
+        ap.error("--concurrency, --order-by-tenant and --async-handler need --mode leased")
+    if args.concurrency < 1:
+        ap.error("--concurrency must be >= 1")
     return args
 
 
@@ -164,7 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         say(f"database {dbname} migrated; topics {topic} (+ .dlq), {args.partitions} "
             f"partitions, replication factor {rf}; group {group}")
         cmd = [sys.executable, "-m", "kafka_idem.cli", "run", APP, "--group-id", group]
-        pool = Pool(cmd, member_env(s, dsn, topic, args.mode), logs)
+        env = member_env(s, dsn, topic, args.mode)
+        env["PAYMENTS_CONCURRENCY"] = str(args.concurrency)
+        if args.order_by_tenant:
+            env["PAYMENTS_ORDERING_KEY"] = "{tenant_id}"
+        if args.async_handler:
+            env["PAYMENTS_ASYNC"] = "1"
+        pool = Pool(cmd, env, logs)
         for _ in range(args.members):
             pool.start()
         say(f"members {pool.alive()} starting; logs in {logs}")
@@ -235,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                        dlq_topic=dlq_topic, schema=s.schema_name, table=s.table,
                        max_attempts=s.max_attempts,
                        liveness=Liveness(healed_in, args.heal_timeout),
-                       acknowledged=feed.acked, kafka=s.kafka)
+                       acknowledged=feed.acked, kafka=s.kafka,
+                       ordered_by=_ordered_by(args))
         by_type = Counter(f.fault for f in injector.log)
         evidence, tracebacks = pool.scan_logs()
         health += [
@@ -308,11 +328,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if passed else 1
 
 
+def _ordered_by(args: argparse.Namespace) -> str | None:
+    """Per-message runs keep each tenant's charges of a partition in offset order: a
+    partition run as prefixes, or key-ordered by tenant (check 10). Local batches
+    and key order by idempotency key alone do not."""
+    if args.mode != "leased":
+        return None
+    prefix = args.concurrency == 1 and not args.async_handler
+    return "tenant" if prefix or args.order_by_tenant else None
+
+
 def _replay_args(args: argparse.Namespace, seed: int) -> str:
     parts = [f"--duration {args.duration:g}", f"--faults {args.faults}", f"--seed {seed}",
              f"--members {args.members}", f"--rate {args.rate:g}",
              f"--partitions {args.partitions}", f"--mode {args.mode}",
-             f"--fault-types {','.join(args.types)}"]
+             f"--concurrency {args.concurrency}", f"--fault-types {','.join(args.types)}"]
+    if args.order_by_tenant:
+        parts.append("--order-by-tenant")
+    if args.async_handler:
+        parts.append("--async-handler")
     if args.allow_broker_restart:
         parts.append("--allow-broker-restart")
     if args.format:

@@ -99,7 +99,11 @@ class Processor:
         """The per-message path alone (see :meth:`LocalPath.run`)."""
         return self.local_path.run(parts)
 
-    def run_leased(self, msg: Message, *, reentrant: uuid.UUID | None = None) -> Result:
+    def run_leased(
+        self, msg: Message, *, reentrant: uuid.UUID | None = None,
+        prepared: Prepared | None = None,
+    ) -> Result:
         with self.tracing.unit([msg]) as spans:
             tp = (msg.topic(), msg.partition())
-            return spans.finish({tp: [self.leased_path.run(msg, reentrant=reentrant)]})[tp][0]
+            res = self.leased_path.run(msg, reentrant=reentrant, prepared=prepared)
+            return spans.finish({tp: [res]})[tp][0]

@@ -27,20 +27,29 @@ class LeasedPath:
         self.db = db
         self.leases = leases  # None: no heartbeat (the lease must outlast the handler)
 
-    def run(self, msg: Message, *, reentrant: uuid.UUID | None = None) -> Result:
+    def run(
+        self, msg: Message, *, reentrant: uuid.UUID | None = None,
+        prepared: Prepared | None = None,
+    ) -> Result:
         """``reentrant`` is our own claim of ``msg``'s key from an earlier try that
-        was deferred with its lease still live: re-entered, not waited for."""
+        was deferred with its lease still live: re-entered, not waited for.
+        ``prepared``: ``msg`` already decoded (key-ordered admission)."""
         steps = self.steps
         handler = steps.handler(msg)
-        try:
-            prep = steps.prepare_or_reject(handler, msg)
-        except ConfigError as exc:  # held, never charged (consume/held.py)
-            return steps.hold.hold(handler, msg, exc, token=reentrant)
-        except FrameworkError as exc:  # e.g. the schema registry is down: not the message's fault
-            steps.metrics.framework_errors.labels(type(exc).__name__).inc()
-            log.warning("cannot decode now (%s); will retry", describe(exc),
-                        extra={"action": "deferred", **where(msg)})
-            return Deferred(steps.settings.busy_retry_seconds, Reason.FRAMEWORK, token=reentrant)
+        prep: Prepared | Result
+        if prepared is not None:
+            prep = prepared
+        else:
+            try:
+                prep = steps.prepare_or_reject(handler, msg)
+            except ConfigError as exc:  # held, never charged (consume/held.py)
+                return steps.hold.hold(handler, msg, exc, token=reentrant)
+            except FrameworkError as exc:  # e.g. the registry is down: not the message's fault
+                steps.metrics.framework_errors.labels(type(exc).__name__).inc()
+                log.warning("cannot decode now (%s); will retry", describe(exc),
+                            extra={"action": "deferred", **where(msg)})
+                return Deferred(steps.settings.busy_retry_seconds, Reason.FRAMEWORK,
+                                token=reentrant)
         if not isinstance(prep, Prepared):
             return prep
         claim: Claim | None = None
@@ -49,24 +58,20 @@ class LeasedPath:
                 conn = self.db.connection()
                 claim = self._claim(conn, msg, prep, reentrant)
                 return self._run_claimed(conn, msg, prep, claim)
-        except MessageError as exc:  # the claim refused the message's data: no record
-            verdict = steps.undecodable(handler, msg, exc, key=prep.key)
-            verdict.note.write(log)
-            return verdict.result
-        except StaleOwner:
-            return Deferred(steps.settings.busy_retry_seconds, Reason.BUSY)
-        except ConfigError as exc:  # our claim stays ours: re-entered when retried
-            return steps.hold.hold(handler, msg, exc,
-                                   token=claim.token if claim is not None else reentrant)
-        except (FrameworkError, psycopg.Error) as exc:
-            # Our surroundings failed (database down, a store error): never charged.
-            steps.metrics.framework_errors.labels(type(exc).__name__).inc()
-            log.warning(
-                "store error (%s); will retry", describe(exc),
-                extra={"action": "deferred", "key": prep.key, **where(msg)},
-            )
-            token = claim.token if claim is not None else reentrant
-            return Deferred(steps.settings.busy_retry_seconds, Reason.FRAMEWORK, token=token)
+        except (MessageError, FrameworkError, psycopg.Error) as exc:
+            return self.failed(exc, msg, prep, claim.token if claim is not None else reentrant)
+
+    def claim_alone(
+        self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None
+    ) -> Claim:
+        """Step 1 alone, committed (an ``async def`` handler's claim, on a thread)."""
+        with self.db.unavailable():
+            return self._claim(self.db.connection(), msg, prep, reentrant)
+
+    def failed(
+        self, exc: BaseException, msg: Message, prep: Prepared, token: uuid.UUID | None
+    ) -> Result:
+        return around_failure(self.steps, exc, msg, prep, token)
 
     def _claim(
         self, conn: Conn, msg: Message, prep: Prepared, reentrant: uuid.UUID | None
@@ -92,3 +97,25 @@ class LeasedPath:
             return steps.execute(conn, handler, msg, prep, claim, pipelined=True)
         with self.leases.hold(claim.key, claim.token) as hold:
             return steps.execute(conn, handler, msg, prep, claim, hold=hold, pipelined=True)
+
+
+def around_failure(
+    steps: Steps, exc: BaseException, msg: Message, prep: Prepared, token: uuid.UUID | None
+) -> Result:
+    """What an error around the handler (never the handler's own) means; shared by the
+    sync and the async path. ``token``: our live claim, if any."""
+    if isinstance(exc, MessageError):  # the claim refused the message's data: no record
+        verdict = steps.undecodable(steps.handler(msg), msg, exc, key=prep.key)
+        verdict.note.write(log)
+        return verdict.result
+    if isinstance(exc, StaleOwner):
+        return Deferred(steps.settings.busy_retry_seconds, Reason.BUSY)
+    if isinstance(exc, ConfigError):  # our claim stays ours: re-entered when retried
+        return steps.hold.hold(steps.handler(msg), msg, exc, token=token)
+    # Our surroundings failed (database down, a store error): never charged.
+    steps.metrics.framework_errors.labels(type(exc).__name__).inc()
+    log.warning(
+        "store error (%s); will retry", describe(exc),
+        extra={"action": "deferred", "key": prep.key, **where(msg)},
+    )
+    return Deferred(steps.settings.busy_retry_seconds, Reason.FRAMEWORK, token=token)

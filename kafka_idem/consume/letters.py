@@ -9,16 +9,21 @@ and the offset never moves past a message with no outcome anywhere.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from kafka_idem.consume import log
 from kafka_idem.consume.outcome import Deferred, Finished, Result
-from kafka_idem.consume.partitions import TP
 from kafka_idem.dlq import DeadLetterer
 from kafka_idem.metrics import Metrics
 
 
-def send_letters(dlq: DeadLetterer, metrics: Metrics, results: dict[TP, list[Result]]) -> None:
-    """Produce the dead letters in ``results``; cut each partition's results at its
-    first letter not acknowledged, which becomes a deferral (``results`` is changed)."""
+def send_letters(
+    dlq: DeadLetterer, metrics: Metrics, results: Mapping[Any, list[Result]]
+) -> None:
+    """Produce the dead letters in ``results`` (by partition, or by partition and offset
+    for key-ordered jobs); cut each list at its first letter not acknowledged, which
+    becomes a deferral (the lists are changed)."""
     todo = [
         (tp, i, r.letter)
         for tp, rs in results.items()
@@ -37,7 +42,8 @@ def send_letters(dlq: DeadLetterer, metrics: Metrics, results: dict[TP, list[Res
             "dead-letter produce to %s failed (%s); the source offset stays "
             "uncommitted and the dead letter will be retried",
             letter.dlq_topic, err,
-            extra={"action": "dlq_failed", "topic": tp[0], "partition": tp[1],
+            extra={"action": "dlq_failed", "topic": letter.source.topic(),
+                   "partition": letter.source.partition(),
                    "offset": letter.source.offset(), "key": letter.idempotency_key},
         )
         rs = results[tp]

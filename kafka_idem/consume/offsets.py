@@ -17,7 +17,7 @@ from typing import Literal, Protocol, overload
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from kafka_idem.consume import log
-from kafka_idem.consume.partitions import TP, Partitions, PartitionState
+from kafka_idem.consume.partitions import TP, Committable, Partitions
 
 # Commit errors that mean "this member no longer owns the partition" (a rebalance
 # or an eviction).
@@ -116,7 +116,7 @@ class Offsets:
             # The records are durable; the new owner replays them from the store.
             log.warning("commit on revoke failed: %s", exc, extra={"action": "commit"})
 
-    def _state(self, tp: TP) -> PartitionState:
+    def _state(self, tp: TP) -> Committable:
         st = self.parts.get(tp)
         assert st is not None  # pending_commits named it in this call
         return st

@@ -34,21 +34,80 @@ class Message(Protocol):
     def offset(self) -> int: ...
 
 
-class PartitionState:
-    """One partition's queue of unfinished messages and the decisions that hang on it."""
+class Committable:
+    """What may be committed of one partition: the offset after its finished prefix
+    not acknowledged yet, and the asynchronous commit in flight. Both kinds of
+    partition state (this module's prefix one, :mod:`~kafka_idem.consume.keyed`'s
+    key-ordered one) keep it the same way, for :mod:`~kafka_idem.consume.offsets`."""
 
     def __init__(self, *, jitter: Callable[[float, float], float] = random.uniform) -> None:
-        self.queue: deque[Any] = deque()
-        self.not_before = 0.0  # deferred: not run again before this (monotonic) time
-        self.paused = False
-        self.framework_failures = 0  # consecutive deferrals that were our own fault
-        self.tokens: dict[int, Any] = {}  # offset -> our live claim token
-        self.last_queued = -1
         self.to_commit: int | None = None  # next offset to commit, not yet acknowledged
         self.committing: int | None = None  # the offset of an asynchronous commit in flight
+        self.paused = False
+        self.framework_failures = 0  # consecutive deferrals that were our own fault
+        self._jitter = jitter
+
+    def commit_sent(self, offset: int) -> None:
+        self.committing = offset
+
+    def commit_not_sent(self) -> None:
+        self.committing = None
+
+    def committed(self, offset: int) -> None:
+        """A synchronous commit of ``offset`` succeeded."""
+        if self.to_commit == offset:
+            self.to_commit = None
+
+    def acknowledged(self, offset: int, *, failed: bool) -> None:
+        """The broker answered an asynchronous commit of ``offset``."""
+        if self.committing == offset:
+            self.committing = None  # the next round sends the newest offset, if any
+        if not failed and self.to_commit == offset:
+            self.to_commit = None
+
+    def delay(self, res: Deferred) -> float:
+        """How long a deferred message waits: its own delay, or when our surroundings
+        failed, a jittered growing wait (never charged to the message)."""
+        if res.reason == "config":
+            # Waiting will not fix it (consume/held.py): 1 s, 2 s, 4 s ... up to a minute.
+            self.framework_failures += 1
+            return float(min(60, 2 ** min(self.framework_failures - 1, 6)))
+        if res.reason in ("framework", "dlq"):
+            self.framework_failures += 1
+            return self._jitter(0.1, min(10.0, 0.2 * 2 ** min(self.framework_failures, 6)))
+        return res.delay
+
+    # What the loop asks of every kind of state.
+
+    def add(self, msg: Message, now: float) -> None:
+        raise NotImplementedError
+
+    def first_offset(self) -> int | None:
+        raise NotImplementedError
+
+    def deadline(self, max_wait: float) -> float | None:
+        """When the loop must look at this partition again (None: nothing to wait for)."""
+        raise NotImplementedError
+
+    def pause_if(self, now: float, full: int) -> bool:
+        raise NotImplementedError
+
+    def resume_if(self, now: float, low: int) -> bool:
+        raise NotImplementedError
+
+
+class PartitionState(Committable):
+    """One partition's queue of unfinished messages and the decisions that hang on it,
+    run as prefixes: one unit at a time, in offset order."""
+
+    def __init__(self, *, jitter: Callable[[float, float], float] = random.uniform) -> None:
+        super().__init__(jitter=jitter)
+        self.queue: deque[Any] = deque()
+        self.not_before = 0.0  # deferred: not run again before this (monotonic) time
+        self.tokens: dict[int, Any] = {}  # offset -> our live claim token
+        self.last_queued = -1
         self.busy = False  # part of a unit in flight
         self.since = 0.0  # when the queued messages started to wait for a batch
-        self._jitter = jitter
 
     # --- fetched -------------------------------------------------------------
 
@@ -93,7 +152,7 @@ class PartitionState:
                 self.to_commit = msg.offset() + 1
                 outcomes.append(res.outcome)
                 continue
-            self.not_before = now + self._delay(res)
+            self.not_before = now + self.delay(res)
             self.since = 0.0  # due at once when its delay ends
             if res.token is not None:
                 self.tokens[msg.offset()] = res.token
@@ -102,38 +161,12 @@ class PartitionState:
             break
         return outcomes
 
-    def _delay(self, res: Deferred) -> float:
-        if res.reason == "config":
-            # Waiting will not fix it (consume/held.py): 1 s, 2 s, 4 s ... up to a minute.
-            self.framework_failures += 1
-            return float(min(60, 2 ** min(self.framework_failures - 1, 6)))
-        if res.reason in ("framework", "dlq"):
-            # Our own surroundings failed: wait with jittered growth, never charge the message.
-            self.framework_failures += 1
-            return self._jitter(0.1, min(10.0, 0.2 * 2 ** min(self.framework_failures, 6)))
-        return res.delay
-
-    # --- commit --------------------------------------------------------------
-
-    def commit_sent(self, offset: int) -> None:
-        self.committing = offset
-
-    def commit_not_sent(self) -> None:
-        self.committing = None
-
-    def committed(self, offset: int) -> None:
-        """A synchronous commit of ``offset`` succeeded."""
-        if self.to_commit == offset:
-            self.to_commit = None
-
-    def acknowledged(self, offset: int, *, failed: bool) -> None:
-        """The broker answered an asynchronous commit of ``offset``."""
-        if self.committing == offset:
-            self.committing = None  # the next round sends the newest offset, if any
-        if not failed and self.to_commit == offset:
-            self.to_commit = None
-
     # --- flow control ----------------------------------------------------------
+
+    def deadline(self, max_wait: float) -> float | None:
+        if not self.queue or self.busy:
+            return None
+        return max(self.not_before, self.since + max_wait)
 
     def waiting(self, now: float) -> bool:
         """Holding messages that may not run yet (a deferral's backoff)."""
@@ -153,36 +186,46 @@ class PartitionState:
 
 
 class Partitions:
-    """The member's partitions: the table of :class:`PartitionState` by (topic, partition)."""
+    """The member's partitions: the table of their states by (topic, partition).
 
-    def __init__(self, *, jitter: Callable[[float, float], float] = random.uniform) -> None:
-        self._states: dict[TP, PartitionState] = {}
+    A partition's state is a :class:`PartitionState` (run as prefixes), or what
+    ``make`` builds for its topic (a key-ordered one, :mod:`~kafka_idem.consume.keyed`).
+    """
+
+    def __init__(
+        self, *, jitter: Callable[[float, float], float] = random.uniform,
+        make: Callable[[str, Callable[[float, float], float]], Committable | None] | None = None,
+    ) -> None:
+        self._states: dict[TP, Committable] = {}
         self._jitter = jitter
+        self._make = make
 
-    def get(self, tp: TP) -> PartitionState | None:
+    def get(self, tp: TP) -> Committable | None:
         return self._states.get(tp)
 
-    def items(self) -> Iterable[tuple[TP, PartitionState]]:
+    def items(self) -> Iterable[tuple[TP, Committable]]:
         return self._states.items()
 
-    def values(self) -> Iterable[PartitionState]:
+    def values(self) -> Iterable[Committable]:
         return self._states.values()
 
     def add(self, msg: Message, now: float) -> None:
         tp = (msg.topic(), msg.partition())
         st = self._states.get(tp)
         if st is None:
-            st = self._states[tp] = PartitionState(jitter=self._jitter)
+            made = self._make(tp[0], self._jitter) if self._make is not None else None
+            st = self._states[tp] = PartitionState(jitter=self._jitter) if made is None else made
         st.add(msg, now)
 
     def due(self, now: float) -> list[tuple[TP, PartitionState]]:
-        return [(tp, st) for tp, st in self._states.items() if st.due(now)]
+        """The prefix partitions that may run now."""
+        return [(tp, st) for tp, st in self._states.items()
+                if isinstance(st, PartitionState) and st.due(now)]
 
     def wait_time(self, now: float, max_wait: float) -> float:
         """Until the next backoff ends or a partly filled batch has waited ``max_wait``."""
         deadlines = [
-            max(st.not_before, st.since + max_wait) for st in self._states.values()
-            if st.queue and not st.busy
+            d for st in self._states.values() if (d := st.deadline(max_wait)) is not None
         ]
         wait_s = max_wait
         if deadlines:
@@ -194,7 +237,7 @@ class Partitions:
         counts: Counter[tuple[str, str]] = Counter()
         for tp, rs in results.items():
             st = self._states.get(tp)
-            if st is None:
+            if not isinstance(st, PartitionState):
                 continue  # revoked meanwhile
             counts.update((tp[0], outcome) for outcome in st.apply(rs, now))
         return counts

@@ -38,7 +38,9 @@ from kafka_idem.consume.verdicts import (
     after_failure,
     error_of,
     failing,
+    last_chance_spent,
     not_claimed,
+    reconcile_first,
     undecodable,
 )
 from kafka_idem.errors import (
@@ -261,20 +263,14 @@ class Steps:
     def _call(
         self, handler: Handler[Any], prep: Prepared, ctx: Context, claim: Claim
     ) -> tuple[Any, str]:
-        if handler.reconcile is not None and claim.previous_error_kind in (
-            "unknown_outcome",
-            "lease_expired",
-        ):
+        if handler.reconcile is not None and reconcile_first(claim, reconciler=True):
             done = handler.reconcile(prep.model, ctx)
             if isinstance(done, Done):
                 log.info("reconciled", extra={"action": "reconciled", "key": prep.key})
                 return done.result, "reconciled"
-        if claim.last_chance:
-            raise RetryLimitReached(
-                f"{claim.attempts} attempts used; the last one's outcome was unknown and "
-                "reconcile found no effect",
-                key=prep.key,
-            )
+        spent = last_chance_spent(claim, prep.key)
+        if spent is not None:
+            raise spent
         return handler(prep.model, ctx), "succeeded"
 
     def record_failure(
@@ -299,6 +295,17 @@ class Steps:
         return after_failure(f, recorded, letters=self.letters(handler), msg=msg, key=prep.key,
                              claim=claim, error_class=error_class, message=stored)
 
+    def record_failure_alone(
+        self, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
+        exc: BaseException,
+    ) -> Verdict:
+        """:meth:`record_failure` in a transaction of its own on this processor's
+        connection (an ``async def`` handler's attempt failed on its async one)."""
+        with self.db.unavailable():
+            conn = self.db.connection()
+            with conn.transaction():
+                return self.record_failure(conn, handler, msg, prep, claim, exc)
+
 
 def delivery(handler: Handler[Any], msg: Message) -> Delivery:
     """Where ``msg`` came from, as the record keeps it (its last delivery)."""
@@ -306,11 +313,13 @@ def delivery(handler: Handler[Any], msg: Message) -> Delivery:
 
 
 def context(
-    conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim
+    conn: Any, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
+    cls: type[Context] = Context,
 ) -> Context:
-    """What the handler gets for ``msg``: the open transaction and the message's facts."""
+    """What the handler gets for ``msg``: the open transaction and the message's facts
+    (``cls`` :class:`AsyncContext` for an ``async def`` handler's async connection)."""
     ts_type, ts = msg.timestamp()
-    return Context(
+    return cls(
         tx=conn,
         idempotency_key=prep.key,
         request_hash=prep.request_hash,

@@ -12,7 +12,8 @@ when full or when its oldest message has waited ``batch_max_wait_seconds``.
 A partition is in at most one unit at a time, and a unit stops at the
 partition's first deferred message, so each partition stays in order. Workers
 get copies of what they need (the messages, the claim tokens); only the loop
-thread touches the partition states.
+thread touches the partition states. Key-ordered handlers (``concurrency > 1``,
+``async def``) run one message per job instead (:mod:`~kafka_idem.consume.ordered`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kafka_idem.app import App
 from kafka_idem.consume import log
 from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.held import ConfigHold
+from kafka_idem.consume.ordered import KeyedResults, KeyedUnits
 from kafka_idem.consume.outcome import Deferred, Result
 from kafka_idem.consume.partitions import TP, Partitions, PartitionState
 from kafka_idem.lease import LeaseKeeper
@@ -71,11 +73,21 @@ class Units:
         self._processors: list[Processor] = []
         self._processors_lock = threading.Lock()
         self.hold = ConfigHold(metrics)  # one rate limit for all of the member's threads
+        self.keyed = KeyedUnits(app, parts, store=store, metrics=metrics, leases=leases,
+                                stopping=stopping, hold=self.hold)
+
+    @property
+    def busy(self) -> bool:
+        """Any work in flight (units or key-ordered jobs)."""
+        return bool(self.in_flight or self.keyed.in_flight)
 
     # --- dispatch ----------------------------------------------------------------
 
-    def dispatch(self, now: float) -> None:
-        """Hand the due partitions that are not in flight to the workers."""
+    def dispatch(self, now: float, *, keyed: bool = True) -> None:
+        """Hand the due partitions that are not in flight to the workers, and start
+        the key-ordered messages that may run (not with ``keyed=False``)."""
+        if keyed:
+            self.keyed.dispatch(now)
         due = self.parts.due(now)
         if not due:
             return
@@ -143,7 +155,8 @@ class Units:
 
     def wait_any(self, timeout: float) -> None:
         """Block until a unit finishes or ``timeout`` passes."""
-        wait([u.future for u in self.in_flight], timeout=timeout, return_when=FIRST_COMPLETED)
+        futures: list[Future[Any]] = [u.future for u in self.in_flight]
+        wait(futures + self.keyed.futures(), timeout=timeout, return_when=FIRST_COMPLETED)
 
     def cancel(self, leaving: set[TP] | None) -> None:
         """Stop leased units between two messages when their partitions are leaving
@@ -151,11 +164,22 @@ class Units:
         for unit in self.in_flight:
             if leaving is None or leaving & unit.states.keys():
                 unit.cancel.set()
+        self.keyed.cancel(leaving)
 
-    def harvest(self, *, wait_all: bool = False) -> Results | None:
+    def harvest(
+        self, *, wait_all: bool = False, leaving: set[TP] | None = None
+    ) -> tuple[Results, KeyedResults] | None:
         """The results of the units that finished (all of them, waiting, with
-        ``wait_all``), for the partitions still assigned to the states they ran from;
-        None when no unit finished."""
+        ``wait_all``), for the partitions still assigned to the states they ran from,
+        and of the key-ordered jobs (:meth:`KeyedUnits.harvest`); None when nothing
+        finished."""
+        keyed = self.keyed.harvest(wait_all=wait_all, leaving=leaving)
+        results = self._harvest_units(wait_all=wait_all)
+        if results is None and not keyed:
+            return None
+        return results or {}, keyed
+
+    def _harvest_units(self, *, wait_all: bool) -> Results | None:
         done = [u for u in self.in_flight if wait_all or u.future.done()]
         if not done:
             return None
@@ -239,3 +263,4 @@ class Units:
         self._pool = self._local_pool = None
         for proc in self._processors:
             proc.close()
+        self.keyed.close()

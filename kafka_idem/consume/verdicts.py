@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from kafka_idem.consume.outcome import Deferred, Ended, Finished, Message, Prepared, Reason, Result
 from kafka_idem.dlq import DeadLetter, bounded
-from kafka_idem.errors import DataRejected, MessageError, Undecodable
+from kafka_idem.errors import DataRejected, MessageError, RetryLimitReached, Undecodable
 from kafka_idem.handler import ErrorKind
 from kafka_idem.retry import Exhausted, RetryPolicy
 from kafka_idem.store import Claim, Failure, Outcome, is_data_error, rejected
@@ -217,3 +217,20 @@ def after_failure(
     note = (Note(logging.WARNING, "retries exhausted", "exhausted", fields) if f.exhausted
             else Note(logging.WARNING, "permanent failure", "failed", {"kind": f.kind, **fields}))
     return Verdict(Finished(Ended.DEAD_LETTERED, letter, key=key), note)
+
+
+def reconcile_first(claim: Claim, *, reconciler: bool) -> bool:
+    """Ask the reconciler before the handler: the last attempt's outcome is unknown
+    (it raised UnknownOutcome, or its lease expired mid-flight)."""
+    return reconciler and claim.previous_error_kind in ("unknown_outcome", "lease_expired")
+
+
+def last_chance_spent(claim: Claim, key: str) -> RetryLimitReached | None:
+    """The reconcile-only last attempt found no effect: the handler may not run again."""
+    if not claim.last_chance:
+        return None
+    return RetryLimitReached(
+        f"{claim.attempts} attempts used; the last one's outcome was unknown and "
+        "reconcile found no effect",
+        key=key,
+    )

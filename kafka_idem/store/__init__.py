@@ -23,8 +23,8 @@ from kafka_idem.store.errors import (
     storable,
     translate_errors,
 )
-from kafka_idem.store.protocol import Store, connect
-from kafka_idem.store.types import Claim, Conn, Delivery, Failure, Outcome
+from kafka_idem.store.protocol import Store, connect, connect_async
+from kafka_idem.store.types import AsyncConn, Claim, Conn, Delivery, Failure, Outcome
 
 __all__ = [
     "DATA_SQLSTATES",
@@ -33,6 +33,7 @@ __all__ = [
     "STALE_OWNER",
     "TRANSIENT_SQLSTATES",
     "UNAVAILABLE_SQLSTATES",
+    "AsyncConn",
     "Claim",
     "Conn",
     "Delivery",
@@ -41,6 +42,7 @@ __all__ = [
     "Store",
     "classify_db_error",
     "connect",
+    "connect_async",
     "data_error_text",
     "describe",
     "is_data_error",

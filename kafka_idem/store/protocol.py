@@ -41,7 +41,7 @@ from kafka_idem.errors import StaleOwner, TransientStoreError
 from kafka_idem.sql import compile_queries
 from kafka_idem.store.admin import AdminQueries
 from kafka_idem.store.errors import storable, translate_errors
-from kafka_idem.store.types import Claim, Conn, Delivery, Failure, Outcome
+from kafka_idem.store.types import AsyncConn, Claim, Conn, Delivery, Failure, Outcome
 
 
 class Store(AdminQueries):
@@ -254,11 +254,24 @@ class Store(AdminQueries):
         """Mark succeeded if ``token`` still owns ``key``; else raise :class:`StaleOwner`."""
         with translate_errors(key=key):
             row = conn.execute(
-                self.q["complete"],
-                {"ns": self.ns, "key": key, "token": token, "result": Jsonb(result)},
+                self.q["complete"], self._complete_params(key, token, result)
             ).fetchone()  # a row, not rowcount: rowcount is unknown in pipeline mode
         if row is None:
             raise StaleOwner(key=key)
+
+    async def complete_async(
+        self, conn: AsyncConn, *, key: str, token: uuid.UUID, result: Any
+    ) -> None:
+        """:meth:`complete` on an async connection (an ``async def`` handler's
+        transaction): the same statement, the same fencing."""
+        with translate_errors(key=key):
+            cur = await conn.execute(self.q["complete"], self._complete_params(key, token, result))
+            row = await cur.fetchone()
+        if row is None:
+            raise StaleOwner(key=key)
+
+    def _complete_params(self, key: str, token: uuid.UUID, result: Any) -> dict[str, Any]:
+        return {"ns": self.ns, "key": key, "token": token, "result": Jsonb(result)}
 
     def fail(
         self,
@@ -397,12 +410,31 @@ def connect(
     """
     with translate_errors():
         conn = psycopg.connect(dsn, autocommit=False, application_name=application_name)
-        # An asynchronously committed success could vanish in a crash after its
-        # Kafka offset was committed; insist on synchronous commit.
-        conn.execute("SET synchronous_commit = on")
-        conn.execute(
-            "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
-            (f"{int(idle_in_transaction_timeout * 1000)}ms",),
-        )
+        for sql, params in _session(idle_in_transaction_timeout):
+            conn.execute(sql, params)
         conn.commit()
     return conn
+
+
+async def connect_async(
+    dsn: str, *, application_name: str = "kafka_idem", idle_in_transaction_timeout: float = 0.0
+) -> AsyncConn:
+    """:func:`connect` for ``async def`` handlers: the same session settings."""
+    with translate_errors():
+        conn = await psycopg.AsyncConnection.connect(
+            dsn, autocommit=False, application_name=application_name
+        )
+        for sql, params in _session(idle_in_transaction_timeout):
+            await conn.execute(sql, params)
+        await conn.commit()
+    return conn
+
+
+def _session(idle_in_transaction_timeout: float) -> list[tuple[str, tuple[Any, ...]]]:
+    # An asynchronously committed success could vanish in a crash after its
+    # Kafka offset was committed; insist on synchronous commit.
+    return [
+        ("SET synchronous_commit = on", ()),
+        ("SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
+         (f"{int(idle_in_transaction_timeout * 1000)}ms",)),
+    ]

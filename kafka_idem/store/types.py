@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 
 Conn = psycopg.Connection[Any]
+AsyncConn = psycopg.AsyncConnection[Any]
 
 
 class Outcome(enum.StrEnum):

@@ -247,3 +247,33 @@ def test_acknowledged_send_missing_from_the_topic_is_lost(run: Run) -> None:
     report = run.check(acknowledged=ghost)
     assert report.failing() == {1}
     assert "acknowledged send not on the topic" in report.by_number(1).examples[0]
+
+
+def test_effects_applied_out_of_offset_order_within_a_tenant_are_reported(
+    db: DB, topics: Topics, group: str
+) -> None:
+    """Check 10, asked for when the handler keeps each tenant's order (leased mode,
+    key-ordered by tenant): two rows of one tenant and partition swapped is caught."""
+    topic = topics(partitions=2)
+    produce(topic, [charge(*c) for c in VALID])
+    app = build_app(topic=topic, mode="leased", **app_settings(db, group_id=group))
+    with InProcess(app):
+        wait_for(lambda: caught_up(group, topic), what="the group to catch up")
+    leased = Run(topic, group, db)
+    assert leased.check(ordered_by="tenant").ok
+    assert 10 not in {c.number for c in leased.check().checks}  # only when asked for
+    pairs = db.rows(
+        "SELECT a.id AS first, b.id AS second, a.idempotency_key AS key FROM payments.ledger a"
+        " JOIN payments.ledger b ON a.tenant_id = b.tenant_id AND a.id < b.id"
+        " JOIN kafka_idem.task_idempotency ra ON ra.idempotency_key = a.idempotency_key"
+        " JOIN kafka_idem.task_idempotency rb ON rb.idempotency_key = b.idempotency_key"
+        " WHERE ra.kafka_partition = rb.kafka_partition ORDER BY a.id LIMIT 1")
+    assert pairs, "two charges of one tenant on one partition"
+    first, second, key = pairs[0]["first"], pairs[0]["second"], pairs[0]["key"]
+    with psycopg.connect(db.dsn) as conn:  # the later message's row now looks inserted first
+        conn.execute("UPDATE payments.ledger SET id = -1 WHERE id = %s", (first,))
+        conn.execute("UPDATE payments.ledger SET id = %s WHERE id = %s", (first, second))
+        conn.execute("UPDATE payments.ledger SET id = %s WHERE id = -1", (second,))
+    report = leased.check(ordered_by="tenant")
+    assert report.failing() == {10}, report.to_json()
+    assert any(f"before {key}" in e for e in report.by_number(10).examples)

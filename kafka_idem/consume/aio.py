@@ -1,0 +1,201 @@
+"""``async def`` handlers: the member's event loop, its async connections, and the
+one part of the leased protocol that runs on them.
+
+Leased mode has three transactions per attempt: the claim (committed alone), the
+handler's (``BEGIN``, handler, fenced completion, ``COMMIT``) and, on a failure,
+the failure record (committed alone). Only the second holds the handler, so only
+it is async: :class:`AsyncLeasedPath` runs it on an ``AsyncConnection``, with the
+same decisions as the sync path (:mod:`~kafka_idem.consume.verdicts`) and the same
+statements (:meth:`Store.complete_async <kafka_idem.store.Store.complete_async>`).
+The claim and the failure record stay the sync path's own code, run on a few
+threads (``to_thread``): a thread hop per message instead of a second copy of the
+claim protocol. Many keys in flight hold one async connection each while their
+handler runs; :class:`AsyncConnections` keeps the idle ones (the dispatcher
+bounds how many are in use, so no pool library is needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import uuid
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from kafka_idem.app import App
+from kafka_idem.consume.leased import LeasedPath, around_failure
+from kafka_idem.consume.outcome import Ended, Finished, Message, Prepared, Result
+from kafka_idem.consume.steps import Steps, context, log
+from kafka_idem.consume.verdicts import last_chance_spent, reconcile_first
+from kafka_idem.errors import (
+    FrameworkError,
+    MessageError,
+    StaleOwner,
+    StoreUnavailable,
+    TransientStoreError,
+)
+from kafka_idem.handler import AsyncContext, Done, Handler
+from kafka_idem.lease import Hold, LeaseKeeper
+from kafka_idem.settings import Settings
+from kafka_idem.store import AsyncConn, Claim, Outcome, classify_db_error, connect_async
+
+T = TypeVar("T")
+
+
+class EventLoop:
+    """An asyncio loop on a thread of its own; :meth:`submit` from any thread."""
+
+    def __init__(self, name: str = "kafka-idem-async") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self, timeout: float) -> None:
+        """Stop the loop (its tasks were waited for or cancelled by the caller)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class AsyncConnections:
+    """Idle async connections, reused; one in use per handler running."""
+
+    def __init__(self, settings: Settings, *, application_name: str) -> None:
+        self.settings = settings
+        self.application_name = application_name
+        self._idle: list[AsyncConn] = []
+
+    async def take(self) -> AsyncConn:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and not conn.broken:
+                return conn
+        return await connect_async(
+            self.settings.dsn, application_name=self.application_name,
+            idle_in_transaction_timeout=self.settings.idle_in_transaction_timeout_seconds,
+        )
+
+    async def give_back(self, conn: AsyncConn) -> None:
+        if conn.closed or conn.broken or conn.info.transaction_status != TransactionStatus.IDLE:
+            with contextlib.suppress(psycopg.Error):
+                await conn.close()
+            return
+        self._idle.append(conn)
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            with contextlib.suppress(psycopg.Error):
+                await conn.close()
+
+
+class AsyncLeasedPath:
+    """One message of an ``async def`` leased handler, on the event loop.
+
+    ``on_thread(fn)`` runs ``fn(path)`` with a sync :class:`LeasedPath` of a worker
+    thread (its own connection) and returns its answer: the claim and the failure
+    record go there."""
+
+    def __init__(
+        self, app: App, *, steps: Steps, leases: LeaseKeeper | None,
+        on_thread: Callable[[Callable[[LeasedPath], Any]], Future[Any]],
+        conns: AsyncConnections,
+    ) -> None:
+        self.app = app
+        self.steps = steps
+        self.store = steps.store
+        self.leases = leases
+        self.on_thread = on_thread
+        self.conns = conns
+
+    async def _thread(self, fn: Callable[[LeasedPath], T]) -> T:
+        result: T = await asyncio.wrap_future(self.on_thread(fn))
+        return result
+
+    async def run(self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None) -> Result:
+        steps = self.steps
+        handler = steps.handler(msg)
+        claim: Claim | None = None
+        try:
+            claim = await self._thread(lambda p: p.claim_alone(msg, prep, reentrant))
+            if claim.outcome is not Outcome.CLAIMED:
+                verdict = steps.not_claimed(handler, msg, prep, claim)
+                verdict.note.write(log)
+                return verdict.result
+            assert claim.token is not None
+            if self.leases is None:
+                return await self._execute(handler, msg, prep, claim, None)
+            with self.leases.hold(claim.key, claim.token) as hold:
+                return await self._execute(handler, msg, prep, claim, hold)
+        except (MessageError, FrameworkError, psycopg.Error) as exc:
+            return around_failure(steps, exc, msg, prep,
+                                  claim.token if claim is not None else reentrant)
+
+    async def _execute(
+        self, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
+        hold: Hold | None,
+    ) -> Result:
+        """BEGIN, the handler, the fenced completion, COMMIT, pipelined as in the sync
+        path (:meth:`Steps.execute`); on the handler's error, the failure is recorded
+        in its own transaction on a thread."""
+        assert claim.token is not None
+        token = claim.token
+        conn = await self.conns.take()
+        try:
+            ctx = context(conn, handler, msg, prep, claim, cls=AsyncContext)
+            assert isinstance(ctx, AsyncContext)
+            if hold is not None:
+                ctx._lease_lost = hold.lost
+            with self.steps.handler_time(handler):
+                try:
+                    async with conn.pipeline() as pipe, conn.transaction():
+                        result, how = await self._call(handler, prep, ctx, claim)
+                        await pipe.sync()  # the handler's statements answer here
+                        await self.store.complete_async(
+                            conn, key=prep.key, token=token, result=result)
+                        if hold is not None:
+                            hold.release()  # before the commit (see LeaseKeeper.hold)
+                except (FrameworkError, StaleOwner):
+                    raise
+                except Exception as exc:
+                    if hold is not None:
+                        hold.release()
+                    failure = exc
+                else:
+                    log.debug(how, extra={"action": how, "key": prep.key,
+                                          "attempts": claim.attempts})
+                    return Finished(Ended.SUCCEEDED, key=prep.key)
+            lost = classify_db_error(failure) is StoreUnavailable or conn.closed or conn.broken
+            if lost:
+                raise StoreUnavailable(str(failure)) from failure
+            if classify_db_error(failure) is TransientStoreError:
+                raise TransientStoreError(str(failure), key=prep.key) from failure
+        finally:
+            await self.conns.give_back(conn)
+        verdict = await self._thread(
+            lambda p: p.steps.record_failure_alone(handler, msg, prep, claim, failure))
+        verdict.note.write(log)
+        return verdict.result
+
+    async def _call(
+        self, handler: Handler[Any], prep: Prepared, ctx: AsyncContext, claim: Claim
+    ) -> tuple[Any, str]:
+        """:meth:`Steps._call`'s twin for coroutines (the decisions are shared)."""
+        if handler.reconcile is not None and reconcile_first(claim, reconciler=True):
+            done = await handler.reconcile(prep.model, ctx)  # type: ignore[misc]
+            if isinstance(done, Done):
+                log.info("reconciled", extra={"action": "reconciled", "key": prep.key})
+                return done.result, "reconciled"
+        spent = last_chance_spent(claim, prep.key)
+        if spent is not None:
+            raise spent
+        return await handler(prep.model, ctx), "succeeded"

@@ -1,0 +1,332 @@
+"""Key-ordered work in flight: one message per job, many per partition at once.
+
+For handlers with ``concurrency > 1`` or ``async def`` ones. Each round the loop
+admits the fetched messages of their partitions (decoding them here, in offset
+order, to learn their keys: :meth:`KeyedState.admit
+<kafka_idem.consume.keyed.KeyedState.admit>`) and starts those that may run, up to
+the handler's ``concurrency`` and the member's ``max_concurrency``, taking one
+message from each partition in turn. A sync handler's job runs on a thread of its
+own (one connection each, :class:`DaemonPool`); an ``async def`` handler's is a
+task on the member's event loop (:mod:`~kafka_idem.consume.aio`).
+
+A revoke or a stop waits up to ``drain_seconds`` for the jobs in flight; jobs not
+started yet do not start, and those still running then are abandoned: a task is
+cancelled (its transaction rolls back), a thread is left to finish (its
+completion is fenced). Either way the offset stays before them: the next owner
+finds the key ``processing`` under our lease and takes it over when it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kafka_idem.app import App
+from kafka_idem.consume import log
+from kafka_idem.consume.aio import AsyncConnections, AsyncLeasedPath, EventLoop
+from kafka_idem.consume.executor import Processor
+from kafka_idem.consume.held import ConfigHold
+from kafka_idem.consume.keyed import Entry, KeyedState, NotNow
+from kafka_idem.consume.leased import LeasedPath
+from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
+from kafka_idem.consume.partitions import TP, Partitions
+from kafka_idem.errors import FrameworkError, MessageError
+from kafka_idem.keys import check_key
+from kafka_idem.lease import LeaseKeeper
+from kafka_idem.metrics import Metrics
+from kafka_idem.store import Store, describe
+
+T = TypeVar("T")
+KeyedResults = dict[tuple[TP, int], list[Result]]
+
+
+class DaemonPool:
+    """Up to ``size`` threads running submitted calls. Daemon threads, unlike a
+    ``ThreadPoolExecutor``'s, never hold the process at exit: a stopped member does
+    not wait for a handler it abandoned."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self.size = size
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue())
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._jobs.put((future, fn))
+        with self._lock:
+            if self._idle == 0 and len(self._threads) < self.size:
+                t = threading.Thread(target=self._work, daemon=True,
+                                     name=f"{self.name}-{len(self._threads)}")
+                self._threads.append(t)
+                self._idle += 1
+                t.start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            item = self._jobs.get()
+            with self._lock:
+                self._idle -= 1
+            if item is None:
+                return
+            future, fn = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
+            with self._lock:
+                self._idle += 1
+
+    def stop(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+
+
+@dataclass(eq=False)
+class Job:
+    """One message in flight: ``None`` as its result means it never started (its
+    ``cancel`` was set first: its partition was leaving, or the member stopping)."""
+
+    future: Future[Result | None]
+    tp: TP
+    state: KeyedState
+    offset: int
+    cancel: threading.Event
+
+
+class KeyedUnits:
+    """The key-ordered jobs in flight and what runs them."""
+
+    def __init__(
+        self, app: App, parts: Partitions, *, store: Store, metrics: Metrics,
+        leases: LeaseKeeper | None, stopping: threading.Event,
+        hold: ConfigHold | None = None,
+    ) -> None:
+        self.app = app
+        self.hold = hold
+        self.settings = app.settings
+        self.parts = parts
+        self.store = store
+        self.metrics = metrics
+        self.leases = leases
+        self.stopping = stopping
+        self.in_flight: list[Job] = []
+        self.running: Counter[str] = Counter()  # jobs in flight by topic (handler)
+        self._turn = 0
+        self._abandoned = 0
+        self._threads = DaemonPool(self.settings.max_concurrency, "kafka-idem-key")
+        self._claims: DaemonPool | None = None
+        self._loop: EventLoop | None = None
+        self._aio: AsyncLeasedPath | None = None
+        self._conns: AsyncConnections | None = None
+        self._local = threading.local()
+        self._processors: list[Processor] = []
+        self._processors_lock = threading.Lock()
+
+    def make_state(self, topic: str, jitter: Callable[[float, float], float]) -> KeyedState | None:
+        """The state of a new partition of ``topic``: key-ordered for such a handler."""
+        handler = self.app.handlers.get(topic)
+        return KeyedState(jitter=jitter) if handler is not None and handler.keyed else None
+
+    # --- dispatch ----------------------------------------------------------------------
+
+    def dispatch(self, now: float) -> None:
+        states = [(tp, st) for tp, st in self.parts.items() if isinstance(st, KeyedState)]
+        if not states:
+            return
+        for _, st in states:
+            st.admit(now, self._admit)
+        free = self.settings.max_concurrency - len(self.in_flight)
+        self._turn = (self._turn + 1) % len(states)
+        states = states[self._turn:] + states[:self._turn]  # no partition always first
+        started = True
+        while free > 0 and started:
+            started = False
+            for tp, st in states:
+                handler = self.app.handlers[tp[0]]
+                if free <= 0 or self.running[tp[0]] >= handler.concurrency:
+                    continue
+                for entry in st.take(1, now):
+                    self._start(tp, st, entry)
+                    free -= 1
+                    started = True
+
+    def _admit(self, msg: Message) -> tuple[tuple[str, ...], Any]:
+        """A message's lanes (its idempotency key, its ordering key) and its job: the
+        decoded message, or the dead-letter result of one that can never run."""
+        handler = self.app.handlers[msg.topic()]
+        steps = self.processor().steps  # this thread's; decoding needs no connection
+        key: str | None = None
+        try:
+            prep = steps.prepare(handler, msg)
+            key = prep.key
+            lanes: tuple[str, ...] = ("k:" + prep.key,)
+            if handler.ordering is not None:
+                order = check_key(handler.ordering.build(prep.model),
+                                  self.settings.key_max_bytes, escaped=handler.ordering.escapes)
+                lanes += ("o:" + order,)
+        except MessageError as exc:
+            verdict = steps.undecodable(handler, msg, exc, key=key)
+            verdict.note.write(log)
+            return (), verdict.result
+        except FrameworkError as exc:  # e.g. the schema registry is down: wait, in order
+            self.metrics.framework_errors.labels(type(exc).__name__).inc()
+            log.warning("cannot decode now (%s); will retry", describe(exc),
+                        extra={"action": "deferred", "topic": msg.topic(),
+                               "partition": msg.partition(), "offset": msg.offset()})
+            raise NotNow(str(exc)) from exc
+        return lanes, prep
+
+    def _start(self, tp: TP, st: KeyedState, entry: Entry) -> None:
+        handler = self.app.handlers[tp[0]]
+        job, msg, token = entry.job, entry.msg, entry.token
+        cancel = threading.Event()
+        future: Future[Result | None]
+        if not isinstance(job, Prepared):  # decided at admission (a dead letter)
+            future = Future()
+            future.set_result(job)
+        elif handler.is_async:
+            future = self._event_loop().submit(self._run_async(msg, job, token, cancel))
+        else:
+            future = self._threads.submit(lambda: self._run_sync(msg, job, token, cancel))
+        self.running[tp[0]] += 1
+        self.in_flight.append(Job(future, tp, st, entry.offset, cancel))
+
+    def _run_sync(
+        self, msg: Message, prep: Prepared, token: uuid.UUID | None, cancel: threading.Event
+    ) -> Result | None:
+        if cancel.is_set() or self.stopping.is_set():
+            return None
+        return self.processor().run_leased(msg, reentrant=token, prepared=prep)
+
+    async def _run_async(
+        self, msg: Message, prep: Prepared, token: uuid.UUID | None, cancel: threading.Event
+    ) -> Result | None:
+        if cancel.is_set() or self.stopping.is_set():
+            return None
+        assert self._aio is not None
+        return await self._aio.run(msg, prep, token)
+
+    # --- results -------------------------------------------------------------------------
+
+    def futures(self) -> list[Future[Result | None]]:
+        return [j.future for j in self.in_flight]
+
+    def cancel(self, leaving: set[TP] | None) -> None:
+        """Jobs of leaving partitions (all, with ``None``) that have not started never
+        will."""
+        for job in self.in_flight:
+            if leaving is None or job.tp in leaving:
+                job.cancel.set()
+
+    def harvest(self, *, wait_all: bool = False, leaving: set[TP] | None = None) -> KeyedResults:
+        """The results of the finished jobs, for partitions still on the states they
+        ran from. ``wait_all``: wait up to ``drain_seconds`` first, then abandon what
+        still runs of the leaving partitions (all with ``None``)."""
+        if wait_all and self.in_flight:
+            wait(self.futures(), timeout=self.settings.drain_seconds)
+            self._abandon(leaving)
+        out: KeyedResults = {}
+        for job in [j for j in self.in_flight if j.future.done()]:
+            self._forget(job)
+            try:
+                res = job.future.result()
+            except Exception:  # a defect, never the message's fault: it runs again
+                log.exception("work unit failed; will retry %s[%s]@%s", job.tp[0], job.tp[1],
+                              job.offset, extra={"action": "unit_failed"})
+                res = Deferred(0.0, Reason.FRAMEWORK)
+            if self.parts.get(job.tp) is not job.state:
+                continue  # revoked (and maybe assigned again) meanwhile
+            if res is None:
+                job.state.unstarted(job.offset)
+                continue
+            out[(job.tp, job.offset)] = [res]
+        return out
+
+    def apply(self, results: KeyedResults, now: float) -> Counter[tuple[str, str]]:
+        counts: Counter[tuple[str, str]] = Counter()
+        for (tp, offset), rs in results.items():
+            st = self.parts.get(tp)
+            if isinstance(st, KeyedState):
+                outcome = st.finish(offset, rs[0], now)
+                if outcome is not None:
+                    counts[(tp[0], outcome)] += 1
+        return counts
+
+    def _abandon(self, leaving: set[TP] | None) -> None:
+        stuck = [j for j in self.in_flight if not j.future.done()
+                 and (leaving is None or j.tp in leaving)]
+        for job in stuck:
+            self._forget(job)
+            job.cancel.set()  # one not started yet never starts
+            job.future.cancel()  # a task is cancelled; a thread runs on, fenced
+            self._abandoned += 1
+        if stuck:
+            log.warning(
+                "abandoned %d messages still running after drain_seconds=%s: %s; their "
+                "offsets are not committed and their leases end on their own",
+                len(stuck), self.settings.drain_seconds,
+                ", ".join(f"{j.tp[0]}[{j.tp[1]}]@{j.offset}" for j in stuck),
+                extra={"action": "abandoned"},
+            )
+
+    def _forget(self, job: Job) -> None:
+        self.in_flight.remove(job)
+        self.running[job.tp[0]] -= 1
+
+    # --- what runs the jobs ---------------------------------------------------------------
+
+    def processor(self) -> Processor:
+        """This thread's processor (its own database connection, opened when used)."""
+        proc: Processor | None = getattr(self._local, "processor", None)
+        if proc is None:
+            proc = Processor(self.app, store=self.store, metrics=self.metrics,
+                             leases=self.leases, hold=self.hold)
+            self._local.processor = proc
+            with self._processors_lock:
+                self._processors.append(proc)
+        return proc
+
+    def _on_claim_thread(self, fn: Callable[[LeasedPath], T]) -> Future[T]:
+        if self._claims is None:
+            self._claims = DaemonPool(self.settings.leased_workers, "kafka-idem-claim")
+        return self._claims.submit(lambda: fn(self.processor().leased_path))
+
+    def _event_loop(self) -> EventLoop:
+        if self._loop is None:
+            self._loop = EventLoop()
+            steps = Processor(self.app, store=self.store, metrics=self.metrics,
+                              leases=self.leases, hold=self.hold).steps  # no connection
+            self._conns = AsyncConnections(
+                self.settings, application_name=f"kafka_idem:{self.app.name}")
+            self._aio = AsyncLeasedPath(self.app, steps=steps, leases=self.leases,
+                                        on_thread=self._on_claim_thread, conns=self._conns)
+        return self._loop
+
+    def close(self) -> None:
+        """Stop the event loop and the threads; close the connections, except those of
+        threads whose abandoned handler may still use them (they go with the process)."""
+        if self._loop is not None and self._conns is not None:
+            with contextlib.suppress(Exception):
+                self._loop.submit(self._conns.close()).result(5.0)
+            self._loop.stop(5.0)
+            self._loop = None
+        self._threads.stop()
+        if self._claims is not None:
+            self._claims.stop()
+        if self._abandoned:
+            return
+        for proc in self._processors:
+            proc.close()

@@ -1,0 +1,80 @@
+"""Registering key-ordered and async handlers: what is accepted, what names its setting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kafka_idem import App, AsyncContext, ConfigError, Context, Done
+
+
+def app() -> App:
+    return App("t", database_url="postgresql://x@127.0.0.1:1/x")
+
+
+def register(a: App, fn: Any, **options: Any) -> Any:
+    options.setdefault("mode", "leased")
+    return a.handler(topic="orders", key="{order_id}", hash_fields=("order_id",),
+                     **options)(fn)
+
+
+def sync_handler(msg: Any, ctx: Context) -> None:
+    return None
+
+
+async def async_handler(msg: Any, ctx: AsyncContext) -> None:
+    return None
+
+
+def test_a_sync_leased_handler_with_concurrency_is_key_ordered_and_a_plain_one_is_not() -> None:
+    assert register(app(), sync_handler, concurrency=8, ordering_key="{tenant_id}").keyed
+    plain = register(app(), sync_handler)
+    assert not plain.keyed and plain.concurrency == 1 and plain.ordering is None
+
+
+def test_an_async_handler_is_always_key_ordered() -> None:
+    h = register(app(), async_handler)
+    assert h.is_async and h.keyed and h.concurrency == 1
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "8"])
+def test_concurrency_must_be_a_whole_number_of_at_least_one(value: Any) -> None:
+    with pytest.raises(ConfigError) as err:
+        register(app(), sync_handler, concurrency=value)
+    assert err.value.context.get("setting") == "concurrency"
+
+
+@pytest.mark.parametrize("options", [{"concurrency": 4}, {"ordering_key": "{tenant_id}"}])
+def test_concurrency_and_an_ordering_key_need_leased_mode(options: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="mode='leased'"):
+        register(app(), sync_handler, mode="local", **options)
+
+
+def test_an_async_handler_needs_leased_mode() -> None:
+    with pytest.raises(ConfigError, match="async handlers run in mode='leased'") as err:
+        register(app(), async_handler, mode="local")
+    assert err.value.context.get("setting") == "mode"
+
+
+def test_a_reconciler_is_async_exactly_when_its_handler_is() -> None:
+    h = register(app(), async_handler)
+
+    def sync_reconcile(msg: Any, ctx: Any) -> Done | None:
+        return None
+
+    with pytest.raises(ConfigError, match="must be async def too"):
+        h.reconciler(sync_reconcile)
+
+    async def async_reconcile(msg: Any, ctx: Any) -> Done | None:
+        return None
+
+    assert h.reconciler(async_reconcile) is async_reconcile
+    s = register(app(), sync_handler)
+    with pytest.raises(ConfigError, match="must be def too"):
+        s.reconciler(async_reconcile)
+
+
+def test_a_bad_ordering_key_template_fails_at_registration() -> None:
+    with pytest.raises(ConfigError):
+        register(app(), sync_handler, concurrency=2, ordering_key="no fields here")
