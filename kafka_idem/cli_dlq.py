@@ -239,8 +239,11 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
     fresh retry budget, needs --reason), committed before its latest dead letter is
     sent, once per key. Keys that already succeeded, failed permanently, or are in
     the consumer's hands (retryable_failed, processing) are skipped and counted;
-    records without a record (undecodable, payload conflict) are republished as
-    they are; records without idem.* headers are reported and left alone.
+    records without a record (undecodable, invalid) are republished as they are,
+    once; a payload conflict is skipped while its key's record exists (it would
+    conflict again); the dead letter of a copy this replay sent (marked
+    idem.replay.group) is skipped, and one of any replay's as-is copy too; records
+    without idem.* headers are reported and left alone.
 
     Key and value bytes are unchanged; idem.replay.* headers record when, who and
     from which DLQ position. Each batch and the replay's position are committed in
@@ -319,7 +322,8 @@ _OUTCOME_NAMES = {
     "skipped_succeeded": "skipped succeeded", "skipped_permanent": "skipped permanent",
     "skipped_in_progress": "skipped in progress", "skipped_duplicate": "skipped duplicate",
     "skipped_truncated": "skipped truncated", "skipped_ambiguous": "skipped ambiguous",
-    "skipped_foreign": "skipped foreign",
+    "skipped_foreign": "skipped foreign", "skipped_replayed": "skipped replayed",
+    "skipped_conflict": "skipped conflict",
 }
 
 

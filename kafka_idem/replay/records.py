@@ -40,6 +40,9 @@ def _when(value: str | None) -> dt.datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
 
 
+REPLAY_GROUP = "idem.replay.group"  # the replay that sent a copy (its group)
+
+
 @dataclass(frozen=True, slots=True)
 class DlqRecord:
     """One record read from a DLQ topic, with its ``idem.*`` headers parsed."""
@@ -65,6 +68,9 @@ class DlqRecord:
     last_failure_at: dt.datetime | None = None
     truncated: str | None = None  # what the DLQ copy lacks ("value", ...): see dlq.slim
     namespace: str | None = None  # None: written before namespaces (found by its key)
+    # idem.replay.* lineage: the dead letter of a copy a replay sent
+    replayed_from: str | None = None  # the DLQ topic that replay read
+    replay_group: str | None = None  # that replay (copies from before it was recorded: None)
 
     @classmethod
     def from_message(cls, msg: Any) -> DlqRecord:
@@ -93,6 +99,8 @@ class DlqRecord:
             last_failure_at=_when(idem.get("idem.last_failure_at")),
             truncated=idem.get("idem.truncated"),
             namespace=idem.get("idem.namespace"),
+            replayed_from=idem.get("idem.replay.source_topic"),
+            replay_group=idem.get(REPLAY_GROUP),
         )
 
     def to_json(self) -> dict[str, Any]:
