@@ -284,8 +284,11 @@ class AvroCodec:
     def from_dir(cls, folder: Path) -> AvroCodec:
         codec = cls()
         if not folder.is_dir():
+            what = "is not a folder" if folder.exists() else "does not exist"
+            where = "" if folder.is_absolute() else f" (from {str(Path.cwd())!r})"
             raise ConfigError(
-                f"schemas folder {str(folder)!r} does not exist", setting="schemas_dir"
+                f"schemas folder {str(folder)!r}{where} {what}: set KAFKA_IDEM_SCHEMAS_DIR to "
+                "the folder of the .avsc files", setting="schemas_dir"
             )
         for path in sorted(folder.rglob("*.avsc")):
             try:
