@@ -324,7 +324,7 @@ def test_bulk_rerun_re_runs_every_selected_key_once_and_is_idempotent(
 
     nothing = rerun("--key-prefix", "t9:", "--reason", REASON)
     assert (nothing.code, nothing.err.strip()) == (
-        1, 'no failed record matches {"key_prefix": "t9:"}')
+        1, 'error: no failed record matches {"key_prefix": "t9:"}')
     for refused in (rerun("--kind", "exhausted"), rerun("--kind", "exhausted", "--reason", " ")):
         assert refused.code == 1, refused.err
         [line] = refused.err.strip().splitlines()
