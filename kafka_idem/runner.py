@@ -289,7 +289,15 @@ class Runner:
     # --- rebalance callbacks (run inside consume(); short and total) -----------
 
     def _on_assign(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
-        log.info("assigned %s", _names(partitions), extra={"action": "assigned"})
+        if partitions:
+            log.info("assigned %s", _names(partitions), extra={"action": "assigned"})
+        elif not self.assigned:  # a spare member: more members than partitions
+            log.info("no partitions assigned (the group has more members than partitions, "
+                     "or none of its topics exists yet)", extra={"action": "assigned"})
+        else:  # a cooperative rebalance that gave this member nothing more
+            log.debug("no new partitions assigned; keeping %s", _names(
+                [TopicPartition(t, p) for t, p in sorted(self.assigned)]),
+                extra={"action": "assigned"})
         self.health.assigned(_tps(partitions))
         self.newly_assigned.extend(partitions)
         self.assigned.update(_tps(partitions))
@@ -299,7 +307,8 @@ class Runner:
             log.info("topic %s exists now", ", ".join(found), extra={"action": "topics_found"})
 
     def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
-        log.info("revoked %s", _names(partitions), extra={"action": "revoked"})
+        if partitions:  # a cooperative rebalance that took nothing says nothing
+            log.info("revoked %s", _names(partitions), extra={"action": "revoked"})
         self.assigned.difference_update(_tps(partitions))
         self._drain(partitions)  # their work in flight finishes first, then their offsets
         tps = _tps(partitions)

@@ -232,3 +232,25 @@ def test_a_configuration_error_while_processing_holds_its_partition_and_charges_
                       "waits (the message is not charged) until the configuration is fixed "
                       "and the member restarted"]
     assert not any("batch transaction failed" in r.getMessage() for r in caplog.records)
+
+
+# --- the assignment log line ------------------------------------------------------------------
+
+
+def test_a_member_given_no_partition_says_so_not_an_empty_assigned_line(
+    db: DB, topics: Topics, group: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="kafka_idem")
+    topic = topics(partitions=1)
+    first, second = (inventory("inv", topic, database_url=db.dsn, group_id=group)
+                     for _ in range(2))
+    with InProcess(first):
+        wait_for(lambda: any(r.getMessage() == f"assigned {topic}[0]" for r in caplog.records),
+                 what="the first member's partition")
+        with InProcess(second):
+            wait_for(lambda: any(r.getMessage().startswith("no partitions assigned")
+                                 for r in caplog.records), what="the spare member's line")
+    said = [r.getMessage() for r in caplog.records if getattr(r, "action", "") == "assigned"]
+    assert "assigned " not in said, said  # never an empty list
+    assert "no partitions assigned (the group has more members than partitions, or none of " \
+           "its topics exists yet)" in said
