@@ -47,9 +47,15 @@ def load_app(spec: str) -> App:
     except ImportError as exc:
         raise click.BadParameter(f"cannot import {module_name!r}: {exc}") from exc
     app = getattr(module, attr, None)
-    if not isinstance(app, App):
-        raise click.BadParameter(f"{spec!r} is not a kafka_idem App")
-    return app
+    if isinstance(app, App):
+        return app
+    apps = sorted(name for name, value in vars(module).items() if isinstance(value, App))
+    found = (f"its App objects: {', '.join(f'{module_name}:{a}' for a in apps)}" if apps
+             else "it has no App object")
+    if not hasattr(module, attr):
+        raise click.BadParameter(f"module {module_name!r} has no attribute {attr!r} ({found})")
+    raise click.BadParameter(f"{spec!r} is a {type(app).__name__}, not a kafka_idem App "
+                             f"({found})")
 
 
 class Ctx:

@@ -17,7 +17,7 @@ from kafka_idem import admin, audit
 from kafka_idem.app import App
 from kafka_idem.cli_errors import ServiceError, warn
 from kafka_idem.cli_table import Grid, emit
-from kafka_idem.cli_text import plain
+from kafka_idem.cli_text import plain, to_json
 from kafka_idem.errors import FrameworkError
 from kafka_idem.settings import Settings
 from kafka_idem.store import Conn, Store, connect
@@ -32,7 +32,7 @@ def _store(s: Settings) -> Store:
 
 
 def _print_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
+    click.echo(to_json(data))
 
 
 def store_connection(s: Settings) -> Conn:
@@ -114,7 +114,7 @@ def inspect(obj: _Obj, key: str, namespace: str | None, as_json: bool) -> None:
         conn.close()
     if not recs:
         where = f" in namespace {namespace!r}" if namespace is not None else ""
-        click.echo(plain(f"no record with key {key!r}{where}"), err=True)
+        click.echo(plain(f"error: no record with key {key!r}{where}"), err=True)
         sys.exit(1)
     if as_json:
         if len(recs) > 1:
@@ -313,7 +313,8 @@ def _rerun_bulk(obj: _Obj, reason: str | None, actor: str | None, dlq_topic: str
         for k in summary.truncated[:20]:
             click.echo(plain(f"  without its value (re-run from the source topic): {k}"))
     if summary.selected == 0:
-        click.echo(plain(f"no failed record matches {json.dumps(flt.to_json())}"), err=True)
+        click.echo(plain(f"error: no failed record matches {json.dumps(flt.to_json())}"),
+                   err=True)
         sys.exit(1)
 
 

@@ -20,10 +20,11 @@ from typing import Any, Protocol, TypeVar
 import click
 
 from kafka_idem import audit, replay
+from kafka_idem.app import App
 from kafka_idem.cli_admin import store_connection
 from kafka_idem.cli_errors import warn
 from kafka_idem.cli_table import Grid, emit
-from kafka_idem.cli_text import plain
+from kafka_idem.cli_text import plain, to_json
 from kafka_idem.dlq import ERROR_KINDS
 from kafka_idem.settings import Settings
 
@@ -37,7 +38,7 @@ class _Obj(Protocol):
 
     overrides: dict[str, Any]
 
-    def settings(self) -> Settings: ...
+    def settings(self, app: App | None = None) -> Settings: ...
 
 
 def _when(ctx: click.Context, param: click.Parameter, value: str | None) -> dt.datetime | None:
@@ -101,12 +102,13 @@ def _dlq_topic(s: Settings, dlq_topic: str | None, source_topic: str | None) -> 
 
 
 def _nothing(message: str) -> None:
-    click.echo(plain(message), err=True)
+    """Nothing matched: one ``error:`` line, like every failure, and exit 1."""
+    click.echo(plain(f"error: {message}"), err=True)
     click.get_current_context().exit(1)
 
 
 def _echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    click.echo(to_json(data, sort_keys=True))
 
 
 def _short(text: str | None, width: int = MESSAGE_WIDTH) -> str:
@@ -177,19 +179,33 @@ LIST_COLUMNS = ["partition", "offset", "last failure (UTC)", "kind", "class", "k
 @_topic_options
 @click.option("--partition", type=click.IntRange(min=0), required=True, help="DLQ partition.")
 @click.option("--offset", type=click.IntRange(min=0), required=True, help="DLQ offset.")
+@click.option("--payload", is_flag=True, help="Also show the value: decoded as JSON by the "
+              "handler's codec with --app (else JSON text as it is), base64 when it does not "
+              "decode.")
+@click.option("--app", "app_spec", metavar="MODULE:APP",
+              help="The app whose handler of the record's original topic decodes --payload.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_obj
 def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: int,
-         offset: int, as_json: bool) -> None:
-    """Show one DLQ record: every header, the Kafka key and the value's size."""
-    s = obj.settings()
+         offset: int, payload: bool, app_spec: str | None, as_json: bool) -> None:
+    """Show one DLQ record: every header, the Kafka key and the value's size (with
+    --payload, the value itself)."""
+    if app_spec and not payload:
+        raise click.UsageError("--app decodes the value: give it with --payload")
+    app = None
+    if app_spec:
+        from kafka_idem.cli import load_app
+
+        app = load_app(app_spec)
+    s = obj.settings(app)
     topic = _dlq_topic(s, dlq_topic, source_topic)
     rec = replay.read_one(s, topic, partition, offset)
     if rec is None:
         _nothing(f"no record at {topic}[{partition}]@{offset}")
         return
+    shown = replay.payload_view(rec, app) if payload else None
     if as_json:
-        _echo_json(rec.to_json())
+        _echo_json({**rec.to_json(), **({"payload": shown} if shown is not None else {})})
         return
     size = "null" if rec.value is None else f"{len(rec.value)} bytes"
     click.echo(plain(f"{topic}[{partition}]@{offset}"))
@@ -200,6 +216,19 @@ def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: 
     for name, value in rec.headers:
         table.add(name, replay.display_bytes(value))
     emit(table)
+    if shown is not None:
+        _echo_payload(shown)
+
+
+def _echo_payload(shown: dict[str, Any]) -> None:
+    if "value" in shown:
+        click.echo(plain(f"payload ({shown['decoded_by']}):"))
+        click.echo(json.dumps(shown["value"], indent=2, sort_keys=True, ensure_ascii=True))
+        return
+    why = f"does not decode: {shown['error']}" if shown.get("error") else "not decoded"
+    click.echo(plain(f"payload {why}"))
+    if shown.get("base64") is not None:
+        click.echo(f"raw bytes (base64): {shown['base64']}")
 
 
 @dlq.command("replay")
@@ -239,8 +268,11 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
     fresh retry budget, needs --reason), committed before its latest dead letter is
     sent, once per key. Keys that already succeeded, failed permanently, or are in
     the consumer's hands (retryable_failed, processing) are skipped and counted;
-    records without a record (undecodable, payload conflict) are republished as
-    they are; records without idem.* headers are reported and left alone.
+    records without a record (undecodable, invalid) are republished as they are,
+    once; a payload conflict is skipped while its key's record exists (it would
+    conflict again); the dead letter of a copy this replay sent (marked
+    idem.replay.group) is skipped, and one of any replay's as-is copy too; records
+    without idem.* headers are reported and left alone.
 
     Key and value bytes are unchanged; idem.replay.* headers record when, who and
     from which DLQ position. Each batch and the replay's position are committed in
@@ -319,7 +351,8 @@ _OUTCOME_NAMES = {
     "skipped_succeeded": "skipped succeeded", "skipped_permanent": "skipped permanent",
     "skipped_in_progress": "skipped in progress", "skipped_duplicate": "skipped duplicate",
     "skipped_truncated": "skipped truncated", "skipped_ambiguous": "skipped ambiguous",
-    "skipped_foreign": "skipped foreign",
+    "skipped_foreign": "skipped foreign", "skipped_replayed": "skipped replayed",
+    "skipped_conflict": "skipped conflict",
 }
 
 

@@ -5,6 +5,7 @@
   ``COLUMNS`` says: never wrapped, never cut, so ``grep``, ``cut`` and ``less -S``
   work and a key or a request hash can be copied whole. An empty cell is ``-``.
 * **On a terminal wide enough**: a rich table.
+* **Empty**: its title and ``no records``, not a header row over nothing.
 * **On a narrower terminal**: one block per row, ``column  value`` per line (like
   ``psql``'s expanded display), instead of a table squeezed to one character per line.
 
@@ -46,6 +47,7 @@ class Grid:
     title: str | None = None
     header: bool = True
     right: frozenset[str] = frozenset()
+    empty: str = "no records"  # said instead of a lone header row
 
     def add(self, *values: object) -> None:
         self.rows.append([plain(v) for v in values])
@@ -54,6 +56,9 @@ class Grid:
 def emit(grid: Grid, console: Console | None = None) -> None:
     """Print ``grid`` as the module docstring says, for ``console`` (default: stdout)."""
     console = console or Console()
+    if not grid.rows:  # a header over nothing reads as a display error
+        _write(console, [plain(line) for line in (grid.title, grid.empty) if line])
+        return
     if not console.is_terminal:
         _plain(grid, console)
         return

@@ -15,7 +15,10 @@ format characters the way ``repr`` does:
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 from collections.abc import Iterable
+from typing import Any
 
 from rich.text import Text
 
@@ -59,4 +62,20 @@ def one_line(text: str) -> str:
     return plain(" ".join(text.split()))
 
 
-__all__ = ["cell", "cell_lines", "one_line", "plain"]
+def to_json(data: Any, *, sort_keys: bool = False) -> str:
+    """The ``--json`` text of a command: times in ISO 8601 (``2026-12-01T03:05:39+00:00``,
+    not ``str()``'s space), anything else JSON does not know as its text.
+
+    >>> to_json({"at": dt.datetime(2026, 12, 1, 3, 5, tzinfo=dt.UTC)})
+    '{\n  "at": "2026-12-01T03:05:00+00:00"\n}'
+    """
+    return json.dumps(data, indent=2, sort_keys=sort_keys, default=_json_value)
+
+
+def _json_value(value: Any) -> str:
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    return str(value)
+
+
+__all__ = ["cell", "cell_lines", "one_line", "plain", "to_json"]

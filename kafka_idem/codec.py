@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import re
 import struct
 import typing
 from collections.abc import Mapping
@@ -230,7 +231,9 @@ class JsonCodec:
         except ValidationError as exc:
             errors = exc.errors(include_url=False, include_input=False)
             if errors and errors[0]["type"] == "json_invalid":
-                raise Undecodable(f"json: invalid JSON: {errors[0]['msg']}") from exc
+                # pydantic's own text starts "Invalid JSON: ": said once
+                why = re.sub(r"^invalid json:?\s*", "", errors[0]["msg"], flags=re.IGNORECASE)
+                raise Undecodable(f"json: invalid JSON: {why or 'not JSON'}") from exc
             raise InvalidPayload(
                 f"json: payload does not validate: {validation_reasons(exc)}") from exc
 
@@ -284,8 +287,11 @@ class AvroCodec:
     def from_dir(cls, folder: Path) -> AvroCodec:
         codec = cls()
         if not folder.is_dir():
+            what = "is not a folder" if folder.exists() else "does not exist"
+            where = "" if folder.is_absolute() else f" (from {str(Path.cwd())!r})"
             raise ConfigError(
-                f"schemas folder {str(folder)!r} does not exist", setting="schemas_dir"
+                f"schemas folder {str(folder)!r}{where} {what}: set KAFKA_IDEM_SCHEMAS_DIR to "
+                "the folder of the .avsc files", setting="schemas_dir"
             )
         for path in sorted(folder.rglob("*.avsc")):
             try:

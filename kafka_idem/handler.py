@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
@@ -175,13 +175,7 @@ class Handler(Generic[M]):
         self.payload_max_bytes: int | None = None
         known = fields_of(model)
         if known is not None:
-            unknown = [f for f in (*self.key.fields, *hash_fields) if f not in known]
-            if unknown:
-                raise ConfigError(
-                    f"handler {name!r}: fields {unknown} are not fields of "
-                    f"{getattr(model, '__name__', model)}",
-                    setting="key/hash_fields",
-                )
+            _check_fields(name, topic, model, known, self.key.fields, hash_fields)
         check = getattr(format, "check_handler", None)
         if callable(check):  # a codec's own checks of the model and fields, now
             try:
@@ -288,3 +282,21 @@ class Handler(Generic[M]):
             # over its size limit): the same message can never succeed.
             return "permanent"
         return "retryable"
+
+
+def _check_fields(name: str, topic: str, model: Any, known: tuple[str, ...],
+                  key_fields: Sequence[str], hash_fields: Sequence[str]) -> None:
+    """Every field ``key=`` and ``hash_fields=`` name is one of the model's: else one
+    error naming the handler, each unknown field and the setting that names it."""
+    problems, settings = [], []
+    for setting, fields in (("key", key_fields), ("hash_fields", hash_fields)):
+        unknown = [f for f in dict.fromkeys(fields) if f not in known]
+        if unknown:
+            settings.append(setting)
+            problems.append(f"{setting}= names {', '.join(map(repr, unknown))}")
+    if problems:
+        model_name = getattr(model, "__name__", model)
+        raise ConfigError(
+            f"handler {name!r} (topic {topic!r}): {' and '.join(problems)}, but {model_name} "
+            f"has no such field (its fields: {', '.join(known) or 'none'})",
+            setting="/".join(settings))

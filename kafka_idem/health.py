@@ -11,8 +11,9 @@ while the loop was stuck. So the loop reports to :class:`Health` itself:
   its first assignment, possibly empty: a spare member is ready), and every assigned
   partition is caught up within ``readiness_max_lag`` messages
   (``KAFKA_IDEM_READINESS_MAX_LAG``, default 1000; measured as for the lag gauge:
-  the high watermark minus the first unfinished offset). A partition whose lag is
-  not known yet (nothing fetched since it was assigned) is not caught up.
+  the high watermark minus the first unfinished offset, which for a partition not
+  fetched from yet is its committed offset). A partition whose lag is not known
+  (the broker did not answer for it) is not caught up.
 
 Both answer ``200`` or ``503`` with a small JSON body saying why::
 

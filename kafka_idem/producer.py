@@ -21,7 +21,9 @@ when different operations on one order must stay in order, or ``key=None`` for n
 
 The producer is idempotent with ``acks=all`` (the settings' ``producer_config``, with
 ``KAFKA_IDEM_KAFKA`` options such as SASL/TLS): a broker-side retry never doubles a
-record. :meth:`Producer.flush` waits for every acknowledgement and raises
+record. A topic the cluster lacks is refused by the first :meth:`Producer.send` to it
+at once, saying so (librdkafka would hold its records until they time out).
+:meth:`Producer.flush` waits for every acknowledgement and raises
 :class:`~kafka_idem.errors.DeliveryFailed` naming the records that failed.
 """
 
@@ -60,6 +62,7 @@ class Producer:
         conf = {**app.settings.producer_config(), **(config or {})}
         self._producer = KafkaProducer(conf)
         self._failures: list[tuple[str, bytes | None, str]] = []
+        self._existing: set[str] = set()  # topics the cluster was seen to have
         self.sent = 0  # acknowledged since the producer was made
 
     def send(
@@ -86,6 +89,7 @@ class Producer:
         idem_key = check_key(handler.key.build(model), self.app.settings.key_max_bytes,
                              escaped=handler.key.escapes)
         kafka_key = idem_key.encode() if key is IDEMPOTENCY_KEY else key
+        self._check_topic(topic, kafka_key)
         kwargs: dict[str, Any] = {"key": kafka_key, "value": value, "on_delivery": self._report}
         if headers:
             kwargs["headers"] = list(headers.items())
@@ -104,9 +108,29 @@ class Producer:
         self._producer.poll(0)
         return idem_key
 
+    def _check_topic(self, topic: str, key: Any) -> None:
+        """Refuse at once a topic the cluster does not have (once seen, a topic is not
+        asked about again): librdkafka would hold its records until they time out and
+        then say only that. A broker not answering leaves it to the delivery."""
+        if topic in self._existing:
+            return
+        try:
+            meta = self._producer.list_topics(topic, timeout=self.timeout)
+        except KafkaException:
+            return
+        found = meta.topics.get(topic)
+        if found is None or found.error is None:
+            self._existing.add(topic)
+            return
+        if found.error.code() in _ABSENT:
+            raise DeliveryFailed(_absent(topic), failures=[
+                (topic, key if isinstance(key, bytes) else None, found.error.str())])
+
     def _report(self, err: KafkaError | None, msg: Any) -> None:
         if err is None:
             self.sent += 1
+        elif err.code() in _ABSENT:
+            self._failures.append((msg.topic(), msg.key(), _absent(msg.topic())))
         else:
             self._failures.append((msg.topic(), msg.key(), err.str()))
 
@@ -133,6 +157,14 @@ class Producer:
                  tb: TracebackType | None) -> None:
         if exc_type is None:
             self.flush()
+
+
+_ABSENT = (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC)
+
+
+def _absent(topic: str) -> str:
+    return (f"topic {topic!r} does not exist: create it first (`kafka-idem topics create "
+            "MODULE:APP` creates an app's topics)")
 
 
 __all__ = ["IDEMPOTENCY_KEY", "Producer"]

@@ -243,8 +243,9 @@ class Runner:
                 self._warn_missing([msg.topic()])
                 log.debug("consumer error: %s", err, extra={"action": "consumer_error"})
                 continue
-            if err.fatal() or err.code() in (KafkaError._FATAL, KafkaError.FENCED_INSTANCE_ID):
+            if _ends_member(err):
                 self._fatal = self._fatal_error(err)
+                continue  # said once, as the member's exit line
             log.warning("consumer error: %s", err, extra={"action": "consumer_error"})
         if stale:
             log.info("dropped %d messages of partitions no longer assigned", stale,
@@ -288,7 +289,15 @@ class Runner:
     # --- rebalance callbacks (run inside consume(); short and total) -----------
 
     def _on_assign(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
-        log.info("assigned %s", _names(partitions), extra={"action": "assigned"})
+        if partitions:
+            log.info("assigned %s", _names(partitions), extra={"action": "assigned"})
+        elif not self.assigned:  # a spare member: more members than partitions
+            log.info("no partitions assigned (the group has more members than partitions, "
+                     "or none of its topics exists yet)", extra={"action": "assigned"})
+        else:  # a cooperative rebalance that gave this member nothing more
+            log.debug("no new partitions assigned; keeping %s", _names(
+                [TopicPartition(t, p) for t, p in sorted(self.assigned)]),
+                extra={"action": "assigned"})
         self.health.assigned(_tps(partitions))
         self.newly_assigned.extend(partitions)
         self.assigned.update(_tps(partitions))
@@ -298,7 +307,8 @@ class Runner:
             log.info("topic %s exists now", ", ".join(found), extra={"action": "topics_found"})
 
     def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
-        log.info("revoked %s", _names(partitions), extra={"action": "revoked"})
+        if partitions:  # a cooperative rebalance that took nothing says nothing
+            log.info("revoked %s", _names(partitions), extra={"action": "revoked"})
         self.assigned.difference_update(_tps(partitions))
         self._drain(partitions)  # their work in flight finishes first, then their offsets
         tps = _tps(partitions)
@@ -319,8 +329,9 @@ class Runner:
         self.offsets.acknowledged(err, partitions)
 
     def _on_error(self, err: KafkaError) -> None:
-        if err.fatal() or err.code() in (KafkaError._FATAL, KafkaError.FENCED_INSTANCE_ID):
+        if _ends_member(err):
             self._fatal = self._fatal_error(err)
+            return
         kafka_logs.error(err)  # deduplicated: with the broker down this repeats every 50 ms
 
     def _fatal_error(self, err: KafkaError) -> FrameworkError:
@@ -328,6 +339,8 @@ class Runner:
         static member replaced by another with the same group.instance.id as a ``_FATAL``
         error (confluent-kafka does not expose the original FENCED_INSTANCE_ID code), so
         its text is the one place that says so: then it is the setting's fault (exit 2)."""
+        if err.code() == KafkaError.INVALID_SESSION_TIMEOUT:
+            return self._session_timeout_refused()
         fenced = err.code() == KafkaError.FENCED_INSTANCE_ID or "fenced" in err.str().lower()
         if fenced and self.settings.group_instance_id is not None:
             return ConfigError(
@@ -336,6 +349,20 @@ class Runner:
                 "member needs its own (KAFKA_IDEM_GROUP_INSTANCE_ID, or run --instance-id)",
                 setting="group_instance_id")
         return BrokerError(f"fatal Kafka error: {err.str()}")
+
+    def _session_timeout_refused(self) -> ConfigError:
+        """The broker refused to let the member join with its ``session.timeout.ms``
+        (librdkafka would retry the join forever): say the setting and the broker's
+        bounds, read from its configuration when it answers."""
+        admin = AdminClient(self.settings.admin_config())
+        bounds = topics.broker_configs(admin, _SESSION_BOUNDS, timeout=5.0)
+        low, high = (bounds.get(name, "?") for name in _SESSION_BOUNDS)
+        return ConfigError(
+            f"the broker refused session_timeout_ms={self.settings.session_timeout_ms} "
+            f"(KAFKA_IDEM_SESSION_TIMEOUT_MS) when this member joined group "
+            f"{self.app.group_id!r} (INVALID_SESSION_TIMEOUT): it must be within the broker's "
+            f"group.min.session.timeout.ms={low} and group.max.session.timeout.ms={high}",
+            setting="session_timeout_ms")
 
     def _drain(self, partitions: list[TopicPartition] | None = None) -> None:
         """Wait for the units in flight (stopping leased units between messages when
@@ -370,6 +397,16 @@ class Runner:
         self.sampler.stopped.set()
         self.progress.tick(time.monotonic(), final=True)
         log.info("consumer stopped", extra={"action": "stopped"})
+
+
+_SESSION_BOUNDS = ("group.min.session.timeout.ms", "group.max.session.timeout.ms")
+
+
+def _ends_member(err: KafkaError) -> bool:
+    """A client error no retry can heal: fatal ones, a fenced static member, and a
+    session timeout the broker refuses (a join that fails the same way forever)."""
+    return err.fatal() or err.code() in (
+        KafkaError._FATAL, KafkaError.FENCED_INSTANCE_ID, KafkaError.INVALID_SESSION_TIMEOUT)
 
 
 def _tps(partitions: list[TopicPartition]) -> list[TP]:

@@ -12,6 +12,7 @@ user cannot switch them off by accident.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
 import socket
 from pathlib import Path
@@ -23,6 +24,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 from kafka_idem.errors import ConfigError
 from kafka_idem.kafka_logs import KAFKA_LOG
 from kafka_idem.redact import option_secrets, redact, redact_options, secrets_in
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:39092"
 DEFAULT_DATABASE_URL = "postgresql://kafka_idem@127.0.0.1:55432/kafka_idem"
@@ -43,6 +46,16 @@ _PROTECTED_PRODUCER = {
     "enable.idempotence": True,
     "acks": "all",
 }
+# librdkafka options in ``kafka`` that other settings decide: why each one is ignored.
+_FROM_SETTINGS = {
+    "bootstrap.servers": "set bootstrap_servers (KAFKA_IDEM_BOOTSTRAP_SERVERS)",
+    "group.id": "set group_id (KAFKA_IDEM_GROUP_ID, or run --group-id)",
+    "group.instance.id": "set group_instance_id (KAFKA_IDEM_GROUP_INSTANCE_ID, or run "
+    "--instance-id)",
+    "session.timeout.ms": "set session_timeout_ms (KAFKA_IDEM_SESSION_TIMEOUT_MS)",
+    "max.poll.interval.ms": "set max_poll_interval_ms (KAFKA_IDEM_MAX_POLL_INTERVAL_MS)",
+}
+_WARNED: set[str] = set()  # the ignored options already said (once per process)
 
 
 NAMESPACE_MAX = 200  # UTF-8 bytes: with a key of key_max_bytes (<= 2000) the primary
@@ -269,6 +282,12 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("kafka")
+    @classmethod
+    def _librdkafka_options(cls, value: dict[str, Any]) -> dict[str, Any]:
+        check_librdkafka_options(value)
+        return value
+
     @field_validator("backoff_cap_seconds")
     @classmethod
     def _backoff(cls, value: float, info: ValidationInfo) -> float:
@@ -315,6 +334,7 @@ class Settings(BaseSettings):
             "logger": KAFKA_LOG,  # librdkafka's lines through logging, deduplicated
             **self.kafka,
         }
+        _say_ignored(self.kafka, _PROTECTED_CONSUMER, consumer=True)
         conf.update(
             {
                 "bootstrap.servers": self.bootstrap_servers,
@@ -332,6 +352,7 @@ class Settings(BaseSettings):
         conf: dict[str, Any] = {"linger.ms": 5, "message.timeout.ms": 30_000,
                                 "logger": KAFKA_LOG}
         conf.update({k: v for k, v in self.kafka.items() if not _consumer_only(k)})
+        _say_ignored(self.kafka, _PROTECTED_PRODUCER, consumer=False)
         conf.update({"bootstrap.servers": self.bootstrap_servers, **_PROTECTED_PRODUCER})
         return conf
 
@@ -381,6 +402,61 @@ _CONSUMER_ONLY = (
 
 def _consumer_only(key: str) -> bool:
     return key.startswith(_CONSUMER_ONLY)
+
+
+def _say_ignored(options: dict[str, Any], protected: dict[str, Any], *,
+                 consumer: bool) -> None:
+    """Warn once per option when ``kafka`` sets one this client ignores: a protected
+    option set otherwise (the guarantees depend on it) or one another setting decides."""
+    for key, value in options.items():
+        if key in _WARNED:
+            continue
+        if key in protected and str(value).lower() != str(protected[key]).lower():
+            why = f"kafka_idem always uses {key}={str(protected[key]).lower()} (the " \
+                  "exactly-once effects depend on it)"
+        elif key in _FROM_SETTINGS and (consumer or key == "bootstrap.servers"):
+            why = _FROM_SETTINGS[key]
+        else:
+            continue
+        _WARNED.add(key)
+        log.warning("librdkafka option %s in kafka (KAFKA_IDEM_KAFKA) is ignored: %s", key, why,
+                    extra={"action": "config_ignored", "kind": key})
+
+
+def check_librdkafka_options(options: dict[str, Any]) -> None:
+    """Refuse an option librdkafka does not know or a value it does not accept, when
+    the settings are made (a configuration error naming the option), not when the
+    first client is created. A client made here, without brokers, only checks them."""
+    if not options:
+        return
+    problem = _librdkafka_refuses(options)
+    if problem is None:
+        return
+    # the option at fault (librdkafka may name its alias: linger.ms is queue.buffering.max.ms)
+    culprit = next((k for k in options if _librdkafka_refuses({k: options[k]})), None)
+    where = f"option {culprit!r}: " if culprit else ""
+    raise ValueError(f"librdkafka refuses {where}{problem}")
+
+
+def _librdkafka_refuses(options: dict[str, Any]) -> str | None:
+    from confluent_kafka import KafkaException, Producer
+
+    try:
+        Producer({**options, "logger": _SILENT})  # consumer options are only warned about
+    except KafkaException as exc:
+        text = str(exc.args[0].str())
+        # "Failed to create ...": the options are known and valid, but this client made
+        # without brokers lacks what they need together (e.g. a SASL mechanism): the real
+        # client says so when it is made.
+        return None if text.startswith("Failed to create") else text
+    except (TypeError, ValueError) as exc:  # a value of the wrong Python type
+        return str(exc)
+    return None
+
+
+_SILENT = logging.getLogger("kafka_idem.settings.check")
+_SILENT.addHandler(logging.NullHandler())
+_SILENT.propagate = False
 
 
 def load_settings(**overrides: Any) -> Settings:

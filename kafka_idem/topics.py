@@ -26,7 +26,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    ConfigResource,
+    NewTopic,
+    ResourceType,
+)
 
 from kafka_idem.app import App
 from kafka_idem.errors import BrokerError, ConfigError
@@ -102,6 +107,20 @@ def partition_counts(client: Any, *, timeout: float = 10.0) -> dict[str, int]:
     except KafkaException as exc:
         raise BrokerError(f"Kafka did not answer a metadata request: {exc.args[0]}") from exc
     return {name: len(t.partitions) for name, t in md.topics.items() if t.error is None}
+
+
+def broker_configs(admin: AdminClient, names: Iterable[str], *,
+                   timeout: float = 10.0) -> dict[str, str]:
+    """The values of broker configuration ``names`` (of the cluster's controller, or
+    any broker); empty when the broker does not answer or does not allow it."""
+    try:
+        meta = admin.list_topics(timeout=timeout)
+        broker = meta.controller_id if meta.controller_id >= 0 else next(iter(meta.brokers))
+        resource = ConfigResource(ResourceType.BROKER, str(broker))
+        found = admin.describe_configs([resource])[resource].result(timeout=timeout)
+    except (KafkaException, StopIteration, TimeoutError):  # the caller says it without
+        return {}
+    return {n: found[n].value for n in names if n in found}
 
 
 def missing(app: App, client: Any, *, timeout: float = 10.0) -> list[str]:

@@ -51,7 +51,7 @@ from kafka_idem.consume.outcome import (
     Results,
 )
 from kafka_idem.consume.steps import Steps, context, delivery, log
-from kafka_idem.consume.verdicts import Note, where
+from kafka_idem.consume.verdicts import Note, letter_note, where
 from kafka_idem.errors import MessageError
 from kafka_idem.handler import Handler
 from kafka_idem.store import Claim, Conn, Outcome, translate_errors
@@ -362,8 +362,8 @@ def _undecided(items: list[_Item]) -> dict[str, list[_Item]]:
 def _committed(handler: Handler[Any], msg: Message, result: Result) -> Note | None:
     """The log line of a decision the batch made, once its commit made it stand.
 
-    These are the lines the batch path has always written (a dead letter of any
-    kind says "dead-lettering"); a success is not logged here."""
+    These are the lines the per-message path writes for the same decisions (a dead
+    letter says "dead-lettering (KIND)"); a success is not logged here."""
     if not isinstance(result, Finished):
         return None
     if result.outcome is Ended.REPLAYED:
@@ -375,8 +375,7 @@ def _committed(handler: Handler[Any], msg: Message, result: Result) -> Note | No
     if result.outcome is Ended.CONFLICT:
         return Note(logging.WARNING, "payload conflict", "conflict", fields)
     if result.letter is not None:
-        return Note(logging.WARNING, "dead-lettering", "dead_lettered",
-                    {"kind": result.letter.kind, **fields})
+        return letter_note(result.letter.kind, "dead_lettered", fields)
     return None
 
 

@@ -4,10 +4,12 @@ A first run must not look idle: the first messages a member finishes are reporte
 once, then at most one line per interval, and nothing while there is nothing new::
 
     processed 3 message(s): inventory.reserve: dead_lettered 1, succeeded 2
+    processed 0 message(s): 2 retries scheduled (inventory.reserve: 2)
     processed 5210 message(s) in the last 10.0 s: inventory.reserve: replayed 210, succeeded 5000
 
 Each outcome counted is the ``outcome`` label of ``kafka_idem_messages_total``
-(``busy`` deferrals are left out: they are not progress). No I/O but the log line.
+(``busy`` deferrals are left out: they are not progress); retries scheduled are
+counted apart, not as processed (their messages come again). No I/O but the log line.
 """
 
 from __future__ import annotations
@@ -44,10 +46,19 @@ class Progress:
         if not self._counts or (now - self._last < self.interval and not final):
             return
         by_topic: dict[str, list[str]] = {}
+        retries: dict[str, int] = {}
         for (topic, outcome), n in sorted(self._counts.items()):
-            by_topic.setdefault(topic, []).append(f"{outcome} {n}")
+            if outcome == "retried":  # not processed: the message comes again
+                retries[topic] = n
+            else:
+                by_topic.setdefault(topic, []).append(f"{outcome} {n}")
         total = sum(n for (_, outcome), n in self._counts.items() if outcome != "retried")
         detail = "; ".join(f"{topic}: {', '.join(parts)}" for topic, parts in by_topic.items())
+        if retries:
+            n = sum(retries.values())
+            per = ", ".join(f"{topic}: {k}" for topic, k in retries.items())
+            detail = "; ".join(filter(None, [
+                detail, f"{n} {'retry' if n == 1 else 'retries'} scheduled ({per})"]))
         if self._last == -math.inf:  # the first line: at once, as the first outcome came
             self.log.info("processed %d message(s): %s", total, detail,
                           extra={"action": "progress"})

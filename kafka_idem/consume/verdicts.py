@@ -37,6 +37,18 @@ class Note:
         log.log(self.level, self.text, *self.args, extra={"action": self.action, **self.fields})
 
 
+def letter_note(kind: str, action: str, fields: Mapping[str, Any],
+                why: object | None = None) -> Note:
+    """The one log line of a dead letter, on every path and for every kind:
+    ``dead-lettering (KIND)``, with why when there is more to say (``action`` keeps
+    telling the decisions apart: rejected, failed, exhausted, dead_lettered)."""
+    if why is None:
+        return Note(logging.WARNING, "dead-lettering (%s)", action, {"kind": kind, **fields},
+                    (kind,))
+    return Note(logging.WARNING, "dead-lettering (%s): %s", action, {"kind": kind, **fields},
+                (kind, why))
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     result: Result
@@ -88,8 +100,8 @@ def undecodable(
     kind = "undecodable" if isinstance(exc, Undecodable) else "permanent"
     letter = letters.letter(msg, kind=kind, error_class=type(exc).__name__, message=str(exc),
                             attempts=0, key=key)
-    note = Note(logging.WARNING, "message cannot be processed: %s", "rejected",
-                {"kind": kind, "handler": letters.handler, "key": key, **where(msg)}, (exc,))
+    note = letter_note(kind, "rejected", {"handler": letters.handler, "key": key, **where(msg)},
+                       exc)
     return Verdict(Finished(Ended.DEAD_LETTERED, letter, key=key), note)
 
 
@@ -133,8 +145,7 @@ def not_claimed(
         failure=claim,
     )
     return Verdict(Finished(Ended.DEAD_LETTERED, letter, key=prep.key),
-                   Note(logging.WARNING, "dead-lettering", "dead_lettered",
-                        {"kind": kind, **fields}))
+                   letter_note(kind, "dead_lettered", fields))
 
 
 # --- a handler's exception ---------------------------------------------------------
@@ -214,8 +225,8 @@ def after_failure(
             {"kind": f.kind, "delay": round(f.delay, 3), **fields}, (error_class, message)))
     letter = letters.letter(msg, kind=f.kind, error_class=error_class, message=message,
                             attempts=recorded.attempts, key=key, failure=recorded)
-    note = (Note(logging.WARNING, "retries exhausted", "exhausted", fields) if f.exhausted
-            else Note(logging.WARNING, "permanent failure", "failed", {"kind": f.kind, **fields}))
+    note = (letter_note("exhausted", "exhausted", fields, "retries exhausted") if f.exhausted
+            else letter_note(f.kind, "failed", fields, "a permanent failure"))
     return Verdict(Finished(Ended.DEAD_LETTERED, letter, key=key), note)
 
 

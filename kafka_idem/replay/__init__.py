@@ -36,7 +36,14 @@ from kafka_idem.replay.reading import (
     read_one,
     scan,
 )
-from kafka_idem.replay.records import DlqRecord, Header, Selection, display_bytes, dlq_topic_for
+from kafka_idem.replay.records import (
+    DlqRecord,
+    Header,
+    Selection,
+    display_bytes,
+    dlq_topic_for,
+    payload_view,
+)
 from kafka_idem.replay.redrive import OUTCOMES, SENDS, SKIPS, WHY
 from kafka_idem.replay.republishing import (
     Deliveries,
@@ -74,6 +81,7 @@ __all__ = [
     "display_bytes",
     "dlq_topic_for",
     "latest_for_key",
+    "payload_view",
     "read_one",
     "replay",
     "replay_group",

@@ -7,14 +7,21 @@ and ``dlq replay`` share (key, kind, handler, failure time, partition, offsets).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import datetime as dt
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
 
 from kafka_idem.dlq import ERROR_KINDS, PREFIX
-from kafka_idem.errors import ConfigError
+from kafka_idem.errors import ConfigError, MessageError
 from kafka_idem.settings import Settings
+
+if TYPE_CHECKING:
+    from kafka_idem.app import App
 
 Header = tuple[str, bytes | None]
 
@@ -38,6 +45,9 @@ def _when(value: str | None) -> dt.datetime | None:
     except ValueError:
         return None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
+REPLAY_GROUP = "idem.replay.group"  # the replay that sent a copy (its group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +75,9 @@ class DlqRecord:
     last_failure_at: dt.datetime | None = None
     truncated: str | None = None  # what the DLQ copy lacks ("value", ...): see dlq.slim
     namespace: str | None = None  # None: written before namespaces (found by its key)
+    # idem.replay.* lineage: the dead letter of a copy a replay sent
+    replayed_from: str | None = None  # the DLQ topic that replay read
+    replay_group: str | None = None  # that replay (copies from before it was recorded: None)
 
     @classmethod
     def from_message(cls, msg: Any) -> DlqRecord:
@@ -93,6 +106,8 @@ class DlqRecord:
             last_failure_at=_when(idem.get("idem.last_failure_at")),
             truncated=idem.get("idem.truncated"),
             namespace=idem.get("idem.namespace"),
+            replayed_from=idem.get("idem.replay.source_topic"),
+            replay_group=idem.get(REPLAY_GROUP),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -122,6 +137,41 @@ class DlqRecord:
         }
 
 
+def payload_view(rec: DlqRecord, app: App | None = None) -> dict[str, Any]:
+    """The record's value for ``dlq show --payload``, JSON-able: decoded by the handler
+    of its original topic in ``app`` (as the consumer decoded it: the model as JSON),
+    else parsed as JSON text when it is some, else its raw bytes in base64 with why."""
+    if rec.value is None:
+        return {"decoded_by": None, "error": "the record has no value", "base64": None}
+    handler = app.handlers.get(rec.original_topic or "") if app is not None else None
+    error = None
+    if handler is not None:
+        try:
+            decoded = handler.decode(rec.value)
+        except MessageError as exc:
+            error = str(exc)
+        else:
+            return {"decoded_by": f"handler {handler.name!r}, {handler.codec.name}",
+                    "value": _jsonable(decoded)}
+    else:
+        try:
+            return {"decoded_by": "JSON text, not by a handler (give --app for its codec)",
+                    "value": json.loads(rec.value.decode("utf-8"))}
+        except ValueError:  # UnicodeDecodeError too
+            error = ("not JSON text; give --app MODULE:APP to decode it with its handler"
+                     if app is None else f"app {app.name!r} has no handler of topic "
+                     f"{rec.original_topic!r}")
+    return {"decoded_by": None, "error": error,
+            "base64": base64.b64encode(rec.value).decode("ascii")}
+
+
+def _jsonable(decoded: Any) -> Any:
+    """A decoded payload as JSON values (a model as pydantic dumps it in JSON mode)."""
+    if isinstance(decoded, BaseModel):
+        return decoded.model_dump(mode="json")
+    return json.loads(json.dumps(decoded, default=str))
+
+
 def display_bytes(value: bytes | None) -> str | None:
     """Text when the bytes are UTF-8, else ``base64:<data>``."""
     if value is None:
@@ -129,8 +179,6 @@ def display_bytes(value: bytes | None) -> str | None:
     try:
         return value.decode("utf-8")
     except UnicodeDecodeError:
-        import base64
-
         return "base64:" + base64.b64encode(value).decode("ascii")
 
 

@@ -5,8 +5,11 @@ records name is read in one query, and each record gets one outcome
 (:data:`OUTCOMES`, explained in :data:`WHY`): a ``failed`` key is re-run
 (:func:`rerun_failed`, audited, committed before anything is sent) and its latest
 dead letter sent once; a succeeded key is skipped; a key in the consumer's hands is
-left to it; a record without a record (undecodable, payload conflict) is sent as
-it is; a record written by someone else is left alone. :mod:`~kafka_idem.replay.run`
+left to it; a record without a record (undecodable, invalid) is sent as it is,
+once (a payload conflict only once its key's record is gone: it would conflict
+again); the dead letter of a copy a replay sent is not sent again by that replay
+(nor, when it would go as it is, by any); a record written by someone else is left
+alone. :mod:`~kafka_idem.replay.run`
 sends what was decided, in a Kafka transaction with the replay's position.
 """
 
@@ -31,12 +34,14 @@ RecordId = tuple[str, str]  # (namespace, idempotency key): a record in the stor
 # What a replay does with one record read (see decide); "sent" ones first.
 SENDS = ("rerun", "resend", "as_is")
 SKIPS = ("skipped_succeeded", "skipped_permanent", "skipped_in_progress", "skipped_duplicate",
-         "skipped_truncated", "skipped_ambiguous", "skipped_foreign")
+         "skipped_truncated", "skipped_ambiguous", "skipped_foreign", "skipped_replayed",
+         "skipped_conflict")
 OUTCOMES = SENDS + SKIPS
 WHY = {
     "rerun": "failed key: audited re-run, its latest dead letter sent",
     "resend": "re-run by an interrupted run of this replay, its message not sent yet",
-    "as_is": "no record for the key (undecodable, invalid, payload conflict): republished",
+    "as_is": "no record for the key (undecodable, invalid, a conflict whose record is "
+             "gone): republished",
     "skipped_succeeded": "key already succeeded",
     "skipped_permanent": "failed permanently; --include-permanent re-runs them",
     "skipped_in_progress": "key retryable_failed or processing: the consumer has it",
@@ -45,6 +50,10 @@ WHY = {
     "skipped_ambiguous": "written before namespaces and its key is in several: "
                          "`kafka-idem rerun KEY --namespace NS`",
     "skipped_foreign": "no idem.* headers: not written by kafka_idem, left alone",
+    "skipped_replayed": "dead letter of a copy a replay already sent (this replay, or "
+                        "as-is): sent again it would only come back",
+    "skipped_conflict": "payload conflict: its key's record holds another payload, it "
+                        "would conflict again (`kafka-idem purge` the key to let it in)",
 }
 FOREIGN = "(foreign)"
 NO_KIND = "(none)"
@@ -130,6 +139,8 @@ def classify(rec: DlqRecord, states: list[dict[str, Any]], *, group: str,
               include_permanent: bool, redriven: set[RecordId],
               starts: dict[int, int]) -> str:
     """The outcome of one matching record with a value (see :data:`WHY`)."""
+    if rec.replay_group == group:
+        return "skipped_replayed"  # a replay run twice sends nothing twice
     if len(states) > 1:
         return "skipped_ambiguous"
     state = states[0] if states else None
@@ -139,8 +150,11 @@ def classify(rec: DlqRecord, states: list[dict[str, Any]], *, group: str,
         return "skipped_succeeded"
     if rec.truncated is not None:
         return "skipped_truncated"
-    if state is None or rec.kind in ("payload_conflict", "undecodable"):
-        return "as_is"
+    if rec.kind == "payload_conflict" and state is not None:
+        return "skipped_conflict"
+    if state is None or rec.kind == "undecodable":
+        # the same bytes again: worth it once (after a fix of the code), not per replay
+        return "skipped_replayed" if rec.replayed_from == rec.dlq_topic else "as_is"
     if state["status"] == "failed":
         if state["error_kind"] != "exhausted" and not include_permanent:
             return "skipped_permanent"

@@ -23,13 +23,15 @@ from kafka_idem import tracing
 from kafka_idem.dlq import PREFIX
 from kafka_idem.errors import BrokerError, ConfigError
 from kafka_idem.replay.reading import kafka_errors
-from kafka_idem.replay.records import DlqRecord, Header
+from kafka_idem.replay.records import REPLAY_GROUP, DlqRecord, Header
 
 
 def replay_headers(
-    record: DlqRecord, *, actor: str, at: dt.datetime | None = None
+    record: DlqRecord, *, actor: str, at: dt.datetime | None = None, group: str | None = None
 ) -> list[Header]:
-    """The record's original headers (no ``idem.*``) plus the ``idem.replay.*`` lineage."""
+    """The record's original headers (no ``idem.*``) plus the ``idem.replay.*`` lineage;
+    ``group``: the replay that sends it (its re-dead-letter, kept with the lineage, is
+    then one that replay never sends again)."""
     kept = [(k, v) for k, v in record.headers if not k.startswith(PREFIX)]
     lineage = {
         "idem.replay.at": (at or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).isoformat(),
@@ -38,6 +40,8 @@ def replay_headers(
         "idem.replay.source_partition": str(record.partition),
         "idem.replay.source_offset": str(record.offset),
     }
+    if group is not None:
+        lineage[REPLAY_GROUP] = group
     return kept + [(k, v.encode("utf-8")) for k, v in lineage.items()]
 
 
@@ -59,6 +63,7 @@ def republish(
     to_topic: str | None = None,
     actor: str,
     on_delivery: Callable[[Any, Any], None] | None = None,
+    group: str | None = None,
 ) -> None:
     """Produce ``record`` again: key and value bytes unchanged, lineage headers added.
 
@@ -72,7 +77,8 @@ def republish(
         kwargs: dict[str, Any] = {
             "key": record.key,
             "value": record.value,
-            "headers": tracing.with_trace(replay_headers(record, actor=actor), trace_headers),
+            "headers": tracing.with_trace(replay_headers(record, actor=actor, group=group),
+                                          trace_headers),
         }
         if to_topic is None and record.original_partition is not None:
             kwargs["partition"] = record.original_partition

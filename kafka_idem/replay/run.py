@@ -354,6 +354,7 @@ def _send(
                 if bucket is not None:
                     bucket.acquire()
                 republish(producer, rec, to_topic=summary.to_topic, actor=actor,
+                          group=summary.group,
                           on_delivery=deliveries)
                 if on_record is not None:
                     on_record(rec, target, batch.actions[id(rec)])

@@ -44,7 +44,7 @@ from kafka_idem.testing.case import (
 from kafka_idem.testing.hooks import Call, Crash, Plan
 from kafka_idem.testing.report import ScenarioResult
 from kafka_idem.testing.sandbox import Path, Sandbox
-from kafka_idem.testing.tables import State, compare
+from kafka_idem.testing.tables import State, compare, steady_result
 
 SCENARIOS: dict[str, str] = {
     "once": "delivered once",
@@ -342,9 +342,9 @@ def batch(case: Case, path: Path, out: ScenarioResult) -> None:
             letters = iter(sb.letters.send({tp: results}))
             outcomes[side] = [show((step(r), next(letters).kind if isinstance(r, Finished)
                                     and r.letter is not None else None)) for r in results]
-            states[side] = sb.state(h.tables)
+            states[side] = sb.state(case.tables)
             keys = sorted({r.key for r in results if isinstance(r, Finished) and r.key})
-            records[side] = {k: _summary(sb.record(k)) for k in keys}
+            records[side] = {k: _summary(sb.record(k), case.result_drift) for k in keys}
             effects[side] = case.effects()
             if side == "batch":
                 bulk = h.hooks.count("bulk")
@@ -362,11 +362,11 @@ def batch(case: Case, path: Path, out: ScenarioResult) -> None:
     case.same_effects(out, expected=effects["per-message"], what="the per-message path")
 
 
-def _summary(rec: dict[str, Any] | None) -> dict[str, Any] | None:
+def _summary(rec: dict[str, Any] | None, drift: frozenset[str]) -> dict[str, Any] | None:
     if rec is None:
         return None
-    return {k: rec[k] for k in ("status", "result_json", "error_kind", "error_class",
-                                "attempts")}
+    out = {k: rec[k] for k in ("status", "error_kind", "error_class", "attempts")}
+    return {**out, "result_json": steady_result(rec["result_json"], drift)}
 
 
 RUN: dict[str, Callable[[Case, Path, ScenarioResult], None]] = {

@@ -8,6 +8,8 @@ of its own that differs from run to run however correct the handler is: an ident
 column, a sequence or a volatile default (``now()``, ``clock_timestamp()``,
 ``gen_random_uuid()``...), and a column that references one of those by foreign key.
 A user may leave out more (``ignore``): e.g. an id a remote service makes up.
+A column whose value the handler's own SQL makes anew (``VALUES (now())``) is found
+by delivering the reference twice (:func:`drifting`) and left out too, said so.
 """
 
 from __future__ import annotations
@@ -215,6 +217,54 @@ class TableDiff:
             if len(rows) > limit:
                 out.append(f"  ... and {len(rows) - limit} more {label.strip()} row(s)")
         return out
+
+
+DRIFTING = ("differs between two deliveries of the reference: a value the handler makes "
+            "anew, e.g. now() or a random id in its SQL")
+
+
+def drifting(first: State, second: State) -> dict[str, list[str]]:
+    """The compared columns whose values differ between two states that should be
+    equal (two correct runs of the same delivery), by table: each column's values are
+    compared as a multiset, so rows need no order."""
+    out: dict[str, list[str]] = {}
+    for name, rows in first.items():
+        other = second[name]
+        for column in rows.table.columns:
+            values = Counter(_frozen(r[column]) for r in rows.rows)
+            if values != Counter(_frozen(r[column]) for r in other.rows):
+                out.setdefault(name, []).append(column)
+    return out
+
+
+def drifting_result(first: Any, second: Any) -> frozenset[str]:
+    """The top-level keys of two stored results (JSON objects) that differ; ``{""}``:
+    the whole result differs (not objects)."""
+    if first == second:
+        return frozenset()
+    if isinstance(first, dict) and isinstance(second, dict):
+        return frozenset(k for k in first.keys() | second.keys() if first.get(k) != second.get(k))
+    return frozenset({""})
+
+
+def steady_result(result: Any, drift: frozenset[str]) -> Any:
+    """``result`` without what :func:`drifting_result` found differing."""
+    if not drift:
+        return result
+    if "" in drift or not isinstance(result, dict):
+        return "(differs between deliveries: not compared)"
+    return {k: v for k, v in result.items() if k not in drift}
+
+
+def leave_out(tables: Iterable[Table], columns: Mapping[str, Iterable[str]],
+              why: str) -> list[Table]:
+    """``tables`` with ``columns`` no longer compared (left out, with ``why``)."""
+    out = []
+    for table in tables:
+        gone = set(columns.get(table.name, ()))
+        out.append(Table(table.name, tuple(c for c in table.columns if c not in gone),
+                         table.left_out + tuple((c, why) for c in table.columns if c in gone)))
+    return out
 
 
 def compare(expected: State, got: State) -> list[TableDiff]:

@@ -8,7 +8,9 @@ DLQ read directly), never from the CLI's own output.
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +27,7 @@ from tests.acceptance.conftest import (
     KAFKA_IDEM,
     SECOND_WAVE,
     MixedRun,
+    Result,
     headers_of,
     kafka_idem,
     read_all,
@@ -191,6 +194,37 @@ def test_show_prints_every_header_the_key_and_the_value_size(
     assert shown["kafka_key"] == "o6"
     assert shown["value_size"] == len(m.value())
     assert ["idem.stale", "dropped by the DLQ"] not in shown["headers"]
+
+
+def test_show_payload_decodes_with_the_handlers_codec_or_gives_the_raw_bytes(
+    mixed: MixedRun, mixed_db: DB
+) -> None:
+    app = {"PAYMENTS_TOPIC": mixed.charges}  # consumers.payments:app reads the mixed run's
+
+    def show(kafka_key: bytes, *extra: str) -> Result:
+        m = mixed.by_kafka_key()[kafka_key]
+        return kafka_idem("dlq", "show", "--topic", mixed.charges, "--partition",
+                          str(m.partition()), "--offset", str(m.offset()), "--payload", *extra,
+                          db=mixed_db, env=app)
+
+    text = show(b"o6", "--app", "consumers.payments:app")
+    assert text.code == 0, text.err
+    assert "payload (handler 'charge', avro):" in text.out
+    decoded = json.loads(text.out[text.out.index("payload (handler"):].split("\n", 1)[1])
+    assert (decoded["order_id"], decoded["amount"], decoded["currency"]) == ("o6", "5.00", "XXX")
+    as_json = show(b"o6", "--app", "consumers.payments:app", "--json").json()
+    assert as_json["payload"] == {"decoded_by": "handler 'charge', avro", "value": decoded}
+
+    junk = mixed.by_kafka_key()[b"g1"].value()
+    bad = show(b"g1", "--app", "consumers.payments:app", "--json").json()["payload"]
+    assert bad["decoded_by"] is None and bad["error"].startswith("avro: ")
+    assert base64.b64decode(bad["base64"]) == junk
+    raw = show(b"o6")  # no --app: Avro is not JSON text
+    assert "payload does not decode: not JSON text; give --app MODULE:APP" in raw.out
+    assert "raw bytes (base64): " in raw.out
+    usage = kafka_idem("dlq", "show", "--topic", mixed.charges, "--partition", "0", "--offset",
+                       "0", "--app", "consumers.payments:app", db=mixed_db, env=app)
+    assert usage.code == 2 and "--payload" in usage.err
 
 
 # --- replay ------------------------------------------------------------------------

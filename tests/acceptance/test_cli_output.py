@@ -130,6 +130,9 @@ def test_every_read_command_prints_its_documented_json_shape(failed: Failed) -> 
     record = kafka_idem("inspect", KEY, "--json", db=failed.db)
     assert record.code == 0 and set(record.json()) == RECORD_FIELDS
     assert record.json()["request_hash"] == HASH and record.json()["audit"] == []
+    for name in ("created_at", "updated_at", "last_failure_at"):  # ISO 8601, with its 'T'
+        at = record.json()[name]
+        assert dt.datetime.fromisoformat(at).tzinfo is not None and at[10] == "T", (name, at)
     listed = kafka_idem("dlq", "list", "--dlq", failed.dlq, "--json", db=failed.db)
     assert listed.code == 0 and [set(r) for r in listed.json()] == [DLQ_FIELDS]
     assert listed.json()[0]["error_message"] == MESSAGE  # never cut in JSON
@@ -149,7 +152,7 @@ def test_an_unknown_key_or_position_is_a_message_and_exit_1_also_with_json(
         assert r.code == 1, (args, r.out, r.err)
         assert r.out == "", args  # nothing a JSON reader would take for a result
         assert r.err.strip() and len(r.err.strip().splitlines()) == 1, (args, r.err)
-        assert "no record" in r.err, (args, r.err)
+        assert r.err.startswith("error: no record"), (args, r.err)
 
 
 @pytest.fixture

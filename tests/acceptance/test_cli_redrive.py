@@ -324,7 +324,7 @@ def test_bulk_rerun_re_runs_every_selected_key_once_and_is_idempotent(
 
     nothing = rerun("--key-prefix", "t9:", "--reason", REASON)
     assert (nothing.code, nothing.err.strip()) == (
-        1, 'no failed record matches {"key_prefix": "t9:"}')
+        1, 'error: no failed record matches {"key_prefix": "t9:"}')
     for refused in (rerun("--kind", "exhausted"), rerun("--kind", "exhausted", "--reason", " ")):
         assert refused.code == 1, refused.err
         [line] = refused.err.strip().splitlines()
@@ -357,3 +357,35 @@ def test_bulk_rerun_re_runs_every_selected_key_once_and_is_idempotent(
     members.start(STOCK, env(db, ex.topic), group=group)
     assert_each_key_succeeded_once(db, ex, {}, via="rerun")
     assert {r["selection"]["filter"]["kind"] for r in reruns(db)} == {"exhausted"}
+
+
+def test_a_replay_run_again_sends_nothing_twice_not_even_its_own_dead_letters_come_back(
+    db: DB, topics: Topics, members: Members, group: str
+) -> None:
+    """The undecodable record it sends as it is comes back (the consumer dead-letters
+    the copy again, lineage kept): the same replay run again skips that dead letter
+    instead of sending it round again, and says so."""
+    ex = exhaust(db, topics, members, group, n=2, doubled=0, keep_running=True,
+                 extra=[(b"junk", b"\x00not avro")], extra_dlq=1)
+    dlq_size = len(read_all(ex.dlq))
+    fix(db)
+    first = ex.replay(db, "--reason", REASON, "--json")
+    assert first.code == 0, first.err
+    assert (first.json()["rerun"], first.json()["as_is"]) == (2, 1)
+    assert_each_key_succeeded_once(db, ex, first.json())
+    wait_for(lambda: len(read_all(ex.dlq)) == dlq_size + 1, timeout=60,
+             what="the junk copy dead-lettered again")
+    [back] = [m for m in read_all(ex.dlq) if "idem.replay.at" in headers_of(m)]
+    assert headers_of(back)["idem.replay.group"] == first.json()["group"]
+
+    again = ex.replay(db, "--reason", REASON)
+    assert again.code == 0, again.err
+    assert "sent 0 " in again.out
+    assert ("skipped (dead letter of a copy a replay already sent (this replay, or as-is): "
+            "sent again it would only come back) 1") in again.out
+    assert "  undecodable: skipped replayed 1" in again.out
+    # Another replay (another group, from the start) sends the original once more, but
+    # not the copy that came back: the same bytes were sent as they are already.
+    other = ex.replay(db, "--kind", "undecodable", "--json")
+    assert (other.json()["as_is"], other.json()["skipped_replayed"]) == (1, 1), other.out
+    assert len(reruns(db)) == 2

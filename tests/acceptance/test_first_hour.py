@@ -225,6 +225,29 @@ def test_a_wrong_schema_stops_run_before_it_joins_the_group(
     assert committed(folder.group, folder.topic) == {0: -1001}
 
 
+def test_a_session_timeout_the_broker_refuses_stops_run_naming_the_setting_and_bound(
+    folder: Folder, topics: Topics,
+) -> None:
+    topics.create([folder.topic, f"{folder.topic}.dlq"])
+    got = folder.cli("run", "app:app", "--max-seconds", "30", KAFKA_IDEM_SESSION_TIMEOUT_MS="1000")
+    assert got.code == 2, got.err  # not a join retried forever
+    assert re.fullmatch(
+        r"error: the broker refused session_timeout_ms=1000 \(KAFKA_IDEM_SESSION_TIMEOUT_MS\) "
+        rf"when this member joined group '{folder.group}' \(INVALID_SESSION_TIMEOUT\): it must "
+        r"be within the broker's group.min.session.timeout.ms=\d+ and "
+        r"group.max.session.timeout.ms=\d+ \(setting=session_timeout_ms\)",
+        got.err.splitlines()[-1]), got.err
+    assert "consumer error" not in got.err
+
+
+def test_an_unknown_librdkafka_option_is_a_configuration_error(folder: Folder) -> None:
+    got = folder.cli("run", "app:app", "--max-seconds", "5",
+                     KAFKA_IDEM_KAFKA='{"linger.ms": 5, "nope.option": 1}')
+    assert (got.code, got.err.splitlines()) == (2, [
+        "error: invalid setting kafka (KAFKA_IDEM_KAFKA): Value error, librdkafka refuses "
+        "option 'nope.option': No such configuration property: \"nope.option\""]), got.err
+
+
 # --- a configuration error while processing -----------------------------------------------------
 
 

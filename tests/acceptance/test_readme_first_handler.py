@@ -150,7 +150,8 @@ def offline_env(tmp: Path, dsn: str, group: str) -> dict[str, str]:
 def wait_log(log: Path, line: str) -> None:
     """Until the member's output has ``line`` (its progress lines come up to 10 s apart)."""
     wanted = pattern(line)
-    wait_for(lambda: wanted.search(log.read_text(errors="replace")),
+    # the member's shell opens run.log in the background: it may not exist yet
+    wait_for(lambda: log.exists() and wanted.search(log.read_text(errors="replace")),
              what=f"{line!r} in the member's output", timeout=60)
 
 

@@ -29,15 +29,21 @@ from typing import Any
 
 import psycopg
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from consumers import payments
 from consumers.payments import encode_charge
 from kafka_idem import App, Context, Retryable, RetryPolicy
+from kafka_idem.consume.gauges import Lag
+from kafka_idem.consume.partitions import Partitions
+from kafka_idem.health import Health
+from kafka_idem.metrics import Metrics
 from tests.apps import variants
 from tests.conftest import (
     ADMIN_DSN,
+    BOOTSTRAP,
     DB,
     InProcess,
     Members,
@@ -514,3 +520,31 @@ def test_each_message_decision_is_logged_once_with_its_coordinates(
             assert rec["topic"] == topic and rec["partition"] == 0, rec
             logged[rec["action"]].append(rec["offset"])
     assert logged == decisions
+
+
+def test_the_lag_of_partitions_nothing_was_fetched_of_yet_counts_from_their_commit(
+    topics: Topics, group: str,
+) -> None:
+    """During a catch-up, a partition assigned but not fetched from yet (no position,
+    nothing queued) is behind by the high watermark minus its committed offset (none:
+    the earliest one), in the gauge and in /readyz, not unmeasured or missing."""
+    topic = topics(partitions=2)
+    for part in (0, 1):
+        produce(topic, [(None, b"x")] * 30, partition=part)
+    consumer = Consumer({"bootstrap.servers": BOOTSTRAP, "group.id": group,
+                         "enable.auto.commit": False})
+    try:
+        consumer.commit(offsets=[TopicPartition(topic, 1, 12)], asynchronous=False)
+        consumer.assign([TopicPartition(topic, 0), TopicPartition(topic, 1)])  # not polled
+        metrics, health = Metrics(), Health(max_lag=20)
+        health.assigned([(topic, 0), (topic, 1)])
+        lags = Lag(metrics).observe(consumer, Partitions(), health.assignment(), every=0)
+    finally:
+        consumer.close()
+    assert lags == {(topic, 0): 30, (topic, 1): 18}
+    assert metrics.lag.labels(topic, "0")._value.get() == 30
+    assert metrics.lag.labels(topic, "1")._value.get() == 18
+    health.observed(lags)
+    ready = health.ready()
+    assert not ready.ok
+    assert ready.body["reason"] == "1 of 2 partitions more than 20 messages behind"

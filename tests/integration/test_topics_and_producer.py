@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from consumers.payments import build_app
 from kafka_idem import App, ConfigError, Context, DeliveryFailed, InvalidPayload, MissingKeyField
 from kafka_idem import topics as topic_rules
+from tests.acceptance.conftest import set_topic_config
 from tests.conftest import (
     BOOTSTRAP,
     DB,
@@ -155,15 +156,31 @@ def test_a_payload_the_handler_could_not_read_is_refused_before_it_is_sent(
     assert read_topic(topic) == []
 
 
-def test_records_kafka_does_not_acknowledge_fail_the_flush_naming_them() -> None:
+def test_records_kafka_does_not_acknowledge_fail_the_flush_naming_them(
+    topics: Topics, admin: AdminClient,
+) -> None:
+    topic = topics(partitions=1)
+    set_topic_config(admin, topic, "max.message.bytes", "200")  # the broker refuses it
+    app = inventory("inv", topic)
+    producer = app.producer(config={"message.timeout.ms": 1500})
+    producer.send(topic, {"shop": "s1", "order_id": "o-1", "sku": "k" * 500, "qty": 1})
+    with pytest.raises(DeliveryFailed, match=f"1 record\\(s\\) not delivered .*{topic}") as info:
+        producer.flush(10)
+    assert [(t, k) for t, k, _ in info.value.failures] == [(topic, b"s1:reserve:o-1")]
+    assert producer.flush(1) == 0  # reported once
+
+
+def test_a_topic_that_does_not_exist_is_refused_at_once_saying_how_to_create_it() -> None:
     missing = unique("inv-missing")  # never created; the broker does not auto-create
     app = inventory("inv", missing)
-    producer = app.producer(config={"message.timeout.ms": 1500})
-    producer.send(missing, {"shop": "s1", "order_id": "o-1", "sku": "k", "qty": 1})
-    with pytest.raises(DeliveryFailed, match=f"1 record\\(s\\) not delivered .*{missing}") as info:
-        producer.flush(10)
+    producer = app.producer()  # message.timeout.ms 30 s: the refusal does not wait for it
+    with pytest.raises(DeliveryFailed) as info:
+        producer.send(missing, {"shop": "s1", "order_id": "o-1", "sku": "k", "qty": 1})
+    assert str(info.value) == (
+        f"topic {missing!r} does not exist: create it first (`kafka-idem topics create "
+        "MODULE:APP` creates an app's topics)")
     assert [(t, k) for t, k, _ in info.value.failures] == [(missing, b"s1:reserve:o-1")]
-    assert producer.flush(1) == 0  # reported once
+    assert producer.flush(1) == 0  # nothing was queued
 
 
 # --- a configuration error while processing --------------------------------------------------
@@ -215,3 +232,25 @@ def test_a_configuration_error_while_processing_holds_its_partition_and_charges_
                       "waits (the message is not charged) until the configuration is fixed "
                       "and the member restarted"]
     assert not any("batch transaction failed" in r.getMessage() for r in caplog.records)
+
+
+# --- the assignment log line ------------------------------------------------------------------
+
+
+def test_a_member_given_no_partition_says_so_not_an_empty_assigned_line(
+    db: DB, topics: Topics, group: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="kafka_idem")
+    topic = topics(partitions=1)
+    first, second = (inventory("inv", topic, database_url=db.dsn, group_id=group)
+                     for _ in range(2))
+    with InProcess(first):
+        wait_for(lambda: any(r.getMessage() == f"assigned {topic}[0]" for r in caplog.records),
+                 what="the first member's partition")
+        with InProcess(second):
+            wait_for(lambda: any(r.getMessage().startswith("no partitions assigned")
+                                 for r in caplog.records), what="the spare member's line")
+    said = [r.getMessage() for r in caplog.records if getattr(r, "action", "") == "assigned"]
+    assert "assigned " not in said, said  # never an empty list
+    assert "no partitions assigned (the group has more members than partitions, or none of " \
+           "its topics exists yet)" in said

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from rich.console import Console
 
 from kafka_idem.cli_table import Grid, emit
@@ -59,3 +60,11 @@ def test_a_field_value_listing_stays_one_pair_a_line() -> None:
     out = io.StringIO()
     emit(g, Console(file=out, width=30, force_terminal=True, color_system=None))
     assert out.getvalue().splitlines() == [f"request_hash  {HASH}", "error_kind    -"]
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_an_empty_table_says_no_records_not_a_lone_header(terminal: bool) -> None:
+    out = io.StringIO()
+    emit(Grid(["at", "actor", "action"], title="audit trail"),
+         Console(file=out, width=120, force_terminal=terminal, color_system=None))
+    assert out.getvalue() == "audit trail\nno records\n"

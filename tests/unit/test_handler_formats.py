@@ -47,8 +47,22 @@ def test_models_of_three_kinds_decode_and_their_fields_are_checked(model: Any) -
     payload = h.decode(b'{"tenant_id": "t", "order_id": "o", "amount": 1.5}')
     assert h.key.build(payload) == "t:o:o"
     assert h.codec.name == "json"
-    with pytest.raises(ConfigError, match="handler 'place': fields \\['amont'\\] are not fields"):
+    with pytest.raises(ConfigError) as caught:
         register(App("b"), model=model, name="place", hash_fields=("amont",))
+    assert str(caught.value) == (
+        "handler 'place' (topic 'orders'): hash_fields= names 'amont', but "
+        f"{model.__name__} has no such field (its fields: tenant_id, order_id, amount) "
+        "(setting=hash_fields)")
+
+
+def test_unknown_key_and_hash_fields_are_each_named_with_their_setting() -> None:
+    with pytest.raises(ConfigError) as caught:
+        register(App("a"), model=Order, name="place", key="{tenant_id}:{shop}:{sku}",
+                 hash_fields=("qty", "amount"))
+    assert str(caught.value) == (
+        "handler 'place' (topic 'orders'): key= names 'shop', 'sku' and hash_fields= names "
+        "'qty', but Order has no such field (its fields: tenant_id, order_id, amount) "
+        "(setting=key/hash_fields)")
 
 
 def test_a_model_that_is_not_a_model_fails_at_registration_naming_the_handler() -> None:

@@ -48,7 +48,8 @@ def test_a_flood_is_one_line_per_interval_with_every_outcome_per_topic(
     progress.tick(10.0)
     assert lines(caplog)[1] == (
         f"processed 693 message(s) in the last 10.0 s: {U}: dead_lettered 99; "
-        f"{T}: replayed 99, retried 2, succeeded 495")  # busy is not progress
+        f"{T}: replayed 99, succeeded 495; 2 retries scheduled ({T}: 2)")  # busy is not
+    # progress; a retry is not a message processed (it comes again): counted apart
     progress.tick(25.0)
     assert len(lines(caplog)) == 2  # idle again: silent
 
@@ -62,6 +63,14 @@ def test_what_is_left_is_said_when_the_member_stops(
     progress.tick(3.0)
     progress.tick(3.0, final=True)
     assert lines(caplog)[-1] == f"processed 1 message(s) in the last 3.0 s: {T}: replayed 1"
+
+
+def test_retries_alone_are_not_messages_processed(
+    progress: Progress, caplog: pytest.LogCaptureFixture,
+) -> None:
+    progress.add(Counter({(T, "retried"): 1}))
+    progress.tick(0.0)
+    assert lines(caplog) == [f"processed 0 message(s): 1 retry scheduled ({T}: 1)"]
 
 
 def test_an_interval_of_zero_switches_the_line_off(caplog: pytest.LogCaptureFixture) -> None:

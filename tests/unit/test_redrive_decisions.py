@@ -13,9 +13,11 @@ GROUP = "kafka-idem-replay.t.dlq.abc"
 
 
 def letter(kind: str = "exhausted", key: str | None = "k", offset: int = 7,
-           truncated: str | None = None) -> DlqRecord:
+           truncated: str | None = None, replayed_by: str | None = None) -> DlqRecord:
+    """A dead letter; ``replayed_by``: of a copy that replay group sent from t.dlq."""
     return DlqRecord("t.dlq", 0, offset, None, b"k", b"v", (("idem.error.kind", b"x"),),
-                     idempotency_key=key, kind=kind, truncated=truncated)
+                     idempotency_key=key, kind=kind, truncated=truncated,
+                     replayed_from="t.dlq" if replayed_by else None, replay_group=replayed_by)
 
 
 def state(status: str, error_kind: str | None = "exhausted", *, action: str | None = None,
@@ -39,9 +41,16 @@ def decide(rec: DlqRecord, st: dict[str, Any] | None, *, include_permanent: bool
     (letter("permanent"), state("failed", "permanent"), {"include_permanent": True}, "rerun"),
     (letter(), state("succeeded"), {}, "skipped_succeeded"),
     (letter("payload_conflict"), state("succeeded"), {}, "skipped_succeeded"),
-    (letter("payload_conflict"), state("failed"), {}, "as_is"),
+    # another payload holds the key: it would conflict again, whatever the key's state
+    (letter("payload_conflict"), state("failed"), {}, "skipped_conflict"),
+    (letter("payload_conflict"), state("retryable_failed"), {}, "skipped_conflict"),
+    (letter("payload_conflict"), None, {}, "as_is"),  # the record was purged: let it in
     (letter("undecodable", key=None), None, {}, "as_is"),
     (letter("permanent"), None, {}, "as_is"),  # no record: invalid payload, bad key
+    # dead letters of copies a replay sent: never sent twice by it, nor as-is by any
+    (letter(replayed_by=GROUP), state("failed"), {}, "skipped_replayed"),
+    (letter(replayed_by="another"), state("failed"), {}, "rerun"),
+    (letter("undecodable", key=None, replayed_by="another"), None, {}, "skipped_replayed"),
     (letter(truncated="value"), state("failed"), {}, "skipped_truncated"),
     (letter(), state("failed"), {"redriven": frozenset({"k"})}, "skipped_duplicate"),
     # Re-run by an interrupted run of this replay for a letter it has not passed: resend.

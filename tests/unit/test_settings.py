@@ -311,3 +311,40 @@ def test_a_group_instance_id_kafka_would_refuse_names_the_setting(value: str) ->
     with pytest.raises(ConfigError, match=r"invalid setting group_instance_id "
                        r"\(KAFKA_IDEM_GROUP_INSTANCE_ID\): .*not a usable group\.instance\.id"):
         load_settings(group_instance_id=value)
+
+
+# --- librdkafka options checked when the settings are made ------------------------------
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"nope.option": 1}, "option 'nope.option': No such configuration property"),
+    ({"client.id": "mine", "linger.ms": "soon"}, "option 'linger.ms': Invalid value"),
+])
+def test_an_option_librdkafka_refuses_is_a_configuration_error_naming_it(
+    options: dict[str, object], named: str,
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(kafka=options)
+    assert str(caught.value).startswith("invalid setting kafka (KAFKA_IDEM_KAFKA): ")
+    assert named in str(caught.value)
+
+
+def test_an_ignored_option_in_kafka_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    from kafka_idem import settings as module
+
+    module._WARNED.clear()
+    s = Settings(kafka={"enable.auto.commit": True, "session.timeout.ms": 1000,
+                        "enable.auto.offset.store": False, "acks": "1", "client.id": "c"})
+    with caplog.at_level("WARNING", logger="kafka_idem.settings"):
+        for _ in range(3):
+            s.consumer_config("g")
+            s.producer_config()
+    said = sorted(r.getMessage() for r in caplog.records)
+    assert said == [
+        "librdkafka option acks in kafka (KAFKA_IDEM_KAFKA) is ignored: kafka_idem always "
+        "uses acks=all (the exactly-once effects depend on it)",
+        "librdkafka option enable.auto.commit in kafka (KAFKA_IDEM_KAFKA) is ignored: "
+        "kafka_idem always uses enable.auto.commit=false (the exactly-once effects depend on it)",
+        "librdkafka option session.timeout.ms in kafka (KAFKA_IDEM_KAFKA) is ignored: set "
+        "session_timeout_ms (KAFKA_IDEM_SESSION_TIMEOUT_MS)",
+    ]  # enable.auto.offset.store=false is what it uses anyway: nothing to say

@@ -102,6 +102,7 @@ def test_a_failed_record_is_dead_lettered_again_with_its_story(outcome: Outcome)
         "exhausted", "Retryable", "no stock", 4)
     assert (letter.first_failure_at, letter.last_failure_at) == (T0, T1)
     assert (v.note.action, v.note.fields["kind"]) == ("dead_lettered", "exhausted")
+    assert v.note.text % v.note.args == "dead-lettering (exhausted)"  # one wording
 
 
 def test_a_failed_record_without_an_error_kind_is_permanent() -> None:
@@ -128,7 +129,8 @@ def test_a_message_that_cannot_be_processed_is_dead_lettered_without_attempts(
     assert v.result.key is None and v.result.letter is not None
     assert (v.result.letter.kind, v.result.letter.attempts,
             v.result.letter.error_class) == (kind, 0, type(exc).__name__)
-    assert (v.note.action, v.note.fields["kind"], v.note.args) == ("rejected", kind, (exc,))
+    assert (v.note.action, v.note.fields["kind"]) == ("rejected", kind)
+    assert v.note.text % v.note.args == f"dead-lettering ({kind}): {exc}"  # one wording
 
 
 # --- a handler's exception ----------------------------------------------------------------
@@ -223,12 +225,13 @@ def test_a_recorded_retry_defers_the_partition() -> None:
     assert (v.note.fields["kind"], v.note.fields["delay"]) == ("retryable", 1.25)
 
 
-@pytest.mark.parametrize(("f", "action"), [
-    (Failing("failed", "permanent"), "failed"),
-    (Failing("failed", "exhausted", reason="3 attempts"), "exhausted"),
+@pytest.mark.parametrize(("f", "action", "line"), [
+    (Failing("failed", "permanent"), "failed", "dead-lettering (permanent): a permanent failure"),
+    (Failing("failed", "exhausted", reason="3 attempts"), "exhausted",
+     "dead-lettering (exhausted): retries exhausted"),
 ])
 def test_a_recorded_failure_is_dead_lettered_with_the_records_count_and_times(
-    f: Failing, action: str
+    f: Failing, action: str, line: str
 ) -> None:
     v = after_failure(f, RECORDED, letters=LETTERS, msg=MSG, key=KEY, claim=claimed(2),
                       error_class="Permanent", message="no")
@@ -236,7 +239,7 @@ def test_a_recorded_failure_is_dead_lettered_with_the_records_count_and_times(
     letter = v.result.letter
     assert (v.result.outcome, letter.kind, letter.attempts) == ("dead_lettered", f.kind, 2)
     assert (letter.first_failure_at, letter.last_failure_at) == (T0, T1)
-    assert v.note.action == action
+    assert (v.note.action, v.note.text % v.note.args) == (action, line)
 
 
 # --- the vocabulary -----------------------------------------------------------------------

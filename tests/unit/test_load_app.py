@@ -1,0 +1,60 @@
+"""``MODULE:APP`` as the CLI resolves it: a wrong attribute names what the module has."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import pytest
+
+from kafka_idem.cli import load_app
+from kafka_idem.codec import AvroCodec
+from kafka_idem.errors import ConfigError
+
+MODULE = '''\
+from kafka_idem import App
+
+app = App("shop")
+admin_app = App("shop-admin")
+helper = len
+'''
+
+
+@pytest.fixture
+def module(tmp_path: Path) -> Iterator[str]:
+    name = f"user_app_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(MODULE)
+    sys.path.insert(0, str(tmp_path))
+    yield name
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop(name, None)
+
+
+def test_an_attribute_the_module_lacks_is_named_with_the_apps_it_has(module: str) -> None:
+    with pytest.raises(click.BadParameter) as caught:
+        load_app(f"{module}:nope")
+    assert caught.value.message == (
+        f"module {module!r} has no attribute 'nope' (its App objects: {module}:admin_app, "
+        f"{module}:app)")
+
+
+def test_an_attribute_that_is_not_an_app_says_what_it_is(module: str) -> None:
+    with pytest.raises(click.BadParameter) as caught:
+        load_app(f"{module}:helper")
+    assert caught.value.message.startswith(
+        f"'{module}:helper' is a builtin_function_or_method, not a kafka_idem App (its App ")
+    assert load_app(f"{module}:app").name == "shop"
+
+
+def test_a_missing_schemas_folder_is_said_to_be_missing(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        AvroCodec.from_dir(tmp_path / "nope")
+    assert str(caught.value) == (
+        f"schemas folder '{tmp_path / 'nope'}' does not exist: set KAFKA_IDEM_SCHEMAS_DIR to "
+        "the folder of the .avsc files (setting=schemas_dir)")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="'.*file' is not a folder"):
+        AvroCodec.from_dir(tmp_path / "file")
