@@ -247,7 +247,7 @@ class FrameworkLoop:
                 if profiles is not None and rec.profiling:
                     prof = getattr(local, "prof", None)
                     if prof is None:
-                        prof = local.prof = cProfile.Profile()
+                        prof = local.prof = cProfile.Profile(time.thread_time)
                         profiles.append(prof)
                     prof.enable()
                 try:
@@ -268,8 +268,15 @@ class FrameworkLoop:
 
             Processor.run_leased = run_leased  # type: ignore[method-assign,assignment]
             original_async = AsyncLeasedPath.run
+            loop_prof: list[cProfile.Profile] = []  # the event loop thread's, once
 
             async def run_async(path: AsyncLeasedPath, msg: Any, *args: Any) -> Any:
+                if profiles is not None and rec.profiling and not loop_prof:
+                    # every coroutine shares the loop's thread: profile all of it
+                    loop_prof.append(cProfile.Profile(time.thread_time))
+                    profiles.append(loop_prof[0])
+                    loop_prof[0].enable()
+                    self.stop_profile = lambda: self._on_loop(loop_prof[0].disable)
                 res = await original_async(path, msg, *args)
                 if isinstance(res, Finished):
                     rec.effect([msg])
@@ -305,6 +312,17 @@ class FrameworkLoop:
 
             Processor.run_local = rec.timed(  # type: ignore[method-assign]
                 "processor.run_local", run_local)
+
+    def stop_profile(self) -> None:
+        """Stop the event loop thread's profile (set when one runs)."""
+
+    def _on_loop(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the member's event loop thread and wait for it."""
+        aio = self.runner.units.keyed._loop
+        if aio is not None:
+            done = threading.Event()
+            aio.loop.call_soon_threadsafe(lambda: (fn(), done.set()))
+            done.wait(5.0)
 
     @property
     def outcomes(self) -> dict[str, float]:
@@ -417,6 +435,8 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
             rec.profiling = False
             if profiler is not None:
                 profiler.stop()
+                if isinstance(loop, FrameworkLoop):
+                    loop.stop_profile()
         finally:
             end = timed.last_commit
             loop.close()
@@ -441,8 +461,9 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
             f.write(profiler.output_text(unicode=True, color=False, show_all=False))
             profiles = getattr(loop, "profiles", [])
             if profiles:
-                f.write("\n\nworker threads (cProfile of Processor.run_leased, all threads "
-                        "merged), by cumulative time:\n\n")
+                f.write("\n\nworker threads (cProfile of Processor.run_leased in thread CPU time, all threads "
+                        "merged; an async def handler's: its event loop thread), by "
+                        "cumulative time:\n\n")
                 stream = io.StringIO()
                 stats = pstats.Stats(profiles[0], stream=stream)
                 for extra in profiles[1:]:
