@@ -42,7 +42,14 @@ from kafka_idem.errors import (
 from kafka_idem.handler import AsyncContext, Done, Handler
 from kafka_idem.lease import Hold, LeaseKeeper
 from kafka_idem.settings import Settings
-from kafka_idem.store import AsyncConn, Claim, Outcome, classify_db_error, connect_async
+from kafka_idem.store import (
+    AsyncConn,
+    Claim,
+    Outcome,
+    classify_db_error,
+    connect_async,
+    translated,
+)
 
 T = TypeVar("T")
 
@@ -149,7 +156,7 @@ class AsyncLeasedPath:
         self, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
         hold: Hold | None,
     ) -> Result:
-        """BEGIN, the handler, the fenced completion, COMMIT, in the sync path's three
+        """BEGIN, the handler, the fenced completion, COMMIT, in the sync path's two
         round trips (:meth:`Steps._run_pipelined`); on the handler's error, the failure
         is recorded in its own transaction on a thread."""
         assert claim.token is not None
@@ -191,19 +198,23 @@ class AsyncLeasedPath:
         """The attempt's transaction on the autocommit ``conn``; rolled back on any
         error (a cancelled task's too), so ``conn`` goes back idle."""
         assert claim.token is not None
+        completing = False
         try:
             async with conn.pipeline() as pipe:
                 await conn.execute("BEGIN", prepare=False)
                 result, how = await self._call(handler, prep, ctx, claim)
                 await pipe.sync()  # the handler's statements answer here
+                completing = True
                 await self.store.complete_async(
-                    conn, key=prep.key, token=claim.token, result=result)
+                    conn, key=prep.key, token=claim.token, result=result, wait=False)
                 if hold is not None:
                     hold.release()  # before the commit (see LeaseKeeper.hold)
                 await conn.execute("COMMIT", prepare=False)  # with the pipeline's last sync
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(psycopg.Error):
                 await conn.rollback()
+            if completing and isinstance(exc, psycopg.Error):
+                raise translated(exc, key=prep.key) from exc
             raise
         return how
 

@@ -64,6 +64,7 @@ from kafka_idem.store import (
     Store,
     classify_db_error,
     describe,
+    translated,
 )
 from kafka_idem.tracing import Tracing
 
@@ -250,22 +251,29 @@ class Steps:
         self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
         ctx: Context, hold: Hold | None,
     ) -> str:
-        """Leased mode, in three round trips: ``BEGIN`` and the handler's statements
+        """Leased mode, in two round trips: ``BEGIN`` and the handler's statements
         (one sync after the handler, so its own errors are told apart from the
-        completion's), the fenced completion, and ``COMMIT`` on leaving the pipeline.
-        ``BEGIN`` and ``COMMIT`` are sent as statements on the autocommit connection, so
-        they share those syncs (psycopg's own transaction block syncs ``BEGIN`` alone,
-        and once more around it on each side). Any error rolls the attempt back."""
+        completion's), then the fenced completion and ``COMMIT`` together, on leaving
+        the pipeline. ``BEGIN`` and ``COMMIT`` are sent as statements on the autocommit
+        connection, so they share those syncs (psycopg's own transaction block syncs
+        ``BEGIN`` alone, and once more around it on each side). A stale completion
+        fails on the server (KI002), so the ``COMMIT`` after it cannot commit the
+        handler's writes: it leaves here as :class:`StaleOwner`. Any error rolls the
+        attempt back."""
         conn.autocommit = True
+        completing = False
         try:
             with conn.pipeline() as pipe:
                 conn.execute("BEGIN", prepare=False)
                 result, how = self._handler_step(handler, msg, prep, claim, ctx, pipe)
-                self._complete_step(conn, msg, prep, claim, result, hold)
+                completing = True  # errors from here on are the completion's or the commit's
+                self._complete_step(conn, msg, prep, claim, result, hold, wait=False)
                 conn.execute("COMMIT", prepare=False)  # sent with the pipeline's last sync
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(psycopg.Error):
                 conn.rollback()  # an aborted or open transaction (no-op when none is)
+            if completing and isinstance(exc, psycopg.Error):
+                raise translated(exc, key=prep.key) from exc
             raise
         finally:
             if not conn.closed:
@@ -285,11 +293,12 @@ class Steps:
 
     def _complete_step(
         self, conn: Conn, msg: Message, prep: Prepared, claim: Claim, result: Any,
-        hold: Hold | None,
+        hold: Hold | None, wait: bool = True,
     ) -> None:
         assert claim.token is not None
         with self.tracing.step(msg, "complete"):
-            self.store.complete(conn, key=prep.key, token=claim.token, result=result)
+            self.store.complete(conn, key=prep.key, token=claim.token, result=result,
+                                wait=wait)
         if hold is not None:
             hold.release()  # before the commit (see LeaseKeeper.hold)
 
