@@ -234,6 +234,7 @@ class FrameworkLoop:
         self.runner = Runner(app)
         self.timed: TimedConsumer | None = None
         self.profiles: list[cProfile.Profile] = []
+        self.loop_profile: cProfile.Profile | None = None  # an async def handler's loop
         # Processing runs on worker threads (leased partitions, local batches), which
         # pyinstrument does not see: with --profile, each worker thread gets a cProfile
         # of its Processor calls. Effects are recorded as the Processor returns (its
@@ -276,7 +277,7 @@ class FrameworkLoop:
                     loop_prof.append(cProfile.Profile(time.thread_time))
                     profiles.append(loop_prof[0])
                     loop_prof[0].enable()
-                    self.stop_profile = lambda: self._on_loop(loop_prof[0].disable)
+                    self.loop_profile = loop_prof[0]
                 res = await original_async(path, msg, *args)
                 if isinstance(res, Finished):
                     rec.effect([msg])
@@ -314,15 +315,19 @@ class FrameworkLoop:
                 "processor.run_local", run_local)
 
     def stop_profile(self) -> None:
-        """Stop the event loop thread's profile (set when one runs)."""
-
-    def _on_loop(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the member's event loop thread and wait for it."""
+        """Stop the event loop thread's profile, on that thread (when one runs)."""
         aio = self.runner.units.keyed._loop
-        if aio is not None:
-            done = threading.Event()
-            aio.loop.call_soon_threadsafe(lambda: (fn(), done.set()))
-            done.wait(5.0)
+        prof = self.loop_profile
+        if aio is None or prof is None:
+            return
+        done = threading.Event()
+
+        def stop() -> None:
+            prof.disable()
+            done.set()
+
+        aio.loop.call_soon_threadsafe(stop)
+        done.wait(5.0)
 
     @property
     def outcomes(self) -> dict[str, float]:
@@ -461,9 +466,9 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
             f.write(profiler.output_text(unicode=True, color=False, show_all=False))
             profiles = getattr(loop, "profiles", [])
             if profiles:
-                f.write("\n\nworker threads (cProfile of Processor.run_leased in thread CPU time, all threads "
-                        "merged; an async def handler's: its event loop thread), by "
-                        "cumulative time:\n\n")
+                f.write("\n\nworker threads (cProfile of Processor.run_leased in thread CPU "
+                        "time, all threads merged; an async def handler's: its event loop "
+                        "thread), by cumulative time:\n\n")
                 stream = io.StringIO()
                 stats = pstats.Stats(profiles[0], stream=stream)
                 for extra in profiles[1:]:
