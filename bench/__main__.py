@@ -578,8 +578,9 @@ def main(argv: list[str] | None = None) -> int:
                               f"{_f(lat.get('p99'), '{:.1f}')} ms; {m.latency.get('check')}")
             rows.append(m)
         if args.profile:
-            for path, key in (("batch", "main"), ("leased", "slow")):
-                if key not in topics:
+            for path, key in (("batch", "main"), ("leased", "slow"),
+                              ("gateway_c64", "gw"), ("gateway_async", "gw")):
+                if key not in topics or (key == "gw" and path not in wanted):
                     continue
                 target = HERE / f"profile-{path}.txt"
                 console.print(f"profiling {PATHS[path][0]} -> {target}")

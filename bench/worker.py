@@ -234,6 +234,7 @@ class FrameworkLoop:
         self.runner = Runner(app)
         self.timed: TimedConsumer | None = None
         self.profiles: list[cProfile.Profile] = []
+        self.loop_profile: cProfile.Profile | None = None  # an async def handler's loop
         # Processing runs on worker threads (leased partitions, local batches), which
         # pyinstrument does not see: with --profile, each worker thread gets a cProfile
         # of its Processor calls. Effects are recorded as the Processor returns (its
@@ -247,7 +248,7 @@ class FrameworkLoop:
                 if profiles is not None and rec.profiling:
                     prof = getattr(local, "prof", None)
                     if prof is None:
-                        prof = local.prof = cProfile.Profile()
+                        prof = local.prof = cProfile.Profile(time.thread_time)
                         profiles.append(prof)
                     prof.enable()
                 try:
@@ -268,8 +269,15 @@ class FrameworkLoop:
 
             Processor.run_leased = run_leased  # type: ignore[method-assign,assignment]
             original_async = AsyncLeasedPath.run
+            loop_prof: list[cProfile.Profile] = []  # the event loop thread's, once
 
             async def run_async(path: AsyncLeasedPath, msg: Any, *args: Any) -> Any:
+                if profiles is not None and rec.profiling and not loop_prof:
+                    # every coroutine shares the loop's thread: profile all of it
+                    loop_prof.append(cProfile.Profile(time.thread_time))
+                    profiles.append(loop_prof[0])
+                    loop_prof[0].enable()
+                    self.loop_profile = loop_prof[0]
                 res = await original_async(path, msg, *args)
                 if isinstance(res, Finished):
                     rec.effect([msg])
@@ -305,6 +313,21 @@ class FrameworkLoop:
 
             Processor.run_local = rec.timed(  # type: ignore[method-assign]
                 "processor.run_local", run_local)
+
+    def stop_profile(self) -> None:
+        """Stop the event loop thread's profile, on that thread (when one runs)."""
+        aio = self.runner.units.keyed._loop
+        prof = self.loop_profile
+        if aio is None or prof is None:
+            return
+        done = threading.Event()
+
+        def stop() -> None:
+            prof.disable()
+            done.set()
+
+        aio.loop.call_soon_threadsafe(stop)
+        done.wait(5.0)
 
     @property
     def outcomes(self) -> dict[str, float]:
@@ -417,6 +440,8 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
             rec.profiling = False
             if profiler is not None:
                 profiler.stop()
+                if isinstance(loop, FrameworkLoop):
+                    loop.stop_profile()
         finally:
             end = timed.last_commit
             loop.close()
@@ -441,8 +466,9 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
             f.write(profiler.output_text(unicode=True, color=False, show_all=False))
             profiles = getattr(loop, "profiles", [])
             if profiles:
-                f.write("\n\nworker threads (cProfile of Processor.run_leased, all threads "
-                        "merged), by cumulative time:\n\n")
+                f.write("\n\nworker threads (cProfile of Processor.run_leased in thread CPU "
+                        "time, all threads merged; an async def handler's: its event loop "
+                        "thread), by cumulative time:\n\n")
                 stream = io.StringIO()
                 stats = pstats.Stats(profiles[0], stream=stream)
                 for extra in profiles[1:]:

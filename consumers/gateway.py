@@ -63,9 +63,7 @@ import socket
 import struct
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 from decimal import Decimal, InvalidOperation
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -479,17 +477,20 @@ class Gateway:
 
 # --- the client the handler uses -----------------------------------------------------------
 
-# No proxies: the gateway is on 127.0.0.1, and an HTTP(S)_PROXY in the environment
-# must not turn a local call into a remote one.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
 class GatewayClient:
-    """Calls the gateway; maps "no answer" to :class:`UnknownOutcome`."""
+    """Calls the gateway; maps "no answer" to :class:`UnknownOutcome`.
+
+    HTTP/1.1 connections are kept open and reused, one per thread (a key-ordered
+    handler runs on many threads at once): a new connection per request would cost
+    a TCP handshake and its set-up CPU on every charge. A failure after the request
+    was written is an unknown outcome whether the connection was new or reused (the
+    reconciler asks the gateway by key). No proxies: ``http.client`` never reads
+    ``HTTP(S)_PROXY``, so a local call is never turned into a remote one."""
 
     def __init__(self, url: str | None = None, timeout: float | None = None) -> None:
         self._url = url
         self._timeout = timeout
+        self._local = threading.local()  # this thread's connection and what it is for
 
     @property
     def url(self) -> str:
@@ -500,6 +501,21 @@ class GatewayClient:
         if self._timeout is not None:
             return self._timeout
         return float(os.environ.get("GATEWAY_TIMEOUT_SECONDS", DEFAULT_TIMEOUT))
+
+    def _http(self) -> tuple[http.client.HTTPConnection, str]:
+        """This thread's connection to the gateway (opened when first used) and the
+        URL's path prefix."""
+        parts = urllib.parse.urlsplit(self.url)
+        target = (parts.scheme, parts.netloc, self.timeout)
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None or self._local.target != target:
+            if conn is not None:
+                conn.close()
+            cls = http.client.HTTPSConnection if parts.scheme == "https" else (
+                http.client.HTTPConnection)
+            conn = self._local.conn = cls(parts.netloc, timeout=self.timeout)
+            self._local.target = target
+        return conn, parts.path
 
     def _call(self, method: str, path: str, *, key: str | None = None,
               body: Any = None) -> tuple[int, Any]:
@@ -512,24 +528,35 @@ class GatewayClient:
             headers["Content-Type"] = "application/json"
         if key is not None:
             headers["Idempotency-Key"] = key
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        conn, prefix = self._http()
         try:
-            with _OPENER.open(req, timeout=self.timeout) as resp:
-                return int(resp.status), json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            try:
-                answer = json.loads(exc.read() or b"null")
-            except (ValueError, OSError):
-                answer = None
-            return int(exc.code), answer
-        except urllib.error.URLError as exc:
-            if isinstance(exc.reason, ConnectionRefusedError):
-                raise Retryable(f"gateway refused the connection: {exc.reason}") from exc
-            raise UnknownOutcome(f"no answer from the gateway: {exc.reason}") from exc
+            if conn.sock is None:
+                conn.connect()  # nothing sent yet: a refusal is surely not applied
+        except ConnectionRefusedError as exc:
+            conn.close()
+            raise Retryable(f"gateway refused the connection: {exc}") from exc
+        except (TimeoutError, OSError) as exc:
+            conn.close()
+            raise UnknownOutcome(f"no answer from the gateway: {type(exc).__name__}: {exc}"
+                                 ) from exc
+        try:
+            conn.request(method, prefix + path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
         except (TimeoutError, OSError, http.client.HTTPException) as exc:
             # Timeout, reset, or closed without a response: it may have been applied.
+            conn.close()
             raise UnknownOutcome(f"no answer from the gateway: {type(exc).__name__}: {exc}",
                                  ) from exc
+        if resp.will_close:
+            conn.close()  # the next request opens a new one
+        status = int(resp.status)
+        try:
+            return status, json.loads(raw or b"null")
+        except ValueError:
+            if status < 400:
+                raise
+            return status, None  # an error page that is not JSON
 
     def charge(self, key: str, request: dict[str, Any]) -> dict[str, Any]:
         status, answer = self._call("POST", "/charges", key=key, body=request)

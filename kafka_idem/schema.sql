@@ -2,7 +2,7 @@
 -- It must equal applying every file of migrations/ in order; a test compares both.
 -- Placeholders are filled with quoted identifiers by kafka_idem.migrate:
 -- {schema}, {table}, {audit}, {guard}, {audit_guard}, {status_idx}, {retry_idx},
--- {pkey}, {audit_key_idx}.
+-- {pkey}, {audit_key_idx}, {fence}.
 
 CREATE TABLE {table} (
     idempotency_key   text        NOT NULL,
@@ -180,3 +180,16 @@ $fn$;
 CREATE TRIGGER audit_append_only
     BEFORE UPDATE OR DELETE ON {audit}
     FOR EACH ROW EXECUTE FUNCTION {audit_guard}();
+
+-- The fenced completion's check (migration 0007): raises KI002 (stale owner) when
+-- the completion updated no row, so a completion sent together with its COMMIT
+-- aborts the transaction instead of letting the handler's writes commit.
+CREATE FUNCTION {fence}(completed bigint, key text) RETURNS bigint LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF coalesce(completed, 0) = 0 THEN
+        RAISE EXCEPTION USING ERRCODE = 'KI002',
+            MESSAGE = format('kafka_idem: stale owner cannot complete %s', key);
+    END IF;
+    RETURN completed;
+END
+$fn$;

@@ -42,7 +42,14 @@ from kafka_idem.errors import (
 from kafka_idem.handler import AsyncContext, Done, Handler
 from kafka_idem.lease import Hold, LeaseKeeper
 from kafka_idem.settings import Settings
-from kafka_idem.store import AsyncConn, Claim, Outcome, classify_db_error, connect_async
+from kafka_idem.store import (
+    AsyncConn,
+    Claim,
+    Outcome,
+    classify_db_error,
+    connect_async,
+    translated,
+)
 
 T = TypeVar("T")
 
@@ -67,7 +74,10 @@ class EventLoop:
 
 
 class AsyncConnections:
-    """Idle async connections, reused; one in use per handler running."""
+    """Idle async connections, reused; one in use per handler running. In autocommit:
+    :class:`AsyncLeasedPath` sends ``BEGIN`` and ``COMMIT`` itself, pipelined with the
+    statements (see :meth:`Steps._run_pipelined
+    <kafka_idem.consume.steps.Steps._run_pipelined>`)."""
 
     def __init__(self, settings: Settings, *, application_name: str) -> None:
         self.settings = settings
@@ -79,10 +89,12 @@ class AsyncConnections:
             conn = self._idle.pop()
             if not conn.closed and not conn.broken:
                 return conn
-        return await connect_async(
+        conn = await connect_async(
             self.settings.dsn, application_name=self.application_name,
             idle_in_transaction_timeout=self.settings.idle_in_transaction_timeout_seconds,
         )
+        await conn.set_autocommit(True)
+        return conn
 
     async def give_back(self, conn: AsyncConn) -> None:
         if conn.closed or conn.broken or conn.info.transaction_status != TransactionStatus.IDLE:
@@ -144,11 +156,10 @@ class AsyncLeasedPath:
         self, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
         hold: Hold | None,
     ) -> Result:
-        """BEGIN, the handler, the fenced completion, COMMIT, pipelined as in the sync
-        path (:meth:`Steps.execute`); on the handler's error, the failure is recorded
-        in its own transaction on a thread."""
+        """BEGIN, the handler, the fenced completion, COMMIT, in the sync path's two
+        round trips (:meth:`Steps._run_pipelined`); on the handler's error, the failure
+        is recorded in its own transaction on a thread."""
         assert claim.token is not None
-        token = claim.token
         conn = await self.conns.take()
         try:
             ctx = context(conn, handler, msg, prep, claim, cls=AsyncContext)
@@ -157,13 +168,7 @@ class AsyncLeasedPath:
                 ctx._lease_lost = hold.lost
             with self.steps.handler_time(handler):
                 try:
-                    async with conn.pipeline() as pipe, conn.transaction():
-                        result, how = await self._call(handler, prep, ctx, claim)
-                        await pipe.sync()  # the handler's statements answer here
-                        await self.store.complete_async(
-                            conn, key=prep.key, token=token, result=result)
-                        if hold is not None:
-                            hold.release()  # before the commit (see LeaseKeeper.hold)
+                    how = await self._transaction(conn, handler, prep, ctx, claim, hold)
                 except (FrameworkError, StaleOwner):
                     raise
                 except Exception as exc:
@@ -185,6 +190,33 @@ class AsyncLeasedPath:
             lambda p: p.steps.record_failure_alone(handler, msg, prep, claim, failure))
         verdict.note.write(log)
         return verdict.result
+
+    async def _transaction(
+        self, conn: AsyncConn, handler: Handler[Any], prep: Prepared, ctx: AsyncContext,
+        claim: Claim, hold: Hold | None,
+    ) -> str:
+        """The attempt's transaction on the autocommit ``conn``; rolled back on any
+        error (a cancelled task's too), so ``conn`` goes back idle."""
+        assert claim.token is not None
+        completing = False
+        try:
+            async with conn.pipeline() as pipe:
+                await conn.execute("BEGIN", prepare=False)
+                result, how = await self._call(handler, prep, ctx, claim)
+                await pipe.sync()  # the handler's statements answer here
+                completing = True
+                await self.store.complete_async(
+                    conn, key=prep.key, token=claim.token, result=result, wait=False)
+                if hold is not None:
+                    hold.release()  # before the commit (see LeaseKeeper.hold)
+                await conn.execute("COMMIT", prepare=False)  # with the pipeline's last sync
+        except BaseException as exc:
+            with contextlib.suppress(psycopg.Error):
+                await conn.rollback()
+            if completing and isinstance(exc, psycopg.Error):
+                raise translated(exc, key=prep.key) from exc
+            raise
+        return how
 
     async def _call(
         self, handler: Handler[Any], prep: Prepared, ctx: AsyncContext, claim: Claim

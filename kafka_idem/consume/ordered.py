@@ -123,6 +123,7 @@ class KeyedUnits:
         self.leases = leases
         self.stopping = stopping
         self.in_flight: list[Job] = []
+        self.finished = threading.Event()  # set as any job (or the member's unit) ends
         self.running: Counter[str] = Counter()  # jobs in flight by topic (handler)
         self._turn = 0
         self._abandoned = 0
@@ -202,7 +203,12 @@ class KeyedUnits:
         else:
             future = self._threads.submit(lambda: self._run_sync(msg, job, token, cancel))
         self.running[tp[0]] += 1
+        self.notify_when_done(future)
         self.in_flight.append(Job(future, tp, st, entry.offset, cancel))
+
+    def notify_when_done(self, future: Future[Any]) -> None:
+        """Set :attr:`finished` when ``future`` ends (at once if it has)."""
+        future.add_done_callback(lambda _f: self.finished.set())
 
     def _run_sync(
         self, msg: Message, prep: Prepared, token: uuid.UUID | None, cancel: threading.Event

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import psycopg
+
 from kafka_idem.app import App, Context, Done, Handler
 from kafka_idem.consume.database import Database
 from kafka_idem.consume.held import ConfigHold
@@ -62,6 +64,7 @@ from kafka_idem.store import (
     Store,
     classify_db_error,
     describe,
+    translated,
 )
 from kafka_idem.tracing import Tracing
 
@@ -214,29 +217,16 @@ class Steps:
         hold: Hold | None = None, pipelined: bool = False,
     ) -> Result:
         """Run the handler and the fenced completion in one transaction (a savepoint
-        in local mode); on an error, record the failure. ``pipelined`` (leased mode)
-        sends BEGIN, the handler's statements and the completion together: one sync
-        after the handler, so its own errors are still told apart from the completion's."""
+        in local mode); on an error, record the failure. ``pipelined`` (leased mode):
+        see :meth:`_run_pipelined`."""
         assert claim.token is not None
         ctx = context(conn, handler, msg, prep, claim)
         if hold is not None:
             ctx._lease_lost = hold.lost
+        run = self._run_pipelined if pipelined else self._run_in_transaction
         with self.handler_time(handler):
             try:
-                with contextlib.ExitStack() as stack:
-                    pipe = stack.enter_context(conn.pipeline()) if pipelined else None
-                    stack.enter_context(conn.transaction())  # rolled back alone on failure
-                    self.tracing.note(msg, handler=handler.name, key=prep.key,
-                                      attempts=claim.attempts)
-                    with self.tracing.step(msg, "handler"):
-                        result, how = self._call(handler, prep, ctx, claim)
-                        if pipe is not None:
-                            pipe.sync()  # the handler's statements answer here
-                    with self.tracing.step(msg, "complete"):
-                        self.store.complete(conn, key=prep.key, token=claim.token,
-                                            result=result)
-                    if hold is not None:
-                        hold.release()  # before the commit (see LeaseKeeper.hold)
+                how = run(conn, handler, msg, prep, claim, ctx, hold)
             except (FrameworkError, StaleOwner):
                 raise
             except Exception as exc:
@@ -245,6 +235,72 @@ class Steps:
                 return self._failed(conn, handler, msg, prep, claim, exc)
         log.debug(how, extra={"action": how, "key": prep.key, "attempts": claim.attempts})
         return Finished(Ended.SUCCEEDED, key=prep.key)
+
+    def _run_in_transaction(
+        self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
+        ctx: Context, hold: Hold | None,
+    ) -> str:
+        """The handler and the completion in a transaction of their own (a savepoint of
+        the caller's, local mode), rolled back alone on failure."""
+        with conn.transaction():
+            result, how = self._handler_step(handler, msg, prep, claim, ctx, None)
+            self._complete_step(conn, msg, prep, claim, result, hold)
+        return how
+
+    def _run_pipelined(
+        self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
+        ctx: Context, hold: Hold | None,
+    ) -> str:
+        """Leased mode, in two round trips: ``BEGIN`` and the handler's statements
+        (one sync after the handler, so its own errors are told apart from the
+        completion's), then the fenced completion and ``COMMIT`` together, on leaving
+        the pipeline. ``BEGIN`` and ``COMMIT`` are sent as statements on the autocommit
+        connection, so they share those syncs (psycopg's own transaction block syncs
+        ``BEGIN`` alone, and once more around it on each side). A stale completion
+        fails on the server (KI002), so the ``COMMIT`` after it cannot commit the
+        handler's writes: it leaves here as :class:`StaleOwner`. Any error rolls the
+        attempt back."""
+        conn.autocommit = True
+        completing = False
+        try:
+            with conn.pipeline() as pipe:
+                conn.execute("BEGIN", prepare=False)
+                result, how = self._handler_step(handler, msg, prep, claim, ctx, pipe)
+                completing = True  # errors from here on are the completion's or the commit's
+                self._complete_step(conn, msg, prep, claim, result, hold, wait=False)
+                conn.execute("COMMIT", prepare=False)  # sent with the pipeline's last sync
+        except BaseException as exc:
+            with contextlib.suppress(psycopg.Error):
+                conn.rollback()  # an aborted or open transaction (no-op when none is)
+            if completing and isinstance(exc, psycopg.Error):
+                raise translated(exc, key=prep.key) from exc
+            raise
+        finally:
+            if not conn.closed:
+                conn.autocommit = False
+        return how
+
+    def _handler_step(
+        self, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim, ctx: Context,
+        pipe: psycopg.Pipeline | None,
+    ) -> tuple[Any, str]:
+        self.tracing.note(msg, handler=handler.name, key=prep.key, attempts=claim.attempts)
+        with self.tracing.step(msg, "handler"):
+            result, how = self._call(handler, prep, ctx, claim)
+            if pipe is not None:
+                pipe.sync()  # the handler's statements answer here
+        return result, how
+
+    def _complete_step(
+        self, conn: Conn, msg: Message, prep: Prepared, claim: Claim, result: Any,
+        hold: Hold | None, wait: bool = True,
+    ) -> None:
+        assert claim.token is not None
+        with self.tracing.step(msg, "complete"):
+            self.store.complete(conn, key=prep.key, token=claim.token, result=result,
+                                wait=wait)
+        if hold is not None:
+            hold.release()  # before the commit (see LeaseKeeper.hold)
 
     def _failed(
         self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,

@@ -19,7 +19,7 @@ thread touches the partition states. Key-ordered handlers (``concurrency > 1``,
 from __future__ import annotations
 
 import threading
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,14 +149,20 @@ class Units:
     def _start(self, unit: Unit) -> None:
         for st in unit.states.values():
             st.enter_unit()
+        self.keyed.notify_when_done(unit.future)
         self.in_flight.append(unit)
 
     # --- results -------------------------------------------------------------------
 
     def wait_any(self, timeout: float) -> None:
-        """Block until a unit finishes or ``timeout`` passes."""
-        futures: list[Future[Any]] = [u.future for u in self.in_flight]
-        wait(futures + self.keyed.futures(), timeout=timeout, return_when=FIRST_COMPLETED)
+        """Block until a unit or a key-ordered job finishes (since the last call) or
+        ``timeout`` passes. Each sets one event as it finishes, so a round costs one
+        wait however many are in flight (``concurrent.futures.wait`` would install and
+        remove a waiter on every one of them, each round). Cleared before the caller
+        harvests: one finishing meanwhile sets it again, and the next call returns at
+        once."""
+        self.keyed.finished.wait(timeout)
+        self.keyed.finished.clear()
 
     def cancel(self, leaving: set[TP] | None) -> None:
         """Stop leased units between two messages when their partitions are leaving

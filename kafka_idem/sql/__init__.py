@@ -32,6 +32,7 @@ def identifiers(schema: str, table: str) -> dict[str, sql.Composable]:
         "table": sql.Identifier(schema, table),
         "audit": sql.Identifier(schema, "admin_audit"),
         "guard": sql.Identifier(schema, f"{table}_guard"),
+        "fence": sql.Identifier(schema, f"{table}_fence"),
         "audit_guard": sql.Identifier(schema, "admin_audit_guard"),
         "status_idx": sql.Identifier(f"{table}_status_idx"),
         "retry_idx": sql.Identifier(f"{table}_retry_idx"),

@@ -49,7 +49,10 @@ RETURNING attempts;
 -- name: complete
 -- Fenced completion: only the current owner's token turns the record into succeeded.
 -- The error fields describe the current failure: a success clears them (the history
--- stays in the audit trail and on the DLQ); the failure times stay.
+-- stays in the audit trail and on the DLQ); the failure times stay. A stale token
+-- updates no row, and {fence} (migration 0007) then raises KI002: the statement
+-- fails, so it can be sent with its COMMIT without waiting for its answer.
+WITH done AS (
 UPDATE {table}
 SET status = 'succeeded',
     result_json = %(result)s,
@@ -64,7 +67,9 @@ SET status = 'succeeded',
     updated_at = clock_timestamp()
 WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s
   AND status = 'processing'
-RETURNING attempts;
+RETURNING attempts
+)
+SELECT {fence}((SELECT count(*) FROM done), %(key)s);
 
 -- name: fail
 -- Fenced failure: retryable_failed (with the next due time) or failed.

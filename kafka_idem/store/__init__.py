@@ -22,6 +22,7 @@ from kafka_idem.store.errors import (
     rejected,
     storable,
     translate_errors,
+    translated,
 )
 from kafka_idem.store.protocol import Store, connect, connect_async
 from kafka_idem.store.types import AsyncConn, Claim, Conn, Delivery, Failure, Outcome
@@ -49,4 +50,5 @@ __all__ = [
     "rejected",
     "storable",
     "translate_errors",
+    "translated",
 ]

@@ -134,8 +134,13 @@ def translate_errors(**context: Any) -> Iterator[None]:
     try:
         yield
     except (psycopg.Error, UnicodeEncodeError) as exc:
-        cls = classify_db_error(exc) or StoreError
-        if cls is DataRejected:
-            raise rejected(exc, **context) from exc
-        summary = (cls.__doc__ or "").strip().splitlines()[0]
-        raise cls(redact(f"{summary}: {exc}"), **context) from exc
+        raise translated(exc, **context) from exc
+
+
+def translated(exc: psycopg.Error | UnicodeEncodeError, **context: Any) -> KafkaIdemError:
+    """``exc`` as the kafka_idem error it means (raise it ``from exc``)."""
+    cls = classify_db_error(exc) or StoreError
+    if cls is DataRejected:
+        return rejected(exc, **context)
+    summary = (cls.__doc__ or "").strip().splitlines()[0]
+    return cls(redact(f"{summary}: {exc}"), **context)

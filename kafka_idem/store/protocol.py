@@ -250,25 +250,28 @@ class Store(AdminQueries):
 
     # --- complete / fail / heartbeat -----------------------------------------
 
-    def complete(self, conn: Conn, *, key: str, token: uuid.UUID, result: Any) -> None:
-        """Mark succeeded if ``token`` still owns ``key``; else raise :class:`StaleOwner`."""
+    def complete(
+        self, conn: Conn, *, key: str, token: uuid.UUID, result: Any, wait: bool = True
+    ) -> None:
+        """Mark succeeded if ``token`` still owns ``key``; else raise :class:`StaleOwner`
+        (the statement fails with KI002 on the server). ``wait=False``, in pipeline
+        mode: the statement is only queued, to be sent with the ``COMMIT``; a stale
+        token then aborts the transaction, and its error (KI002) comes at the next
+        sync, for the caller to translate (:func:`~kafka_idem.store.translated`)."""
         with translate_errors(key=key):
-            row = conn.execute(
-                self.q["complete"], self._complete_params(key, token, result)
-            ).fetchone()  # a row, not rowcount: rowcount is unknown in pipeline mode
-        if row is None:
-            raise StaleOwner(key=key)
+            cur = conn.execute(self.q["complete"], self._complete_params(key, token, result))
+            if wait:
+                cur.fetchone()
 
     async def complete_async(
-        self, conn: AsyncConn, *, key: str, token: uuid.UUID, result: Any
+        self, conn: AsyncConn, *, key: str, token: uuid.UUID, result: Any, wait: bool = True
     ) -> None:
         """:meth:`complete` on an async connection (an ``async def`` handler's
         transaction): the same statement, the same fencing."""
         with translate_errors(key=key):
             cur = await conn.execute(self.q["complete"], self._complete_params(key, token, result))
-            row = await cur.fetchone()
-        if row is None:
-            raise StaleOwner(key=key)
+            if wait:
+                await cur.fetchone()
 
     def _complete_params(self, key: str, token: uuid.UUID, result: Any) -> dict[str, Any]:
         return {"ns": self.ns, "key": key, "token": token, "result": Jsonb(result)}

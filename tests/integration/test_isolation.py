@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -163,3 +164,46 @@ def test_an_exception_whose_text_cannot_be_stored_or_made_is_still_dead_lettered
              for m in dlq_records(topic)}
     assert kinds == {"1": "permanent", "2": "exhausted", "3": "exhausted"}
     assert committed(group, topic) == {0: 5}
+
+
+def test_a_leased_completion_sent_with_its_commit_commits_nothing_once_taken_over(
+    db: DB, topics: Topics, group: str
+) -> None:
+    """The leased path sends the fenced completion and COMMIT in one round trip: when
+    the key was taken over while the handler ran, the completion fails on the server
+    (KI002), so the handler's write never commits, and the message is retried (busy,
+    then taken back over), never dead-lettered."""
+    topic = topics(partitions=1)
+    produce(topic, [(b"o1", encode_charge("t1", "o1", "7.00"))])
+    tokens: list[uuid.UUID] = []
+
+    def taken_over_while_running(msg: payments.ChargeRequested, ctx: Any) -> Any:
+        if ctx.attempt == 1:  # someone else takes the key over under our feet
+            other = connect(db.dsn)
+            assert store.expire_leases(other, key=ctx.idempotency_key) == [ctx.idempotency_key]
+            other.commit()
+            with other.transaction():
+                theirs = store.claim(other, key=ctx.idempotency_key,
+                                     request_hash=ctx.request_hash,
+                                     delivery=Delivery(topic, 0, 0, "charge"),
+                                     lease_seconds=1.0, max_attempts=5,
+                                     max_elapsed_seconds=3600)
+            assert theirs.took_over and theirs.token is not None
+            tokens.append(theirs.token)
+            other.close()
+        return payments.charge(msg, ctx)  # the ledger row of every attempt
+
+    app = charge_app(db, topic, group, taken_over_while_running, mode="leased",
+                     busy_retry_seconds=0.2)
+    store = Store(schema=app.settings.schema_name, table=app.settings.table,
+                  namespace=app.namespace)
+    with InProcess(app):
+        wait_for(lambda: caught_up(group, topic), timeout=60,
+                 what="the message to be done after the takeover")
+    rec = db.record("t1:charge:o1")
+    assert rec is not None and rec["status"] == "succeeded"
+    assert rec["attempts"] == 3  # ours, the takeover's, ours again after its lease ended
+    assert rec["completed_token"] not in tokens
+    assert db.ledger_counts() == {"t1:charge:o1": 1}  # the stale attempt's row rolled back
+    assert db.balances() == {("t1", "EUR"): Decimal("7.00")}
+    assert dlq_records(topic) == []
