@@ -8,6 +8,7 @@ checker must report exactly the anomalies that damage means.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -147,6 +148,15 @@ def altered_dlq_value(run: Run) -> str:
     return "value bytes differ"
 
 
+def slim_letter_of_another_value(run: Run) -> str:
+    """A letter sent without its value (dlq.DeadLetter.slim) naming other bytes."""
+    first = dlq_records(run)[0]
+    reproduce(run, first, value=b"", set_headers={
+        "idem.truncated": "value", "idem.original.value_bytes": str(len(first.value() or b"")),
+        "idem.original.value_sha256": hashlib.sha256(b"something else").hexdigest()})
+    return "value bytes differ"
+
+
 def contradictory_dead_letter(run: Run) -> str:
     """A dead-letter record, complete and faithful, for a key that succeeded."""
     letter = next(m for m in dlq_records(run)
@@ -213,6 +223,7 @@ Damage = Callable[[Run], str]
     (balance_mismatch, {2}),
     (missing_dlq_header, {4}),
     (altered_dlq_value, {4}),
+    (slim_letter_of_another_value, {4}),
     (contradictory_dead_letter, {3}),
     (dropped_intent, {1, 7}),
     (unprocessed_intent, {1, 9}),
@@ -228,6 +239,18 @@ def test_damage_is_reported(run: Run, damage: Damage, expected: set[int]) -> Non
     assert report.failing() == expected, report.to_json()
     examples = [e for n in expected for e in report.by_number(n).examples]
     assert any(example in e for e in examples), (example, examples)
+
+
+def test_a_letter_sent_without_its_value_that_names_it_is_faithful(run: Run) -> None:
+    """A DLQ topic that refuses large records for a while (the dlq_outage fault) can make
+    a letter go out slim: without the value, which its length and SHA-256 identify."""
+    first = dlq_records(run)[0]
+    value = first.value() or b""
+    reproduce(run, first, value=b"", set_headers={
+        "idem.truncated": "value", "idem.original.value_bytes": str(len(value)),
+        "idem.original.value_sha256": hashlib.sha256(value).hexdigest()})
+    report = run.check()
+    assert report.ok, report.to_json()
 
 
 def test_liveness_bound_is_reported(run: Run) -> None:
