@@ -30,7 +30,8 @@ The nine checks (a count of anomalies each, with a few examples):
 4. **DLQ record integrity**: a record without one of
    :data:`kafka_idem.dlq.REQUIRED_HEADERS`, an unknown error kind, an
    ``idem.original.*`` that names no source message, key or value bytes that
-   differ from that source message, an ``idem.key`` that is not its key.
+   differ from that source message (a letter sent slim must name the value by
+   its length and SHA-256), an ``idem.key`` that is not its key.
 5. **stale-owner commits**: the store keeps only the current owner token and
    the token that completed (``completed_token``), not the history of claims,
    so "completed by its last claim's token" is checked through what it leaves:
