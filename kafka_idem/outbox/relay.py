@@ -134,7 +134,7 @@ class Relay:
                 err = msg.error() if msg is not None else None
                 if err is not None:
                     self._kafka_error(err)
-                self._restart_fenced()
+                self._tend()
                 self._sample()
                 if self.live and self.health is not None:
                     self.health.round()
@@ -244,18 +244,24 @@ class Relay:
         for worker in stopping:
             worker.join()
 
-    def _restart_fenced(self) -> None:
-        """A shard this relay was fenced out of stays stopped; if the group still gives
-        it to this relay after two session timeouts, it takes it over again."""
+    def _tend(self) -> None:
+        """Restart a shard's worker that died (an unexpected error: it settles the shard
+        again through the marker); one fenced out stays stopped, and if the group still
+        gives the shard to this relay two session timeouts later, takes it over again."""
         now = time.monotonic()
         for shard, worker in list(self.workers.items()):
-            if worker.fenced and not worker.is_alive():
+            if worker.is_alive() or shard not in self.assigned:
+                continue
+            if worker.fenced:
                 since = self._fenced_at.setdefault(shard, now)
-                wait = 2 * self.settings.session_timeout_ms / 1000
-                if shard in self.assigned and now - since > wait:
-                    del self._fenced_at[shard]
-                    del self.workers[shard]
-                    self._start(shard)
+                if now - since <= 2 * self.settings.session_timeout_ms / 1000:
+                    continue
+                del self._fenced_at[shard]
+            else:
+                log.error("outbox shard %d: its publisher stopped unexpectedly; restarting it",
+                          shard, extra={"action": "outbox_restart", "shard": shard})
+            del self.workers[shard]
+            self._start(shard)
         self.metrics.outbox_shards.set(sum(1 for w in self.workers.values() if not w.fenced))
 
     def _sample(self) -> None:

@@ -107,13 +107,12 @@ class ShardWorker(threading.Thread):
     def run(self) -> None:
         try:
             while not self.stopping.is_set():
-                if not self._step():
-                    continue
+                self._step()
         finally:
             self._close()
 
-    def _step(self) -> bool:
-        """One round (taking over first if needed); ``False`` after a failure."""
+    def _step(self) -> None:
+        """One round (taking over first if needed), or a failure and its backoff."""
         try:
             self.wake.clear()
             if self._producer is None:
@@ -127,15 +126,14 @@ class ShardWorker(threading.Thread):
             self._drop_producer()
             self.fenced = True
             self.stopping.set()
-            return False
+            return
         except Exception as exc:  # retried: every failure leaves the rows in the outbox
             self._failed(exc)
-            return False
+            return
         self.episode.ended()
         self._attempt = 0
         if published < self.settings.outbox_batch:
             self.wake.wait(self.settings.outbox_poll_seconds)
-        return True
 
     def _failed(self, exc: Exception) -> None:
         if isinstance(exc, Aborted):

@@ -20,15 +20,18 @@ from tests.integration.support import charge_app
 SHARDS = 2
 
 
+def event_of(msg: payments.ChargeRequested, ctx: Context) -> dict[str, Any]:
+    return {"order_id": msg.order_id, "amount": str(msg.amount), "attempt": ctx.attempt}
+
+
 def emitting(events: str, fn: Callable[[payments.ChargeRequested, Context], Any]
              = payments.charge) -> Callable[[payments.ChargeRequested, Context], Any]:
-    """``fn``, then one event on ``events`` (key: the order id) with its result."""
+    """One event on ``events`` (key: the order id), then ``fn``: the event is emitted
+    before anything can fail, so a failure must take it back."""
 
     def handler(msg: payments.ChargeRequested, ctx: Context) -> Any:
-        result = fn(msg, ctx)
-        ctx.emit(events, {"order_id": msg.order_id, "amount": str(msg.amount)},
-                 key=msg.order_id, headers={"x-test": "yes"})
-        return result
+        ctx.emit(events, event_of(msg, ctx), key=msg.order_id, headers={"x-test": "yes"})
+        return fn(msg, ctx)
 
     return handler
 
