@@ -221,10 +221,13 @@ class Relay:
             self._start(shard)
         self.metrics.outbox_shards.set(len(self.workers))
         if shards:
-            log.info("outbox shards assigned: %s", shards, extra={"action": "outbox_assigned"})
+            log.info("outbox shards assigned to %s: %s", self.owner, shards,
+                     extra={"action": "outbox_assigned"})
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         shards = sorted(p.partition for p in partitions)
+        log.info("outbox shards revoked from %s: %s", self.owner, shards,
+                 extra={"action": "outbox_revoked"})
         self._stop_workers(shards)  # each finishes its round first
         self.assigned -= set(shards)
         self.metrics.outbox_shards.set(len(self.workers))

@@ -118,10 +118,13 @@ class ShardWorker(threading.Thread):
             if self._producer is None:
                 self._take_over()
             self._delete_pending()
+            if self.stopping.is_set():  # revoked meanwhile: the next owner goes on
+                return
             published = self._round()
         except Fenced as exc:
             self.relay.metrics.outbox_relay_errors.labels("fenced").inc()
-            log.warning("outbox shard %d: %s; this relay stops publishing it", self.shard, exc,
+            log.warning("outbox shard %d: %s; this relay (%s) stops publishing it", self.shard,
+                        exc, self.relay.owner,
                         extra={"action": "outbox_fenced", "shard": self.shard})
             self._drop_producer()
             self.fenced = True
@@ -156,15 +159,18 @@ class ShardWorker(threading.Thread):
         producer = Producer(conf)
         try:
             producer.init_transactions(TIMEOUT)
+            self._pending = marker.last_marker(self._marker_reader(), self.relay.control_topic,
+                                               self.shard, outbox=self.outbox(),
+                                               timeout=TIMEOUT)
         except KafkaException as exc:
             _discard(producer)
             raise _translate(exc) from exc
-        reader = self._marker_reader()
-        self._pending = marker.last_marker(reader, self.relay.control_topic, self.shard,
-                                           outbox=self.outbox(), timeout=TIMEOUT)
+        except BaseException:
+            _discard(producer)
+            raise
         self._producer = producer
-        log.info("outbox shard %d taken over (%d rows of the last round to settle)",
-                 self.shard, len(self._pending),
+        log.info("outbox shard %d taken over by %s (%d rows of the last round to settle)",
+                 self.shard, self.relay.owner, len(self._pending),
                  extra={"action": "outbox_shard", "shard": self.shard})
 
     def _marker_reader(self) -> Consumer:
