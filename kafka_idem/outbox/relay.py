@@ -83,6 +83,7 @@ class Relay:
         self._lock = threading.Lock()
         self._listen = Episode(self, "outbox relay notifications")
         self._sampled_at = 0.0
+        self._missing_said = False
 
     # --- what the workers report ------------------------------------------------------
 
@@ -202,6 +203,9 @@ class Relay:
 
     def _kafka_error(self, err: KafkaError) -> None:
         if err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+            if self._missing_said:
+                return
+            self._missing_said = True  # said once: the group joins when the topic exists
             log.warning("outbox control topic %s does not exist: create it with `kafka-idem "
                         "topics create MODULE:APP` (%d partitions, one per shard)",
                         self.control_topic, self.settings.outbox_shards,
