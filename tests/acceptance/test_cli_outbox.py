@@ -15,7 +15,6 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from consumers.payments import encode_charge
 from tests.acceptance.test_cli_admin import kafka_idem
 from tests.conftest import (
-    BOOTSTRAP,
     DB,
     ROOT,
     Members,

@@ -103,7 +103,7 @@ def charge_app(
         return fn(msg, ctx)
 
     if inspect.iscoroutinefunction(fn):  # an async def handler stays one
-        async def charge(msg: payments.ChargeRequested, ctx: Context) -> Any:  # type: ignore[misc]  # noqa: F811
+        async def charge(msg: payments.ChargeRequested, ctx: Context) -> Any:  # type: ignore[misc]
             return await fn(msg, ctx)
 
     app.handler(

@@ -6,9 +6,7 @@ Every case: each row exactly once for read_committed readers, none skipped."""
 from __future__ import annotations
 
 import threading
-
 from collections.abc import Sequence
-from typing import Any
 
 import psycopg
 from confluent_kafka import Producer
