@@ -75,9 +75,9 @@ class Emitter:
         headers: Mapping[str, str | bytes] | None,
     ) -> Event:
         """The event ``ctx``'s handler emits (encoded now: a value its codec refuses
-        fails the handler, like any of its errors)."""
+        fails the handler, like any of its errors; ``None`` is a tombstone)."""
         codec = self.codec(topic)
-        data = value if isinstance(value, bytes) else codec.encode(value)
+        data = value if value is None or isinstance(value, bytes) else codec.encode(value)
         raw_key = key.encode() if isinstance(key, str) else key
         pairs: list[tuple[str, bytes]] = []
         for name, v in (headers or {}).items():

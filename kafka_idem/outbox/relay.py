@@ -164,6 +164,9 @@ class Relay:
         # gets it; round-robin spreads the shards evenly.
         conf["partition.assignment.strategy"] = "roundrobin"
         conf["auto.offset.reset"] = "latest"
+        # A control topic created after the start is noticed within seconds, not at
+        # librdkafka's five-minute metadata refresh.
+        conf.setdefault("topic.metadata.refresh.interval.ms", 10_000)
         return conf
 
     def _check_control_topic(self, consumer: Consumer) -> None:

@@ -231,3 +231,12 @@ def test_shards_handed_over_between_two_relays_keep_every_row_once_and_in_key_or
     assert sorted(v["seq"] for vs in got.values() for v in vs) == written
 
 
+
+
+def test_bytes_pass_through_and_none_is_a_tombstone(db: DB, topics: Topics, group: str) -> None:
+    app, events = outbox_app(db, topics, group)
+    with psycopg.connect(db.dsn) as conn:
+        write_events(conn, app, events, [("k1", b"\x00raw"), ("k1", None)])
+    with RelayThread(app):
+        got = wait_published(db, events, 2)
+    assert [(m.key(), m.value()) for m in got] == [(b"k1", b"\x00raw"), (b"k1", None)]
