@@ -8,7 +8,8 @@ while the loop was stuck. So the loop reports to :class:`Health` itself:
   default 300 s, librdkafka's default ``max.poll.interval.ms``: a loop stuck longer
   has left the group anyway). A restart is the cure for a loop that is not live.
 * **ready** (``/readyz``): live, not stopping, the member joined its group (it got
-  its first assignment, possibly empty: a spare member is ready), and every assigned
+  its first assignment, possibly empty: a spare member is ready), its outbox relay
+  (if it runs one) not in a trouble episode (the reason is said), and every assigned
   partition is caught up within ``readiness_max_lag`` messages
   (``KAFKA_IDEM_READINESS_MAX_LAG``, default 1000; measured as for the lag gauge:
   the high watermark minus the first unfinished offset, which for a partition not
@@ -57,6 +58,7 @@ class Health:
         self._assigned: set[TP] | None = None  # None: not joined yet
         self._lag: dict[TP, int | None] = {}
         self._stopping = False
+        self._outbox: str | None = None  # the outbox relay's current trouble
 
     # --- what the loop reports ---------------------------------------------------------
 
@@ -80,6 +82,11 @@ class Health:
         """Each assigned partition's lag (``None``: not known yet)."""
         with self._lock:
             self._lag.update(lags)
+
+    def outbox(self, problem: str | None) -> None:
+        """The outbox relay's current trouble (``None``: none): /readyz says it."""
+        with self._lock:
+            self._outbox = problem
 
     def stopping(self) -> None:
         # No lock: called from a signal handler, which runs on the loop's thread and
@@ -108,6 +115,7 @@ class Health:
             assigned = None if self._assigned is None else sorted(self._assigned)
             lags = {tp: self._lag.get(tp) for tp in assigned or ()}
             stopping = self._stopping
+            outbox = self._outbox
         known = [n for n in lags.values() if n is not None]
         body: dict[str, Any] = {
             "assigned": None if assigned is None else len(assigned),
@@ -122,6 +130,8 @@ class Health:
             reason = "stopping"
         elif assigned is None:
             reason = "not joined to the group yet (no assignment)"
+        elif outbox is not None:
+            reason = f"outbox relay: {outbox}"
         else:
             unknown = [tp for tp, n in lags.items() if n is None]
             behind = [tp for tp, n in lags.items() if n is not None and n > self.max_lag]

@@ -87,6 +87,16 @@ class Steps:
         self._letters: dict[str, Letters] = {}
         self.tracing = tracing or Tracing()
         self.hold = hold or ConfigHold(metrics)  # configuration errors: held, loudly
+        self.emitter = app.outbox  # what ctx.emit writes through
+
+    def context(
+        self, conn: Any, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
+        cls: type[Context] = Context,
+    ) -> Context:
+        """:func:`context`, with this app's outbox for ``ctx.emit``."""
+        ctx = context(conn, handler, msg, prep, claim, cls)
+        ctx._emitter = self.emitter
+        return ctx
 
     def handler(self, msg: Message) -> Handler[Any]:
         return self.app.handlers[msg.topic()]
@@ -220,7 +230,7 @@ class Steps:
         in local mode); on an error, record the failure. ``pipelined`` (leased mode):
         see :meth:`_run_pipelined`."""
         assert claim.token is not None
-        ctx = context(conn, handler, msg, prep, claim)
+        ctx = self.context(conn, handler, msg, prep, claim)
         if hold is not None:
             ctx._lease_lost = hold.lost
         run = self._run_pipelined if pipelined else self._run_in_transaction
@@ -244,7 +254,7 @@ class Steps:
         the caller's, local mode), rolled back alone on failure."""
         with conn.transaction():
             result, how = self._handler_step(handler, msg, prep, claim, ctx, None)
-            self._complete_step(conn, msg, prep, claim, result, hold)
+            self._complete_step(conn, msg, prep, claim, ctx, result, hold)
         return how
 
     def _run_pipelined(
@@ -267,7 +277,7 @@ class Steps:
                 conn.execute("BEGIN", prepare=False)
                 result, how = self._handler_step(handler, msg, prep, claim, ctx, pipe)
                 completing = True  # errors from here on are the completion's or the commit's
-                self._complete_step(conn, msg, prep, claim, result, hold, wait=False)
+                self._complete_step(conn, msg, prep, claim, ctx, result, hold, wait=False)
                 conn.execute("COMMIT", prepare=False)  # sent with the pipeline's last sync
         except BaseException as exc:
             with contextlib.suppress(psycopg.Error):
@@ -292,11 +302,12 @@ class Steps:
         return result, how
 
     def _complete_step(
-        self, conn: Conn, msg: Message, prep: Prepared, claim: Claim, result: Any,
-        hold: Hold | None, wait: bool = True,
+        self, conn: Conn, msg: Message, prep: Prepared, claim: Claim, ctx: Context,
+        result: Any, hold: Hold | None, wait: bool = True,
     ) -> None:
         assert claim.token is not None
         with self.tracing.step(msg, "complete"):
+            self.emitter.flush(conn, ctx)  # its events, in this transaction
             self.store.complete(conn, key=prep.key, token=claim.token, result=result,
                                 wait=wait)
         if hold is not None:
