@@ -58,6 +58,7 @@ from kafka_idem.retry import RetryPolicy
 from kafka_idem.settings import Settings, check_namespace, load_settings
 
 if TYPE_CHECKING:
+    from kafka_idem.outbox.emit import Emitter
     from kafka_idem.producer import Producer
 
 
@@ -83,6 +84,8 @@ class App:
         self._registry: dict[bool, Any] = {}
         self.migrations: list[Callable[[psycopg.Connection[Any]], None]] = []
         self.declared_topics: dict[str, dict[str, Any]] = {}
+        self.event_topics: dict[str, Handler[Any]] = {}
+        self._emitter: Emitter | None = None
 
     @property
     def settings(self) -> Settings:
@@ -111,6 +114,7 @@ class App:
         other._settings = load_settings(**{**base, **overrides})
         other.handlers = {topic: copy.copy(h) for topic, h in self.handlers.items()}
         other.migrations = list(self.migrations)
+        other._emitter = None  # the copy's settings (shards, store) may differ
         return other
 
     @property
@@ -342,6 +346,40 @@ class App:
                                       "config": {str(k): str(v) for k, v in (config or {}).items()}}
         return name
 
+    def event_topic(
+        self, name: str, *, format: Format | Codec | CodecFactory | None = None,
+        model: type[Any] | None = None, schema: str | None = None,
+        partitions: int | None = None, config: Mapping[str, str] | None = None,
+    ) -> str:
+        """Declare a topic the app's handlers ``ctx.emit`` events to (the transactional
+        outbox, docs/OUTBOX.md): its format, model and schema mean what they mean for
+        ``app.handler`` (not given: the codec of the app's handler on ``name`` if it
+        has one, else ``default_format``). ``kafka-idem topics create`` creates it
+        (``partitions``, ``config`` as in :meth:`topic`); an app with an event topic
+        runs the outbox relay in ``kafka-idem run``. Returns ``name``.
+
+            app.event_topic("payments.charge-completed", model=ChargeCompleted)
+        """
+        self.topic(name, partitions=partitions, config=config)
+        if format is None and model is None and schema is None and name in self.handlers:
+            self.event_topics[name] = self.handlers[name]
+            return name
+        self.event_topics[name] = Handler(
+            _never, name=f"event:{name}", topic=name, model=model, key=_no_key,
+            hash_fields=(), mode="local", batch=False, dlq_topic=None, schema=schema,
+            retry=None, errors=(), format=format, binder=self.bind_codec)
+        return name
+
+    @property
+    def outbox(self) -> Emitter:
+        """The app's outbox emitter (what ``ctx.emit`` writes through)."""
+        from kafka_idem.outbox.emit import Emitter
+
+        with self._codec_lock:
+            if self._emitter is None:
+                self._emitter = Emitter(self)
+            return self._emitter
+
     def producer(self, *, config: Mapping[str, Any] | None = None,
                  timeout: float = 30.0) -> Producer:
         """A producer that encodes payloads with their topic's handler's codec and sets
@@ -382,6 +420,14 @@ class App:
     @property
     def topics(self) -> list[str]:
         return list(self.handlers)
+
+
+def _never(msg: Any, ctx: Context) -> Any:
+    raise TypeError("an event topic's declaration is not a handler")
+
+
+def _no_key(payload: Any) -> str:
+    return ""
 
 
 class _Validated:

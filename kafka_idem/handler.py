@@ -11,7 +11,7 @@ import inspect
 import threading
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import psycopg
 from pydantic import ValidationError
@@ -36,6 +36,10 @@ from kafka_idem.keys import KeySpec, KeyTemplate
 from kafka_idem.retry import RetryPolicy
 from kafka_idem.settings import TOPIC_CHARS
 from kafka_idem.store import is_data_error
+
+if TYPE_CHECKING:
+    from kafka_idem.outbox.emit import Emitter
+    from kafka_idem.store import Event
 
 M = TypeVar("M")
 
@@ -67,11 +71,28 @@ class Context:
     kafka_key: bytes | None
     headers: Mapping[str, bytes] = field(default_factory=dict)
     _lease_lost: threading.Event | None = field(default=None, repr=False)
+    _emitter: Emitter | None = field(default=None, repr=False)
+    _events: list[Event] = field(default_factory=list, repr=False)
 
     @property
     def lease_lost(self) -> bool:
         """True once a heartbeat found the lease taken over (leased mode): stop early."""
         return self._lease_lost is not None and self._lease_lost.is_set()
+
+    def emit(self, topic: str, value: Any, *, key: str | bytes | None = None,
+             headers: Mapping[str, str | bytes] | None = None) -> None:
+        """Publish an event to ``topic`` if and only if this handler's effect commits
+        (the transactional outbox, docs/OUTBOX.md): the event is encoded now with the
+        topic's codec (``app.event_topic``; ``bytes`` pass through as they are) and
+        written to the outbox in this transaction, right before the completion; the
+        relay publishes it exactly once, with ``idem.*`` headers naming this intent.
+        ``key`` (``str`` is UTF-8) is the Kafka key; events with the same key are
+        published in the order their transactions committed."""
+        if self._emitter is None:
+            raise ConfigError("ctx.emit needs the context of a kafka_idem app's handler",
+                              setting="event_topic")
+        self._events.append(self._emitter.event(self, topic, value, key=key,
+                                                headers=headers))
 
 
 @dataclass
@@ -81,6 +102,14 @@ class AsyncContext(Context):
     everything else is the same."""
 
     tx: psycopg.AsyncConnection[Any]  # type: ignore[assignment]
+
+    async def emit(  # type: ignore[override]
+        self, topic: str, value: Any, *, key: str | bytes | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+    ) -> None:
+        """:meth:`Context.emit` (``await ctx.emit(...)``): the event is written with the
+        handler's transaction on its async connection, right before the completion."""
+        Context.emit(self, topic, value, key=key, headers=headers)
 
 
 @dataclass(frozen=True, slots=True)

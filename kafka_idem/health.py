@@ -56,6 +56,7 @@ class Health:
         self._assigned: set[TP] | None = None  # None: not joined yet
         self._lag: dict[TP, int | None] = {}
         self._stopping = False
+        self._outbox: str | None = None  # the outbox relay's current trouble
 
     # --- what the loop reports ---------------------------------------------------------
 
@@ -79,6 +80,11 @@ class Health:
         """Each assigned partition's lag (``None``: not known yet)."""
         with self._lock:
             self._lag.update(lags)
+
+    def outbox(self, problem: str | None) -> None:
+        """The outbox relay's current trouble (``None``: none): /readyz says it."""
+        with self._lock:
+            self._outbox = problem
 
     def stopping(self) -> None:
         # No lock: called from a signal handler, which runs on the loop's thread and
@@ -107,6 +113,7 @@ class Health:
             assigned = None if self._assigned is None else sorted(self._assigned)
             lags = {tp: self._lag.get(tp) for tp in assigned or ()}
             stopping = self._stopping
+            outbox = self._outbox
         known = [n for n in lags.values() if n is not None]
         body: dict[str, Any] = {
             "assigned": None if assigned is None else len(assigned),
@@ -121,6 +128,8 @@ class Health:
             reason = "stopping"
         elif assigned is None:
             reason = "not joined to the group yet (no assignment)"
+        elif outbox is not None:
+            reason = f"outbox relay: {outbox}"
         else:
             unknown = [tp for tp, n in lags.items() if n is None]
             behind = [tp for tp, n in lags.items() if n is not None and n > self.max_lag]

@@ -127,6 +127,33 @@ class Metrics:
             "Records processing for longer than the threshold (sampled).",
             registry=r,
         )
+        self.outbox_pending = Gauge(
+            "kafka_idem_outbox_pending",
+            "Outbox rows not published yet (sampled by the relay).",
+            registry=r,
+        )
+        self.outbox_oldest_age = Gauge(
+            "kafka_idem_outbox_oldest_age_seconds",
+            "Age of the oldest unpublished outbox row, 0 when none (sampled by the relay; "
+            "alert when it grows: relay or broker down).",
+            registry=r,
+        )
+        self.outbox_published = Counter(
+            "kafka_idem_outbox_published_total",
+            "Outbox rows published (their Kafka transaction committed).",
+            registry=r,
+        )
+        self.outbox_relay_errors = Counter(
+            "kafka_idem_outbox_relay_errors_total",
+            "Relay rounds or shard takeovers that failed (retried with backoff), by kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.outbox_shards = Gauge(
+            "kafka_idem_outbox_shards_owned",
+            "Outbox shards this process publishes now.",
+            registry=r,
+        )
         self.health: health.Health | None = None  # set by the Runner: /livez, /readyz
         self._decided = 0
         self._replayed = 0

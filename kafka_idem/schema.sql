@@ -180,3 +180,27 @@ $fn$;
 CREATE TRIGGER audit_append_only
     BEFORE UPDATE OR DELETE ON {audit}
     FOR EACH ROW EXECUTE FUNCTION {audit_guard}();
+
+-- The transactional outbox (migration 0006; see docs/OUTBOX.md).
+CREATE TABLE {outbox} (
+    id               bigserial   PRIMARY KEY,
+    namespace        text        NOT NULL,
+    shard            integer     NOT NULL,
+    topic            text        NOT NULL,
+    key              bytea,
+    value            bytea,
+    headers          jsonb,
+    idem_key         text        NOT NULL,
+    source_topic     text,
+    source_partition integer,
+    source_offset    bigint,
+    created_at       timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
+CREATE INDEX {outbox_shard_idx} ON {outbox} (namespace, shard, id);
+
+CREATE TABLE {outbox_slots} (
+    namespace text    NOT NULL,
+    slot      integer NOT NULL,
+    PRIMARY KEY (namespace, slot)
+);

@@ -132,6 +132,24 @@ class Settings(BaseSettings):
         "kafka-idem's own tools create (verify, dlq replay, the DLQ readers), for clusters "
         "whose ACLs grant names by prefix.",
     )
+    outbox_shards: int = Field(
+        4, ge=1, le=256,
+        description="Outbox shards: events are split by key over this many, each published "
+        "by one relay at a time (a partition of the outbox control topic). Change it only "
+        "with an empty outbox.",
+    )
+    outbox_batch: int = Field(
+        1000, ge=1, le=100_000, description="Most outbox rows published in one Kafka "
+        "transaction of the relay.",
+    )
+    outbox_relay: bool = Field(
+        True, description="kafka-idem run runs the outbox relay of an app with event topics "
+        "(false: run it apart, `kafka-idem relay`).",
+    )
+    outbox_poll_seconds: float = Field(
+        0.5, gt=0, le=60, description="The relay looks for unpublished rows at least this "
+        "often (it is woken at once by the emitting transactions' notifications).",
+    )
     error_message_max: int = Field(
         1024, ge=64, le=65536, description="Bound on error text stored and put in DLQ headers."
     )

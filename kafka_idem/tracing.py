@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -189,6 +189,17 @@ class Tracing:
             yield
 
 
+def current_trace(source: Mapping[str, bytes]) -> list[tuple[str, bytes]]:
+    """The trace context an emitted event carries: the current span's (the handler's,
+    when tracing is on), else the source message's own ``traceparent`` /
+    ``tracestate``, so a trace continues through the outbox either way."""
+    if enabled():
+        span = trace.get_current_span()
+        if span.get_span_context().is_valid:
+            return list(inject(span))
+    return [(name, source[name]) for name in TRACE_HEADERS if source.get(name)]
+
+
 @contextmanager
 def replaying(record: Any, target: str) -> Iterator[tuple[tuple[str, bytes], ...]]:
     """A ``replay <target>`` span, child of the dead letter's context; yields the
@@ -213,4 +224,5 @@ def replaying(record: Any, target: str) -> Iterator[tuple[tuple[str, bytes], ...
         yield inject(span)
 
 
-__all__ = ["TRACE_HEADERS", "Tracing", "enabled", "inject", "replaying", "with_trace"]
+__all__ = ["TRACE_HEADERS", "Tracing", "current_trace", "enabled", "inject", "replaying",
+           "with_trace"]

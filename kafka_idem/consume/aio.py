@@ -30,7 +30,7 @@ from psycopg.pq import TransactionStatus
 from kafka_idem.app import App
 from kafka_idem.consume.leased import LeasedPath, around_failure
 from kafka_idem.consume.outcome import Ended, Finished, Message, Prepared, Result
-from kafka_idem.consume.steps import Steps, context, log
+from kafka_idem.consume.steps import Steps, log
 from kafka_idem.consume.verdicts import last_chance_spent, reconcile_first
 from kafka_idem.errors import (
     FrameworkError,
@@ -151,7 +151,7 @@ class AsyncLeasedPath:
         token = claim.token
         conn = await self.conns.take()
         try:
-            ctx = context(conn, handler, msg, prep, claim, cls=AsyncContext)
+            ctx = self.steps.context(conn, handler, msg, prep, claim, cls=AsyncContext)
             assert isinstance(ctx, AsyncContext)
             if hold is not None:
                 ctx._lease_lost = hold.lost
@@ -160,6 +160,7 @@ class AsyncLeasedPath:
                     async with conn.pipeline() as pipe, conn.transaction():
                         result, how = await self._call(handler, prep, ctx, claim)
                         await pipe.sync()  # the handler's statements answer here
+                        await self.steps.emitter.flush_async(conn, ctx)
                         await self.store.complete_async(
                             conn, key=prep.key, token=token, result=result)
                         if hold is not None:

@@ -36,6 +36,7 @@ occurrence replays the first's result (or conflicts, when its hash differs).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,10 +51,10 @@ from kafka_idem.consume.outcome import (
     Result,
     Results,
 )
-from kafka_idem.consume.steps import Steps, context, delivery, log
+from kafka_idem.consume.steps import Steps, delivery, log
 from kafka_idem.consume.verdicts import Note, where
 from kafka_idem.errors import MessageError
-from kafka_idem.handler import Handler
+from kafka_idem.handler import Context, Handler
 from kafka_idem.store import Claim, Conn, Outcome, translate_errors
 
 
@@ -102,6 +103,7 @@ class _Item:
     handler: Handler[Any]
     prep: Prepared | None
     result: Result | None = None
+    ctx: Context | None = None  # the handler's context: its emitted events
 
 
 class BatchPath:
@@ -289,6 +291,9 @@ class BatchPath:
                 for key, value in outcomes.items()
                 if not isinstance(value, Finished)
             ]
+            # The successes' events, their slots locked in one sorted statement; a
+            # fallback rolls them back and the per-message re-run emits again.
+            self.steps.emitter.flush(conn, *_contexts(first[key] for key, _t, _v in successes))
             cur = self.steps.store.complete_batch(
                 conn,
                 keys=[s[0] for s in successes],
@@ -308,9 +313,11 @@ class BatchPath:
         if handler.bulk is None:
             return {_prep(item).key: self._call(conn, item, claims[_prep(item).key])
                     for item in group}
-        batch = [(_prep(item).model, context(conn, handler, item.msg, _prep(item),
-                                             claims[_prep(item).key]))
-                 for item in group]
+        batch: list[tuple[Any, Context]] = []
+        for item in group:
+            item.ctx = self.steps.context(conn, handler, item.msg, _prep(item),
+                                          claims[_prep(item).key])
+            batch.append((_prep(item).model, item.ctx))
         with self.steps.handler_time(handler):
             try:
                 out = handler.bulk(batch, conn)
@@ -334,7 +341,7 @@ class BatchPath:
     def _call(self, conn: Conn, item: _Item, claim: Claim) -> Any:
         prep = _prep(item)
         assert claim.token is not None
-        ctx = context(conn, item.handler, item.msg, prep, claim)
+        ctx = item.ctx = self.steps.context(conn, item.handler, item.msg, prep, claim)
         tracing = self.steps.tracing
         tracing.note(item.msg, handler=item.handler.name, key=prep.key, attempts=claim.attempts)
         with self.steps.handler_time(item.handler), tracing.step(item.msg, "handler"):
@@ -348,6 +355,11 @@ def _prep(item: _Item) -> Prepared:
     """The item's decoded message (only decoded items get this far)."""
     assert item.prep is not None
     return item.prep
+
+
+def _contexts(items: Iterable[_Item]) -> list[Context]:
+    """The handler contexts of ``items`` (their emitted events)."""
+    return [item.ctx for item in items if item.ctx is not None]
 
 
 def _undecided(items: list[_Item]) -> dict[str, list[_Item]]:

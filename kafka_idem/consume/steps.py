@@ -84,6 +84,16 @@ class Steps:
         self._letters: dict[str, Letters] = {}
         self.tracing = tracing or Tracing()
         self.hold = hold or ConfigHold(metrics)  # configuration errors: held, loudly
+        self.emitter = app.outbox  # what ctx.emit writes through
+
+    def context(
+        self, conn: Any, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
+        cls: type[Context] = Context,
+    ) -> Context:
+        """:func:`context`, with this app's outbox for ``ctx.emit``."""
+        ctx = context(conn, handler, msg, prep, claim, cls)
+        ctx._emitter = self.emitter
+        return ctx
 
     def handler(self, msg: Message) -> Handler[Any]:
         return self.app.handlers[msg.topic()]
@@ -218,7 +228,7 @@ class Steps:
         sends BEGIN, the handler's statements and the completion together: one sync
         after the handler, so its own errors are still told apart from the completion's."""
         assert claim.token is not None
-        ctx = context(conn, handler, msg, prep, claim)
+        ctx = self.context(conn, handler, msg, prep, claim)
         if hold is not None:
             ctx._lease_lost = hold.lost
         with self.handler_time(handler):
@@ -233,6 +243,7 @@ class Steps:
                         if pipe is not None:
                             pipe.sync()  # the handler's statements answer here
                     with self.tracing.step(msg, "complete"):
+                        self.emitter.flush(conn, ctx)  # its events, in this transaction
                         self.store.complete(conn, key=prep.key, token=claim.token,
                                             result=result)
                     if hold is not None:

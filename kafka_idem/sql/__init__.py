@@ -38,6 +38,9 @@ def identifiers(schema: str, table: str) -> dict[str, sql.Composable]:
         "pkey": sql.Identifier(f"{table}_pkey"),
         "audit_key_idx": sql.Identifier("admin_audit_key_idx"),
         "migrations": sql.Identifier(schema, "schema_migrations"),
+        "outbox": sql.Identifier(schema, "outbox"),
+        "outbox_slots": sql.Identifier(schema, "outbox_slots"),
+        "outbox_shard_idx": sql.Identifier("outbox_shard_idx"),
     }
 
 

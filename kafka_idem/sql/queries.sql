@@ -404,3 +404,61 @@ WHERE u.kafka_topic = p.topic AND u.handler = p.handler
   AND NOT EXISTS (SELECT 1 FROM {table} n
                   WHERE n.namespace = %(ns)s AND n.idempotency_key = u.idempotency_key)
 RETURNING u.kafka_topic, u.handler;
+
+-- name: outbox_lock_slots
+-- Before a transaction's events are inserted: lock the slots of their keys (the
+-- caller sorts and dedupes them, so concurrent transactions lock in one order and
+-- cannot deadlock on them) and wake the relays of their shards. A later transaction
+-- emitting the same key waits here for this one's commit, so it gets a later id:
+-- per-key order is commit order. Notifications are delivered at commit only.
+WITH locked AS (
+    INSERT INTO {outbox_slots} AS s (namespace, slot)
+    SELECT %(ns)s, slot FROM unnest(%(slots)b::int4[]) AS slot
+    ON CONFLICT (namespace, slot) DO UPDATE SET slot = EXCLUDED.slot
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM locked),
+       (SELECT count(pg_notify(%(channel)s, note)) FROM unnest(%(notes)b::text[]) AS note);
+
+-- name: outbox_insert
+-- A transaction's events, in emit order (ids follow the array's order).
+INSERT INTO {outbox} (namespace, shard, topic, key, value, headers, idem_key,
+                      source_topic, source_partition, source_offset)
+SELECT %(ns)s, e.shard, e.topic, e.key, e.value, e.headers, e.idem_key,
+       e.source_topic, e.source_partition, e.source_offset
+FROM unnest(%(shards)b::int4[], %(topics)b::text[], %(keys)b::bytea[], %(values)b::bytea[],
+            %(headers)b::jsonb[], %(idem_keys)b::text[], %(source_topics)b::text[],
+            %(source_partitions)b::int4[], %(source_offsets)b::int8[])
+     WITH ORDINALITY AS e(shard, topic, key, value, headers, idem_key, source_topic,
+                          source_partition, source_offset, n)
+ORDER BY e.n;
+
+-- name: outbox_select
+-- What a shard's relay publishes next: the rows visible now, in id order. Never
+-- "id > the last published id": a lower id can commit after a higher one.
+SELECT id, topic, key, value, headers, idem_key, source_topic, source_partition,
+       source_offset, created_at
+FROM {outbox}
+WHERE namespace = %(ns)s AND shard = %(shard)s
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: outbox_delete
+-- The rows a committed Kafka transaction published (exactly those ids).
+DELETE FROM {outbox} WHERE namespace = %(ns)s AND id = ANY(%(ids)b::int8[]);
+
+-- name: outbox_pending
+-- Unpublished rows and the age of the oldest, per namespace (NULL: every namespace).
+SELECT namespace, count(*) AS pending,
+       extract(epoch FROM clock_timestamp() - min(created_at))::float8 AS oldest_age_seconds
+FROM {outbox}
+WHERE %(ns)s::text IS NULL OR namespace = %(ns)s
+GROUP BY namespace
+ORDER BY namespace;
+
+-- name: outbox_identity
+-- Which outbox this is: a marker names it, so a marker written for another database
+-- (or for an outbox table since dropped and created again, its ids restarting) is
+-- never taken to name this one's rows.
+SELECT format('%%s:%%s', d.oid, %(table)s::regclass::oid)
+FROM pg_database d WHERE d.datname = current_database();

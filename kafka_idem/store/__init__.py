@@ -3,6 +3,7 @@
 * :mod:`~kafka_idem.store.protocol` — :class:`Store`: the claim / complete / fail
   protocol with fencing tokens, the batch path's statements, :func:`connect`;
 * :mod:`~kafka_idem.store.admin` — the admin tools' queries (a base of :class:`Store`);
+* :mod:`~kafka_idem.store.outbox` — the outbox's statements (a base of :class:`Store`);
 * :mod:`~kafka_idem.store.errors` — the one translation of database errors;
 * :mod:`~kafka_idem.store.types` — :class:`Claim`, :class:`Outcome`,
   :class:`Delivery`, :class:`Failure`.
@@ -23,10 +24,21 @@ from kafka_idem.store.errors import (
     storable,
     translate_errors,
 )
+from kafka_idem.store.outbox import CHANNEL
 from kafka_idem.store.protocol import Store, connect, connect_async
-from kafka_idem.store.types import AsyncConn, Claim, Conn, Delivery, Failure, Outcome
+from kafka_idem.store.types import (
+    AsyncConn,
+    Claim,
+    Conn,
+    Delivery,
+    Event,
+    Failure,
+    OutboxRow,
+    Outcome,
+)
 
 __all__ = [
+    "CHANNEL",
     "DATA_SQLSTATES",
     "DATA_SQLSTATE_CLASSES",
     "ILLEGAL_TRANSITION",
@@ -37,7 +49,9 @@ __all__ = [
     "Claim",
     "Conn",
     "Delivery",
+    "Event",
     "Failure",
+    "OutboxRow",
     "Outcome",
     "Store",
     "classify_db_error",

@@ -39,14 +39,14 @@ from psycopg.types.json import Jsonb
 
 from kafka_idem.errors import StaleOwner, TransientStoreError
 from kafka_idem.sql import compile_queries
-from kafka_idem.store.admin import AdminQueries
 from kafka_idem.store.errors import storable, translate_errors
+from kafka_idem.store.outbox import OutboxQueries
 from kafka_idem.store.types import AsyncConn, Claim, Conn, Delivery, Failure, Outcome
 
 
-class Store(AdminQueries):
+class Store(OutboxQueries):
     """Runs the protocol's SQL (and, through :class:`AdminQueries`, the admin tools')
-    on a connection the caller owns.
+    on a connection the caller owns (and, through :class:`OutboxQueries`, the outbox's).
 
     Methods never commit: the caller decides the transaction boundaries (one
     for claim+handler+complete in local mode, two in leased mode).

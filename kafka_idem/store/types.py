@@ -62,3 +62,36 @@ class Failure:
     next_attempt_at: dt.datetime | None
     first_failure_at: dt.datetime
     last_failure_at: dt.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One event a handler emitted (``ctx.emit``), encoded, as the outbox stores it.
+
+    ``slot`` (of the event key, else the idempotency key) decides the shard and is
+    the lock that orders two transactions emitting the same key."""
+
+    topic: str
+    key: bytes | None
+    value: bytes
+    headers: tuple[tuple[str, bytes], ...]
+    idem_key: str
+    slot: int
+    shard: int
+    source: Delivery | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """A row of the outbox as the relay reads it."""
+
+    id: int
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+    idem_key: str
+    source_topic: str | None
+    source_partition: int | None
+    source_offset: int | None
+    created_at: dt.datetime

@@ -1,0 +1,114 @@
+"""What ``ctx.emit`` does: an event encoded with its topic's codec, given its slot
+and shard, kept on the context, and written with the handler's transaction right
+before the fenced completion (:meth:`Emitter.flush`), so it exists if and only if
+the effect committed.
+
+Buffering the events until the completion lets a transaction lock its key slots in
+one sorted statement: two transactions (e.g. two batches) emitting the same keys
+in different orders cannot deadlock on them.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kafka_idem.codec import Codec
+from kafka_idem.errors import ConfigError
+from kafka_idem.store import AsyncConn, Conn, Delivery, Event, Store
+from kafka_idem.tracing import current_trace
+
+if TYPE_CHECKING:
+    from kafka_idem.app import App
+    from kafka_idem.handler import Context
+
+# Key slots: the lock that orders same-key transactions. Many more than shards, so
+# transactions emitting different keys rarely wait for each other.
+SLOTS = 1024
+
+RESERVED = "idem."  # header names the relay sets
+
+
+def slot_of(key: bytes | None, idem_key: str) -> int:
+    """The slot of an event: of its Kafka key, else of the intent's idempotency key
+    (a stable hash: every process agrees)."""
+    return zlib.crc32(key if key is not None else idem_key.encode()) % SLOTS
+
+
+def shard_of(slot: int, shards: int) -> int:
+    """Same slot, same shard: a key's events are published by one relay, in order."""
+    return slot % shards
+
+
+class Emitter:
+    """An app's side of the outbox: the codecs of its event topics, the events'
+    shards, the statements that write them."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.shards = app.settings.outbox_shards
+        self._store: Store | None = None
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            s = self.app.settings
+            self._store = Store(schema=s.schema_name, table=s.table,
+                                namespace=self.app.namespace)
+        return self._store
+
+    def codec(self, topic: str) -> Codec:
+        """``topic``'s codec: its ``app.event_topic`` declaration's (bound on first use)."""
+        declared = self.app.event_topics.get(topic)
+        if declared is None:
+            raise ConfigError(
+                f"ctx.emit: topic {topic!r} is not an event topic of app {self.app.name!r}: "
+                f"declare it with app.event_topic({topic!r}, format=..., model=...)",
+                setting="event_topic")
+        return declared.codec
+
+    def event(
+        self, ctx: Context, topic: str, value: Any, *, key: str | bytes | None,
+        headers: Mapping[str, str | bytes] | None,
+    ) -> Event:
+        """The event ``ctx``'s handler emits (encoded now: a value its codec refuses
+        fails the handler, like any of its errors)."""
+        codec = self.codec(topic)
+        data = value if isinstance(value, bytes) else codec.encode(value)
+        raw_key = key.encode() if isinstance(key, str) else key
+        pairs: list[tuple[str, bytes]] = []
+        for name, v in (headers or {}).items():
+            if name.startswith(RESERVED):
+                raise ConfigError(f"ctx.emit: header {name!r}: names starting with "
+                                  f"{RESERVED!r} are set by kafka_idem", setting="headers")
+            pairs.append((name, v.encode() if isinstance(v, str) else v))
+        if not any(n in ("traceparent", "tracestate") for n, _ in pairs):
+            pairs.extend(current_trace(ctx.headers))
+        slot = slot_of(raw_key, ctx.idempotency_key)
+        return Event(topic=topic, key=raw_key, value=data, headers=tuple(pairs),
+                     idem_key=ctx.idempotency_key, slot=slot,
+                     shard=shard_of(slot, self.shards),
+                     source=Delivery(ctx.topic, ctx.partition, ctx.offset, ctx.handler))
+
+    def flush(self, conn: Conn, *contexts: Context) -> None:
+        """Write the events of ``contexts`` in the open transaction (right before the
+        completion) and forget them: a rollback removes them with the effect, and a
+        re-run of the handler emits again."""
+        events = _take(contexts)
+        if events:
+            self.store.outbox_write(conn, events)
+
+    async def flush_async(self, conn: AsyncConn, ctx: Context) -> None:
+        """:meth:`flush` on an async connection."""
+        events = _take((ctx,))
+        if events:
+            await self.store.outbox_write_async(conn, events)
+
+
+def _take(contexts: tuple[Context, ...]) -> list[Event]:
+    events: list[Event] = []
+    for ctx in contexts:
+        events.extend(ctx._events)
+        ctx._events.clear()
+    return events

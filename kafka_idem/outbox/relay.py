@@ -1,0 +1,254 @@
+"""The outbox relay: publishes an app's outbox to Kafka, exactly once.
+
+Which relay publishes which shard is decided by a consumer group over the control
+topic ``<name_prefix>kafka-idem-outbox.<namespace>`` (one partition per shard): a
+relay publishes the shards whose partitions it is assigned, each on a thread of its
+own (:class:`~kafka_idem.outbox.shard.ShardWorker`). The group only spreads the
+work; the safety comes from the per-shard transactional producer (a zombie's
+transaction is fenced) and the markers (:mod:`kafka_idem.outbox.marker`).
+
+The emitting transactions notify the relays (``pg_notify`` on channel
+``kafka_idem_outbox``, delivered at commit): a shard is looked at as soon as it
+has something, and at least every ``outbox_poll_seconds`` without one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+from kafka_idem.app import App
+from kafka_idem.health import Health
+from kafka_idem.metrics import Metrics
+from kafka_idem.outbox.shard import Episode, ShardWorker, backoff
+from kafka_idem.settings import TOPIC_CHARS, Settings
+from kafka_idem.store import CHANNEL, OutboxRow, Store, connect
+
+log = logging.getLogger("kafka_idem.outbox")
+
+
+def control_topic(settings: Settings, namespace: str) -> str:
+    """The control topic of ``namespace``'s outbox (a namespace Kafka cannot name is
+    spelled with ``_`` and a short hash, so two namespaces never share one)."""
+    name = namespace
+    if not TOPIC_CHARS.fullmatch(name) or len(name) > 150:
+        digest = hashlib.sha256(namespace.encode()).hexdigest()[:8]
+        name = re.sub(r"[^a-zA-Z0-9._-]", "_", namespace)[:140] + "-" + digest
+    return f"{settings.name_prefix}kafka-idem-outbox.{name}"
+
+
+class RelayHooks:
+    """Points a test can act at (a crash, a pause): no-ops here."""
+
+    def before_commit(self, shard: int, ids: Sequence[int]) -> None:
+        """The round's events and marker are produced, the transaction not committed."""
+
+    def after_commit(self, shard: int, ids: Sequence[int]) -> None:
+        """The Kafka transaction committed; its rows are not deleted yet."""
+
+
+class Relay:
+    """Publishes ``app``'s outbox while :meth:`run` runs (in a member's thread, or
+    alone: ``kafka-idem relay``)."""
+
+    def __init__(self, app: App, settings: Settings | None = None, *,
+                 metrics: Metrics | None = None, health: Health | None = None,
+                 hooks: RelayHooks | None = None) -> None:
+        self.app = app
+        self.settings = s = settings or app.settings
+        self.namespace = app.namespace
+        self.store = Store(schema=s.schema_name, table=s.table, namespace=self.namespace)
+        self.control_topic = control_topic(s, self.namespace)
+        self.metrics = metrics or Metrics()
+        self.health = health
+        self.hooks = hooks or RelayHooks()
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.workers: dict[int, ShardWorker] = {}
+        self.assigned: set[int] = set()
+        self._fenced_at: dict[int, float] = {}
+        self._problems: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._listen = Episode(self, "outbox relay notifications")
+        self._sampled_at = 0.0
+
+    # --- what the workers report ------------------------------------------------------
+
+    def headers(self, row: OutboxRow) -> list[tuple[str, bytes]]:
+        """An event's headers: the emitter's, then the intent's ``idem.*``."""
+        out = list(row.headers)
+        out += [("idem.key", row.idem_key.encode()), ("idem.namespace", self.namespace.encode()),
+                ("idem.outbox.id", str(row.id).encode())]
+        if row.source_topic is not None:
+            out += [("idem.source.topic", row.source_topic.encode()),
+                    ("idem.source.partition", str(row.source_partition).encode()),
+                    ("idem.source.offset", str(row.source_offset).encode())]
+        return out
+
+    def published(self, rows: Sequence[OutboxRow]) -> None:
+        self.metrics.outbox_published.inc(len(rows))
+
+    def report(self, what: str, problem: str | None) -> None:
+        """A trouble episode started (``problem``) or ended (``None``): for /readyz."""
+        with self._lock:
+            if problem is None:
+                self._problems.pop(what, None)
+            else:
+                self._problems[what] = problem
+            current = "; ".join(f"{k}: {v}" for k, v in sorted(self._problems.items()))
+        if self.health is not None:
+            self.health.outbox(current or None)
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Publish until ``stop`` is set; then stop every shard after its round and
+        leave the group (the shards move at once)."""
+        consumer = Consumer(self._group_config())
+        consumer.subscribe([self.control_topic], on_assign=self._on_assign,
+                           on_revoke=self._on_revoke, on_lost=self._on_revoke)
+        log.info("outbox relay started (control topic %s, %d shards)", self.control_topic,
+                 self.settings.outbox_shards, extra={"action": "outbox_started"})
+        listener: psycopg.Connection[Any] | None = None
+        attempt = 0
+        try:
+            while not stop.is_set():
+                msg = consumer.poll(0)
+                err = msg.error() if msg is not None else None
+                if err is not None:
+                    self._kafka_error(err)
+                self._restart_fenced()
+                self._sample()
+                try:
+                    if listener is None or listener.closed:
+                        listener = self._listener()
+                    self._wait(listener, stop)
+                    self._listen.ended()
+                    attempt = 0
+                except psycopg.Error as exc:  # the workers poll on their own meanwhile
+                    self._listen.failed("database", exc)
+                    listener = None
+                    attempt += 1
+                    stop.wait(backoff(attempt))
+        finally:
+            self._stop_workers(sorted(self.workers))
+            consumer.close()
+            if listener is not None:
+                listener.close()
+            log.info("outbox relay stopped", extra={"action": "outbox_stopped"})
+
+    def _group_config(self) -> dict[str, Any]:
+        conf = self.settings.consumer_config(self.control_topic)
+        conf.pop("group.instance.id", None)
+        # Eager: a revoked shard stops (its round finished) before any other relay
+        # gets it; round-robin spreads the shards evenly.
+        conf["partition.assignment.strategy"] = "roundrobin"
+        conf["auto.offset.reset"] = "latest"
+        return conf
+
+    def _listener(self) -> psycopg.Connection[Any]:
+        conn = connect(self.settings.dsn, application_name="kafka_idem-relay")
+        conn.autocommit = True
+        conn.execute(f"LISTEN {CHANNEL}")
+        return conn
+
+    def _wait(self, listener: psycopg.Connection[Any], stop: threading.Event) -> None:
+        """Wake the shards the notifications name, for up to ``outbox_poll_seconds``."""
+        suffix = f":{self.namespace}"
+        for note in listener.notifies(timeout=self.settings.outbox_poll_seconds):
+            shard, _, ns = note.payload.partition(":")
+            if f":{ns}" == suffix and shard.isdigit():
+                worker = self.workers.get(int(shard))
+                if worker is not None:
+                    worker.wake.set()
+            if stop.is_set():
+                break
+
+    def _kafka_error(self, err: KafkaError) -> None:
+        if err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+            log.warning("outbox control topic %s does not exist: create it with `kafka-idem "
+                        "topics create MODULE:APP` (%d partitions, one per shard)",
+                        self.control_topic, self.settings.outbox_shards,
+                        extra={"action": "topics_missing", "topic": self.control_topic})
+        else:
+            log.debug("outbox relay consumer: %s", err.str())
+
+    # --- shards ---------------------------------------------------------------------------
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        consumer.assign(partitions)
+        consumer.pause(partitions)  # nothing is read through the group: it only assigns
+        shards = sorted(p.partition for p in partitions)
+        self.assigned = set(shards)
+        for shard in shards:
+            self._fenced_at.pop(shard, None)
+            self._start(shard)
+        self.metrics.outbox_shards.set(len(self.workers))
+        if shards:
+            log.info("outbox shards assigned: %s", shards, extra={"action": "outbox_assigned"})
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        shards = sorted(p.partition for p in partitions)
+        self._stop_workers(shards)  # each finishes its round first
+        self.assigned -= set(shards)
+        self.metrics.outbox_shards.set(len(self.workers))
+        consumer.unassign()
+
+    def _start(self, shard: int) -> None:
+        old = self.workers.get(shard)
+        if old is not None and old.is_alive():
+            return
+        worker = self.workers[shard] = ShardWorker(self, shard)
+        worker.start()
+
+    def _stop_workers(self, shards: list[int]) -> None:
+        stopping = [self.workers.pop(s) for s in shards if s in self.workers]
+        for worker in stopping:
+            worker.stop()
+        for worker in stopping:
+            worker.join()
+
+    def _restart_fenced(self) -> None:
+        """A shard this relay was fenced out of stays stopped; if the group still gives
+        it to this relay after two session timeouts, it takes it over again."""
+        now = time.monotonic()
+        for shard, worker in list(self.workers.items()):
+            if worker.fenced and not worker.is_alive():
+                since = self._fenced_at.setdefault(shard, now)
+                wait = 2 * self.settings.session_timeout_ms / 1000
+                if shard in self.assigned and now - since > wait:
+                    del self._fenced_at[shard]
+                    del self.workers[shard]
+                    self._start(shard)
+        self.metrics.outbox_shards.set(sum(1 for w in self.workers.values() if not w.fenced))
+
+    def _sample(self) -> None:
+        """The outbox gauges, every ``metrics_sample_seconds`` (on a worker's turn)."""
+        now = time.monotonic()
+        if now - self._sampled_at < self.settings.metrics_sample_seconds:
+            return
+        self._sampled_at = now
+        try:
+            with connect(self.settings.dsn, application_name="kafka_idem-relay") as conn:
+                rows = self.store.outbox_pending(conn, self.namespace)
+        except Exception:
+            log.debug("outbox gauges not sampled", exc_info=True)
+            return
+        self.metrics.outbox_pending.set(sum(r["pending"] for r in rows))
+        self.metrics.outbox_oldest_age.set(max((r["oldest_age_seconds"] for r in rows),
+                                               default=0.0))
+
+
+def run_relay(app: App, stop: threading.Event, **kwargs: Any) -> None:
+    """:meth:`Relay.run` for ``app`` (the member's thread, ``kafka-idem relay``)."""
+    Relay(app, **kwargs).run(stop)
