@@ -17,7 +17,7 @@ from psycopg import sql
 
 # The transition guard's triggers (migration 0003: one per event, each with its WHEN).
 GUARD_TRIGGERS = ("guard_transitions", "guard_transitions_insert", "guard_transitions_delete")
-OUTBOX_TABLE = "kafka_idem_outbox"  # migration 0006: rows deleted once published
+OUTBOX_TABLE = "outbox"  # migration 0006: rows deleted once published
 
 
 def read_database(

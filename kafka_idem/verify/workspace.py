@@ -27,7 +27,7 @@ from kafka_idem.verify.app import APP_NAME, ENV_PREFIX, Config, business_tables
 from kafka_idem.verify.kafka import Kafka
 
 TABLE = "task_idempotency"
-OUTBOX_TABLE = "kafka_idem_outbox"
+OUTBOX_TABLE = "outbox"
 APP_SPEC = "kafka_idem.verify.app:app"
 # Member settings: small leases and timeouts, so a scenario takes seconds.
 MEMBER_SETTINGS = {
@@ -253,7 +253,7 @@ class Workspace:
         return self.kafka.read(self.dlq)
 
     def outbox(self) -> list[dict[str, Any]]:
-        """The outbox rows not yet published (the store schema's ``kafka_idem_outbox``)."""
+        """The outbox rows not yet published (the store schema's ``outbox``)."""
         return self.rows(sql.SQL("SELECT id, topic, key, idem_key FROM {} WHERE namespace = %s "
                                  "ORDER BY id").format(sql.Identifier(self.store_schema,
                                                                       OUTBOX_TABLE)),
