@@ -58,9 +58,13 @@ class Status:
     failed_by_kind: dict[str, int] = field(default_factory=dict)
     namespace: str | None = None  # the one asked for, or None: every namespace
     by_namespace: dict[str, dict[str, int]] = field(default_factory=dict)
+    # {namespace: (unpublished rows, age of the oldest in seconds)}
+    outbox: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "outbox": {ns: {"pending": n, "oldest_age_seconds": round(age, 3)}
+                       for ns, (n, age) in self.outbox.items()},
             "namespace": self.namespace,
             "by_status": self.by_status,
             "by_namespace": self.by_namespace,
@@ -102,6 +106,8 @@ def status(conn: Conn, store: Store, *, long_running_seconds: float,
         failed_by_kind=failed_by_kind,
         namespace=namespace,
         by_namespace=dict(sorted(by_namespace.items())),
+        outbox={r["namespace"]: (int(r["pending"]), float(r["oldest_age_seconds"]))
+                for r in store.outbox_pending(conn, namespace)},
     )
 
 

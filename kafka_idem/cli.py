@@ -136,19 +136,25 @@ def migrate(obj: Ctx, app_spec: str | None) -> None:
 @click.option("--instance-id", "group_instance_id", help="Static membership: this member's "
               "group.instance.id, the same across its restarts ({hostname}: the host name).")
 @click.option("--max-seconds", type=float, help="Stop after this long (tests, demos).")
+@click.option("--no-relay", is_flag=True, help="Do not run the outbox relay in this member "
+              "(run `kafka-idem relay` apart; KAFKA_IDEM_OUTBOX_RELAY=false).")
 @click.pass_obj
 def run(
     obj: Ctx, app_spec: str, metrics_port: int | None, metrics_addr: str | None,
     group_id: str | None, group_instance_id: str | None, max_seconds: float | None,
+    no_relay: bool,
 ) -> None:
-    """Run one consumer group member; graceful on SIGTERM/SIGINT."""
+    """Run one consumer group member; graceful on SIGTERM/SIGINT. An app with event
+    topics (app.event_topic) also publishes its outbox here, unless --no-relay."""
     from kafka_idem.runner import Runner
 
     app = load_app(app_spec)
     obj.overrides.update({k: v for k, v in {"metrics_port": metrics_port,
                                              "metrics_addr": metrics_addr,
                                              "group_id": group_id,
-                                             "group_instance_id": group_instance_id}.items()
+                                             "group_instance_id": group_instance_id,
+                                             "outbox_relay": False if no_relay else None,
+                                             }.items()
                           if v is not None})
     s = obj.settings(app)
     where = obj.overrides.get("bootstrap_servers")
@@ -167,6 +173,27 @@ def run(
     runner.install_signal_handlers()
     code = runner.run(max_seconds=max_seconds)
     sys.exit(code)
+
+
+@cli.command()
+@click.argument("app_spec", metavar="MODULE:APP")
+@click.option("--metrics-port", type=int, help="Serve /metrics and /readyz on this port "
+              "(0 = any).")
+@click.option("--metrics-addr", help="Address /metrics binds (default 127.0.0.1).")
+@click.option("--max-seconds", type=float, help="Stop after this long (tests, demos).")
+@click.pass_obj
+def relay(obj: Ctx, app_spec: str, metrics_port: int | None, metrics_addr: str | None,
+          max_seconds: float | None) -> None:
+    """Run only the outbox relay of MODULE:APP: publish the events its handlers
+    emitted, exactly once (docs/OUTBOX.md); graceful on SIGTERM/SIGINT. Relays (and
+    members running one) share the shards: run as many as you like."""
+    from kafka_idem.cli_relay import run_relay
+
+    app = load_app(app_spec)
+    obj.overrides.update({k: v for k, v in {"metrics_port": metrics_port,
+                                             "metrics_addr": metrics_addr}.items()
+                          if v is not None})
+    sys.exit(run_relay(app, obj.settings(app), max_seconds=max_seconds))
 
 
 # --- operations ------------------------------------------------------------------

@@ -62,7 +62,8 @@ _NAMESPACE_HELP = ("Only records of this namespace (default: every namespace; an
 @click.pass_obj
 def status(obj: _Obj, as_json: bool, long_running: str | None, namespace: str | None) -> None:
     """Counts by status, leases, long-running records, failures by kind, retry backlog;
-    and the records of each namespace by status. Exit 1 for an unknown --namespace."""
+    the records of each namespace by status; the outbox's unpublished events (count and
+    age of the oldest) per namespace. Exit 1 for an unknown --namespace."""
     s = obj.settings()
     threshold = _duration(long_running) if long_running else s.long_running_seconds
     store = _store(s)
@@ -94,6 +95,13 @@ def status(obj: _Obj, as_json: bool, long_running: str | None, namespace: str | 
     for ns, counts in st.by_namespace.items():
         spaces.add(admin.shown(ns), *(counts[n] for n in admin.STATUSES))
     emit(spaces)
+    outbox = Grid(["namespace", "pending", "oldest (s)"], title="outbox: events not published "
+                  "yet", right=frozenset({"pending", "oldest (s)"}))
+    for ns, (n, age) in st.outbox.items():
+        outbox.add(admin.shown(ns), n, f"{age:.1f}")
+    if not st.outbox:
+        outbox.add("-", 0, "-")
+    emit(outbox)
 
 
 @click.command()

@@ -82,7 +82,8 @@ def create(obj: _Obj, app_spec: str, partitions: int | None, replication_factor:
 
 
 def _line(d: topic_rules.Done, dry_run: bool) -> str:
-    what = {"source": "source", "dlq": "dead-letter topic", "declared": "declared"}[d.role]
+    what = {"source": "source", "dlq": "dead-letter topic", "declared": "declared",
+            "outbox": "outbox control topic"}[d.role]
     parts = [what]
     if d.partitions is not None:
         parts.append(f"{d.partitions} partition{'s' if d.partitions != 1 else ''}")

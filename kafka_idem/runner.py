@@ -58,6 +58,7 @@ from kafka_idem.errors import BrokerError, ConfigError, FrameworkError
 from kafka_idem.health import Health
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.metrics import Metrics, Sampler
+from kafka_idem.outbox.relay import Relay, RelayThread
 from kafka_idem.store import Store, connect
 
 
@@ -102,6 +103,9 @@ class Runner:
         self.sampler = Sampler(
             self.metrics, lambda: sample_store(s, self.store), interval=s.metrics_sample_seconds
         )
+        self.relay: RelayThread | None = None  # an app with event topics publishes its outbox
+        if s.outbox_relay and app.event_topics:
+            self.relay = RelayThread(Relay(app, metrics=self.metrics, health=self.health))
 
     def _make_state(self, topic: str, jitter: Any) -> KeyedState | None:
         handler = self.app.handlers.get(topic)
@@ -132,6 +136,8 @@ class Runner:
         if self.leases is not None:
             self.leases.start()
         self.sampler.start()
+        if self.relay is not None:
+            self.relay.start()
         self.consumer.subscribe(self.app.topics, on_assign=self._on_assign,
                                 on_revoke=self._on_revoke, on_lost=self._on_lost)
         log.info("consumer started",
@@ -183,6 +189,8 @@ class Runner:
                 if deadline and time.monotonic() >= deadline:
                     break
                 self.step()
+                if self.relay is not None and self.relay.error is not None:
+                    self._fatal = self.relay.error
                 if self._fatal:
                     raise self._fatal
         finally:
@@ -365,6 +373,8 @@ class Runner:
             self.producer.flush(10)
             self.producer = None
         self.units.close()
+        if self.relay is not None:
+            self.relay.close()
         if self.leases is not None:
             self.leases.stop()
         self.sampler.stopped.set()

@@ -2,7 +2,9 @@
 
 An app needs each handler's source topic, each handler's dead-letter topic, and
 every topic it declares with :meth:`kafka_idem.App.topic` (one it produces to, or
-the partition count a source should have)::
+the partition count a source should have) or :meth:`kafka_idem.App.event_topic` (one
+its handlers emit to), and with event topics, its outbox control topic (one partition
+per outbox shard, compacted)::
 
     >>> app.topic("inventory.reserve", partitions=6)
     >>> [t.name for t in needed(app)]
@@ -34,7 +36,13 @@ from kafka_idem.errors import BrokerError, ConfigError
 DLQ_RETENTION_MS = 30 * 86_400_000
 BROKER_DEFAULT = -1  # CreateTopics: the broker's num.partitions / default.replication.factor
 
-Role = Literal["source", "dlq", "declared"]
+Role = Literal["source", "dlq", "declared", "outbox"]
+
+# The outbox control topic holds one small marker per shard (a partition each):
+# compacted on one key, it keeps about one record per partition however long the
+# relays run; the cleaner keeps the last committed marker (aborted ones are dropped).
+OUTBOX_CONFIG = {"cleanup.policy": "compact", "segment.ms": "3600000",
+                 "min.cleanable.dirty.ratio": "0.1"}
 
 # What the broker says about a request the command's options or the app made wrong.
 _CONFIG_ERRORS = {
@@ -91,6 +99,11 @@ def needed(app: App) -> list[Needed]:
         if name not in out:
             out[name] = Needed(name, "declared", decl.get("partitions"),
                                dict(decl.get("config") or {}))
+    if app.event_topics:
+        from kafka_idem.outbox import control_topic
+
+        name = control_topic(app.settings, app.namespace)
+        out[name] = Needed(name, "outbox", app.settings.outbox_shards, OUTBOX_CONFIG)
     return list(out.values())
 
 
@@ -180,6 +193,9 @@ def _found(t: Needed, count: int, matching: int | None = None) -> Done:
     note = None
     if t.partitions is not None and count != t.partitions:
         note = f"the app asks for {t.partitions} partitions; left as it is"
+    elif t.role == "outbox" and count < (t.partitions or 0):
+        note = (f"FEWER partitions than the {t.partitions} outbox shards: the relay refuses "
+                "to start; recreate it (with an empty outbox) or lower outbox_shards")
     elif t.role == "dlq" and matching is not None and count != matching:
         note = (f"its source has {matching} partitions; left as it is "
                 "(dead letters still work)")

@@ -26,9 +26,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from kafka_idem.app import App
+from kafka_idem.errors import ConfigError, FrameworkError
 from kafka_idem.health import Health
 from kafka_idem.metrics import Metrics
 from kafka_idem.outbox.shard import Episode, ShardWorker, backoff
@@ -64,8 +65,9 @@ class Relay:
 
     def __init__(self, app: App, settings: Settings | None = None, *,
                  metrics: Metrics | None = None, health: Health | None = None,
-                 hooks: RelayHooks | None = None) -> None:
+                 hooks: RelayHooks | None = None, live: bool = False) -> None:
         self.app = app
+        self.live = live  # its loop rounds are the process's liveness (a relay alone)
         self.settings = s = settings or app.settings
         self.namespace = app.namespace
         self.store = Store(schema=s.schema_name, table=s.table, namespace=self.namespace)
@@ -115,6 +117,11 @@ class Relay:
         """Publish until ``stop`` is set; then stop every shard after its round and
         leave the group (the shards move at once)."""
         consumer = Consumer(self._group_config())
+        try:
+            self._check_control_topic(consumer)
+        except BaseException:
+            consumer.close()
+            raise
         consumer.subscribe([self.control_topic], on_assign=self._on_assign,
                            on_revoke=self._on_revoke, on_lost=self._on_revoke)
         log.info("outbox relay started (control topic %s, %d shards)", self.control_topic,
@@ -129,6 +136,8 @@ class Relay:
                     self._kafka_error(err)
                 self._restart_fenced()
                 self._sample()
+                if self.live and self.health is not None:
+                    self.health.round()
                 try:
                     if listener is None or listener.closed:
                         listener = self._listener()
@@ -155,6 +164,23 @@ class Relay:
         conf["partition.assignment.strategy"] = "roundrobin"
         conf["auto.offset.reset"] = "latest"
         return conf
+
+    def _check_control_topic(self, consumer: Consumer) -> None:
+        """A control topic with fewer partitions than shards would leave the shards
+        beyond its partitions unpublished forever: refused (a missing one is waited for)."""
+        try:
+            md = consumer.list_topics(self.control_topic, timeout=10)
+        except KafkaException:
+            return  # the broker is not answering yet: the loop says so
+        found = md.topics.get(self.control_topic)
+        if found is None or found.error is not None:
+            return
+        if len(found.partitions) < self.settings.outbox_shards:
+            raise ConfigError(
+                f"outbox control topic {self.control_topic} has {len(found.partitions)} "
+                f"partitions, fewer than the {self.settings.outbox_shards} outbox shards: "
+                "lower outbox_shards or recreate the topic (with an empty outbox)",
+                setting="outbox_shards")
 
     def _listener(self) -> psycopg.Connection[Any]:
         conn = connect(self.settings.dsn, application_name="kafka_idem-relay")
@@ -249,6 +275,25 @@ class Relay:
                                                default=0.0))
 
 
-def run_relay(app: App, stop: threading.Event, **kwargs: Any) -> None:
-    """:meth:`Relay.run` for ``app`` (the member's thread, ``kafka-idem relay``)."""
-    Relay(app, **kwargs).run(stop)
+class RelayThread(threading.Thread):
+    """A member's relay (``kafka-idem run``): :meth:`Relay.run` on a thread, stopped
+    with the member; a framework error it ends with (e.g. a control topic with too few
+    partitions) is kept in :attr:`error` for the member to stop on."""
+
+    def __init__(self, relay: Relay) -> None:
+        super().__init__(name="kafka-idem-outbox", daemon=True)
+        self.relay = relay
+        self.stopping = threading.Event()
+        self.error: FrameworkError | None = None
+
+    def run(self) -> None:
+        try:
+            self.relay.run(self.stopping)
+        except FrameworkError as exc:
+            log.error("outbox relay stopped: %s", exc, extra={"action": "outbox_failed"})
+            self.error = exc
+
+    def close(self, timeout: float = 60.0) -> None:
+        self.stopping.set()
+        if self.is_alive():
+            self.join(timeout)

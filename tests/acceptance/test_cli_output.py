@@ -34,7 +34,7 @@ RAW_RDKAFKA = re.compile(r"^%\d\|\d+\.\d+\|")  # librdkafka's own stderr format
 
 # The JSON shapes the README documents ("JSON output"): a field is only ever added.
 STATUS_FIELDS = {"namespace", "by_status", "by_namespace", "processing", "long_running",
-                 "retry_backlog", "failed_by_kind"}
+                 "retry_backlog", "failed_by_kind", "outbox"}
 RECORD_FIELDS = {"idempotency_key", "namespace", "status", "request_hash", "attempts",
                  "owner_token", "lease_until", "lease_live", "next_attempt_at", "result_json",
                  "error_kind", "error_class", "error_message", "first_failure_at",

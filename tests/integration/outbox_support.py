@@ -40,6 +40,7 @@ def outbox_app(db: DB, topics: Topics, group: str, fn: Callable[..., Any] | None
     source = topics(partitions=settings.pop("partitions", 1))
     events = events or topics(partitions=2, dlq=False, prefix="ev")
     handler = fn if fn is not None else emitting(events)
+    settings.setdefault("outbox_relay", False)  # the test runs its relays itself
     app = charge_app(db, source, group, handler, outbox_shards=SHARDS,
                      name_prefix=f"p{uuid.uuid4().hex[:8]}-", outbox_poll_seconds=0.2,
                      **settings)
