@@ -49,6 +49,8 @@ def _topics_create(ws: Workspace, config: Any) -> str:
     made = sorted(t for t in ws.kafka.admin.list_topics(timeout=15).topics
                   if t.startswith(prefix) and t not in ws.topics)
     ws.topics.extend(made)
+    # the relays' group is named after the control topic: removed with the rest
+    ws.groups.extend(t for t in made if "kafka-idem-outbox" in t)
     return out.stdout
 
 
@@ -122,11 +124,18 @@ def outbox_exactly_once(ws: Workspace, out: Outcome) -> None:
     # 3. the event topic, read_committed
     _judge(ws, out, got, [key_of("t1", o) for o in succeeded], member)
     out.figure(topics_create=created.strip().splitlines()[-3:], killed_relays=killed,
+               relay_a_log=_shard_lines(relay_a),
                pending_after_kill=pending, events=len(got), records=ws.status_counts(),
                relay_a_alive_after_resume=relay_a.proc.poll() is None or relay_a.proc.poll())
     out.check("after the relays were killed, the rows waited in the outbox for relay C",
               pending == len(fourth) and all(k == -signal.SIGKILL for k in killed),
               f"{pending} pending, exit {killed}")
+
+
+def _shard_lines(relay: Member) -> list[str]:
+    """What relay A's log says about its shards (taken over, fenced, revoked)."""
+    text = relay.log.read_text(errors="replace") if relay.log.exists() else ""
+    return [line[-160:] for line in text.splitlines() if "outbox shard" in line][-6:]
 
 
 def _judge(ws: Workspace, out: Outcome, got: list[Any], succeeded: list[str],
