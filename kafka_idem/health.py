@@ -8,7 +8,8 @@ while the loop was stuck. So the loop reports to :class:`Health` itself:
   default 300 s, librdkafka's default ``max.poll.interval.ms``: a loop stuck longer
   has left the group anyway). A restart is the cure for a loop that is not live.
 * **ready** (``/readyz``): live, not stopping, the member joined its group (it got
-  its first assignment, possibly empty: a spare member is ready), and every assigned
+  its first assignment, possibly empty: a spare member is ready), its outbox relay
+  (if it runs one) not in a trouble episode (the reason is said), and every assigned
   partition is caught up within ``readiness_max_lag`` messages
   (``KAFKA_IDEM_READINESS_MAX_LAG``, default 1000; measured as for the lag gauge:
   the high watermark minus the first unfinished offset). A partition whose lag is

@@ -83,6 +83,7 @@ class Relay:
         self._lock = threading.Lock()
         self._listen = Episode(self, "outbox relay notifications")
         self._sampled_at = 0.0
+        self._missing_said = False
 
     # --- what the workers report ------------------------------------------------------
 
@@ -134,7 +135,7 @@ class Relay:
                 err = msg.error() if msg is not None else None
                 if err is not None:
                     self._kafka_error(err)
-                self._restart_fenced()
+                self._tend()
                 self._sample()
                 if self.live and self.health is not None:
                     self.health.round()
@@ -202,6 +203,9 @@ class Relay:
 
     def _kafka_error(self, err: KafkaError) -> None:
         if err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+            if self._missing_said:
+                return
+            self._missing_said = True  # said once: the group joins when the topic exists
             log.warning("outbox control topic %s does not exist: create it with `kafka-idem "
                         "topics create MODULE:APP` (%d partitions, one per shard)",
                         self.control_topic, self.settings.outbox_shards,
@@ -221,10 +225,13 @@ class Relay:
             self._start(shard)
         self.metrics.outbox_shards.set(len(self.workers))
         if shards:
-            log.info("outbox shards assigned: %s", shards, extra={"action": "outbox_assigned"})
+            log.info("outbox shards assigned to %s: %s", self.owner, shards,
+                     extra={"action": "outbox_assigned"})
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         shards = sorted(p.partition for p in partitions)
+        log.info("outbox shards revoked from %s: %s", self.owner, shards,
+                 extra={"action": "outbox_revoked"})
         self._stop_workers(shards)  # each finishes its round first
         self.assigned -= set(shards)
         self.metrics.outbox_shards.set(len(self.workers))
@@ -244,18 +251,24 @@ class Relay:
         for worker in stopping:
             worker.join()
 
-    def _restart_fenced(self) -> None:
-        """A shard this relay was fenced out of stays stopped; if the group still gives
-        it to this relay after two session timeouts, it takes it over again."""
+    def _tend(self) -> None:
+        """Restart a shard's worker that died (an unexpected error: it settles the shard
+        again through the marker); one fenced out stays stopped, and if the group still
+        gives the shard to this relay two session timeouts later, takes it over again."""
         now = time.monotonic()
         for shard, worker in list(self.workers.items()):
-            if worker.fenced and not worker.is_alive():
+            if worker.is_alive() or shard not in self.assigned:
+                continue
+            if worker.fenced:
                 since = self._fenced_at.setdefault(shard, now)
-                wait = 2 * self.settings.session_timeout_ms / 1000
-                if shard in self.assigned and now - since > wait:
-                    del self._fenced_at[shard]
-                    del self.workers[shard]
-                    self._start(shard)
+                if now - since <= 2 * self.settings.session_timeout_ms / 1000:
+                    continue
+                del self._fenced_at[shard]
+            else:
+                log.error("outbox shard %d: its publisher stopped unexpectedly; restarting it",
+                          shard, extra={"action": "outbox_restart", "shard": shard})
+            del self.workers[shard]
+            self._start(shard)
         self.metrics.outbox_shards.set(sum(1 for w in self.workers.values() if not w.fenced))
 
     def _sample(self) -> None:

@@ -107,35 +107,36 @@ class ShardWorker(threading.Thread):
     def run(self) -> None:
         try:
             while not self.stopping.is_set():
-                if not self._step():
-                    continue
+                self._step()
         finally:
             self._close()
 
-    def _step(self) -> bool:
-        """One round (taking over first if needed); ``False`` after a failure."""
+    def _step(self) -> None:
+        """One round (taking over first if needed), or a failure and its backoff."""
         try:
             self.wake.clear()
             if self._producer is None:
                 self._take_over()
             self._delete_pending()
+            if self.stopping.is_set():  # revoked meanwhile: the next owner goes on
+                return
             published = self._round()
         except Fenced as exc:
             self.relay.metrics.outbox_relay_errors.labels("fenced").inc()
-            log.warning("outbox shard %d: %s; this relay stops publishing it", self.shard, exc,
+            log.warning("outbox shard %d: %s; this relay (%s) stops publishing it", self.shard,
+                        exc, self.relay.owner,
                         extra={"action": "outbox_fenced", "shard": self.shard})
             self._drop_producer()
             self.fenced = True
             self.stopping.set()
-            return False
+            return
         except Exception as exc:  # retried: every failure leaves the rows in the outbox
             self._failed(exc)
-            return False
+            return
         self.episode.ended()
         self._attempt = 0
         if published < self.settings.outbox_batch:
             self.wake.wait(self.settings.outbox_poll_seconds)
-        return True
 
     def _failed(self, exc: Exception) -> None:
         if isinstance(exc, Aborted):
@@ -158,15 +159,18 @@ class ShardWorker(threading.Thread):
         producer = Producer(conf)
         try:
             producer.init_transactions(TIMEOUT)
+            self._pending = marker.last_marker(self._marker_reader(), self.relay.control_topic,
+                                               self.shard, outbox=self.outbox(),
+                                               timeout=TIMEOUT)
         except KafkaException as exc:
             _discard(producer)
             raise _translate(exc) from exc
-        reader = self._marker_reader()
-        self._pending = marker.last_marker(reader, self.relay.control_topic, self.shard,
-                                           outbox=self.outbox(), timeout=TIMEOUT)
+        except BaseException:
+            _discard(producer)
+            raise
         self._producer = producer
-        log.info("outbox shard %d taken over (%d rows of the last round to settle)",
-                 self.shard, len(self._pending),
+        log.info("outbox shard %d taken over by %s (%d rows of the last round to settle)",
+                 self.shard, self.relay.owner, len(self._pending),
                  extra={"action": "outbox_shard", "shard": self.shard})
 
     def _marker_reader(self) -> Consumer:

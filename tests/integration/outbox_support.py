@@ -3,6 +3,7 @@ on a thread, the event topic read with read_committed."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -20,15 +21,18 @@ from tests.integration.support import charge_app
 SHARDS = 2
 
 
+def event_of(msg: payments.ChargeRequested, ctx: Context) -> dict[str, Any]:
+    return {"order_id": msg.order_id, "amount": str(msg.amount), "attempt": ctx.attempt}
+
+
 def emitting(events: str, fn: Callable[[payments.ChargeRequested, Context], Any]
              = payments.charge) -> Callable[[payments.ChargeRequested, Context], Any]:
-    """``fn``, then one event on ``events`` (key: the order id) with its result."""
+    """One event on ``events`` (key: the order id), then ``fn``: the event is emitted
+    before anything can fail, so a failure must take it back."""
 
     def handler(msg: payments.ChargeRequested, ctx: Context) -> Any:
-        result = fn(msg, ctx)
-        ctx.emit(events, {"order_id": msg.order_id, "amount": str(msg.amount)},
-                 key=msg.order_id, headers={"x-test": "yes"})
-        return result
+        ctx.emit(events, event_of(msg, ctx), key=msg.order_id, headers={"x-test": "yes"})
+        return fn(msg, ctx)
 
     return handler
 
@@ -117,3 +121,28 @@ def wait_published(db: DB, topic: str, n: int, *, timeout: float = 60.0) -> list
     wait_for(lambda: not outbox_rows(db), timeout=timeout, what="the outbox to drain")
     return wait_for(lambda: (lambda got: got if len(got) >= n else None)(read_committed(topic)),
                     timeout=timeout, what=f"{n} events on {topic}")
+
+
+def direct_context(conn: Any, app: App, n: int, *, key: str | None = None) -> Context:
+    """A handler's context on ``conn`` as the paths build it (``ctx.emit`` works), for
+    writing events without a consumer."""
+    ctx = Context(tx=conn, idempotency_key=key or f"intent-{n}", request_hash="h", attempt=1,
+                  handler="direct", topic="direct", partition=0, offset=n, timestamp=None,
+                  kafka_key=None)
+    ctx._emitter = app.outbox
+    return ctx
+
+
+def write_events(conn: Any, app: App, topic: str, events: list[tuple[str, Any]], *,
+                 n: int = 0, commit: bool = True) -> None:
+    """``events`` ((key, value)) emitted and written in one transaction on ``conn``."""
+    ctx = direct_context(conn, app, n)
+    for key, value in events:
+        ctx.emit(topic, value, key=key)
+    app.outbox.flush(conn, ctx)
+    if commit:
+        conn.commit()
+
+
+def values_by_key(topic: str) -> dict[str, list[Any]]:
+    return {k: [json.loads(m.value()) for m in ms] for k, ms in events_by_key(topic).items()}

@@ -4,6 +4,7 @@ a history of every record state (a trigger in the per-test database), DLQ readin
 from __future__ import annotations
 
 import datetime as dt
+import inspect
 import random
 import uuid
 from collections.abc import Callable, Mapping
@@ -100,6 +101,10 @@ def charge_app(
 
     def charge(msg: payments.ChargeRequested, ctx: Context) -> Any:
         return fn(msg, ctx)
+
+    if inspect.iscoroutinefunction(fn):  # an async def handler stays one
+        async def charge(msg: payments.ChargeRequested, ctx: Context) -> Any:  # type: ignore[misc]
+            return await fn(msg, ctx)
 
     app.handler(
         topic=topic,

@@ -1,34 +1,176 @@
-"""The transactional outbox (docs/OUTBOX.md): ctx.emit in every mode, the relay's
-exactly-once publication, out-of-order commits, per-key order."""
+"""The transactional outbox (docs/OUTBOX.md), ctx.emit in every mode: an event for
+each effect that committed, exactly once for read_committed readers, with the
+intent's headers; none for a rolled-back effect, a lost lease, a conflict or a
+replay; the batch path's fallback emits once."""
 
 from __future__ import annotations
 
 import json
+from decimal import Decimal
+from typing import Any
 
+import pytest
+
+from consumers import payments
 from consumers.payments import encode_charge
+from kafka_idem import Context, Permanent
+from kafka_idem.handler import AsyncContext
+from kafka_idem.store import Delivery, Store, connect
 from tests.conftest import DB, InProcess, Topics, caught_up, headers, produce, wait_for
-from tests.integration.outbox_support import RelayThread, outbox_app, wait_published
+from tests.integration.outbox_support import (
+    RelayThread,
+    emitting,
+    event_of,
+    events_by_key,
+    outbox_app,
+    wait_published,
+)
 
 
-def charges(*orders: str) -> list[tuple[bytes, bytes]]:
-    return [(o.encode(), encode_charge("t1", o, "1.00")) for o in orders]
+def charges(*orders: tuple[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(o.encode(), encode_charge("t1", o, a)) for o, a in orders]
+
+
+def processed(app: Any, group: str) -> None:
+    wait_for(lambda: caught_up(group, app.topics[0]), what="the charges")
 
 
 def test_local_mode_emit_is_published_once_with_the_intent_headers(
     db: DB, topics: Topics, group: str
 ) -> None:
-    app, events = outbox_app(db, topics, group)
+    app, events = outbox_app(db, topics, group, batch_path=False)
     source = app.topics[0]
-    produce(source, charges("o1", "o2", "o1"))  # o1 again: a replay emits nothing
+    produce(source, charges(("o1", "1.00"), ("o2", "2.00"), ("o1", "1.00")))  # o1 again: replay
     with InProcess(app), RelayThread(app):
-        wait_for(lambda: caught_up(group, source), what="the charges")
+        processed(app, group)
         got = wait_published(db, events, 2)
     assert sorted(m.key() for m in got) == [b"o1", b"o2"]
     first = next(m for m in got if m.key() == b"o1")
     h = headers(first)
-    assert json.loads(first.value()) == {"order_id": "o1", "amount": "1.00"}
+    assert json.loads(first.value()) == {"order_id": "o1", "amount": "1.00", "attempt": 1}
     assert h["idem.key"] == "t1:charge:o1"
     assert h["idem.namespace"] == app.namespace
     assert h["idem.source.topic"] == source
     assert (h["idem.source.partition"], h["idem.source.offset"]) == ("0", "0")
     assert h["x-test"] == "yes" and int(h["idem.outbox.id"]) > 0
+
+
+@pytest.mark.parametrize("batch_path", [True, False], ids=["batch", "per-message"])
+def test_no_event_for_a_failure_a_conflict_or_a_replay(
+    db: DB, topics: Topics, group: str, batch_path: bool
+) -> None:
+    app, events = outbox_app(db, topics, group, batch_path=batch_path)
+    # o2: a negative amount fails after its emit (Permanent: dead-lettered); o1 again with
+    # another amount: a conflict; o1 again as it was: a replay.
+    produce(app.topics[0], charges(("o1", "1.00"), ("o2", "-1.00"), ("o1", "9.00"),
+                                   ("o1", "1.00"), ("o3", "3.00")))
+    with InProcess(app), RelayThread(app):
+        processed(app, group)
+        wait_published(db, events, 2)
+    by_key = events_by_key(events)
+    assert {k: len(v) for k, v in by_key.items()} == {"o1": 1, "o3": 1}
+    assert db.ledger_counts() == {"t1:charge:o1": 1, "t1:charge:o3": 1}
+
+
+def test_bulk_handler_items_emit_and_a_batch_fallback_emits_each_once(
+    db: DB, topics: Topics, group: str
+) -> None:
+    app, events = outbox_app(db, topics, group)
+    failed_once: list[str] = []
+
+    def bulk(batch: list[tuple[payments.ChargeRequested, Context]], tx: Any) -> list[Any]:
+        for msg, ctx in batch:
+            ctx.emit(events, event_of(msg, ctx), key=msg.order_id)
+        if any(m.order_id == "o3" for m, _ in batch) and not failed_once:
+            failed_once.append("o3")
+            raise RuntimeError("the whole batch falls back once")
+        return payments.charge_many(batch, tx)
+
+    app.handlers[app.topics[0]].bulk_handler(bulk)
+    produce(app.topics[0], charges(*[(f"o{i}", "1.00") for i in range(6)], ("o9", "-1.00")))
+    with InProcess(app), RelayThread(app):
+        processed(app, group)
+        wait_published(db, events, 6)
+    assert failed_once == ["o3"]  # the fallback ran: its per-message re-run emitted again
+    by_key = events_by_key(events)
+    assert {k: len(v) for k, v in by_key.items()} == {f"o{i}": 1 for i in range(6)}
+    assert sum(db.ledger_counts().values()) == 6
+
+
+def test_leased_mode_an_emit_of_an_attempt_whose_lease_was_lost_does_not_survive(
+    db: DB, topics: Topics, group: str
+) -> None:
+    events = topics(partitions=1, dlq=False, prefix="ev")
+
+    def steal_then_charge(msg: payments.ChargeRequested, ctx: Context) -> Any:
+        if ctx.attempt == 1:  # another owner takes the key over while this attempt runs
+            store = Store(schema="kafka_idem", table="task_idempotency", namespace="failures")
+            with connect(db.dsn) as other:
+                store.expire_leases(other, key=ctx.idempotency_key)
+                store.claim(other, key=ctx.idempotency_key, request_hash=ctx.request_hash,
+                            delivery=Delivery(ctx.topic, ctx.partition, ctx.offset, "thief"),
+                            lease_seconds=1.0, max_attempts=5, max_elapsed_seconds=3600)
+                other.commit()
+        return payments.charge(msg, ctx)
+
+    app, _ = outbox_app(db, topics, group, emitting(events, steal_then_charge), events=events,
+                        mode="leased", lease_seconds=1.0, busy_retry_seconds=0.2)
+    produce(app.topics[0], charges(("o1", "1.00")))
+    with InProcess(app), RelayThread(app):
+        processed(app, group)
+        got = wait_published(db, events, 1)
+    assert [json.loads(m.value())["attempt"] for m in got] == [3]  # not the first attempt's
+    assert db.ledger_counts() == {"t1:charge:o1": 1}
+
+
+def test_async_handler_await_emit(db: DB, topics: Topics, group: str) -> None:
+    events = topics(partitions=1, dlq=False, prefix="ev")
+
+    async def charge(msg: payments.ChargeRequested, ctx: AsyncContext) -> Any:
+        await ctx.emit(events, event_of(msg, ctx), key=msg.order_id)
+        return await payments.charge_async(msg, ctx)
+
+    app, _ = outbox_app(db, topics, group, charge, events=events, mode="leased")
+    produce(app.topics[0], charges(("o1", "1.00"), ("o2", "-5.00"), ("o3", "3.00")))
+    with InProcess(app), RelayThread(app):
+        processed(app, group)
+        wait_published(db, events, 2)
+    assert sorted(events_by_key(events)) == ["o1", "o3"]
+    assert db.balances() == {("t1", "EUR"): Decimal("4.00")}
+
+
+def test_emit_to_an_undeclared_topic_is_a_configuration_error_that_holds_the_message(
+    db: DB, topics: Topics, group: str
+) -> None:
+    def bad(msg: payments.ChargeRequested, ctx: Context) -> Any:
+        ctx.emit("not.declared", {"x": 1})
+        return payments.charge(msg, ctx)
+
+    app, _ = outbox_app(db, topics, group, bad)
+    produce(app.topics[0], charges(("o1", "1.00")))
+    with InProcess(app) as r:
+        wait_for(lambda: r.runner.metrics.config_errors.labels(
+            app.topics[0], "charge")._value.get() > 0, what="the configuration error")
+    assert db.ledger_counts() == {} and db.record("t1:charge:o1") is None  # held, not charged
+
+
+def test_permanent_rejection_from_a_bulk_handler_drops_that_items_events(
+    db: DB, topics: Topics, group: str
+) -> None:
+    app, events = outbox_app(db, topics, group)
+
+    def bulk(batch: list[tuple[payments.ChargeRequested, Context]], tx: Any) -> list[Any]:
+        for msg, ctx in batch:
+            ctx.emit(events, event_of(msg, ctx), key=msg.order_id)
+        out = payments.charge_many(batch, tx)  # o1's negative amount: a Permanent result
+        assert isinstance(out[0], Permanent)
+        return out
+
+    app.handlers[app.topics[0]].bulk_handler(bulk)
+    produce(app.topics[0], charges(("o1", "-1.00"), ("o2", "2.00"), ("o3", "3.00")))
+    with InProcess(app) as r, RelayThread(app):
+        processed(app, group)
+        wait_published(db, events, 2)
+        fallbacks = r.runner.metrics.messages.labels(app.topics[0], "charge", "succeeded")
+    assert sorted(events_by_key(events)) == ["o2", "o3"]
+    assert fallbacks._value.get() == 2
