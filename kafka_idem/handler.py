@@ -83,7 +83,8 @@ class Context:
              headers: Mapping[str, str | bytes] | None = None) -> None:
         """Publish an event to ``topic`` if and only if this handler's effect commits
         (the transactional outbox, docs/OUTBOX.md): the event is encoded now with the
-        topic's codec (``app.event_topic``; ``bytes`` pass through as they are) and
+        topic's codec (``app.event_topic``; ``bytes`` pass through as they are, ``None``
+        is a tombstone) and
         written to the outbox in this transaction, right before the completion; the
         relay publishes it exactly once, with ``idem.*`` headers naming this intent.
         ``key`` (``str`` is UTF-8) is the Kafka key; events with the same key are

@@ -193,7 +193,7 @@ def current_trace(source: Mapping[str, bytes]) -> list[tuple[str, bytes]]:
     """The trace context an emitted event carries: the current span's (the handler's,
     when tracing is on), else the source message's own ``traceparent`` /
     ``tracestate``, so a trace continues through the outbox either way."""
-    if enabled():
+    if trace is not None:  # a valid current span only when a tracer provider is set
         span = trace.get_current_span()
         if span.get_span_context().is_valid:
             return list(inject(span))

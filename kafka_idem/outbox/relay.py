@@ -70,6 +70,7 @@ class Relay:
         self.live = live  # its loop rounds are the process's liveness (a relay alone)
         self.settings = s = settings or app.settings
         self.namespace = app.namespace
+        self._namespace = self.namespace.encode()
         self.store = Store(schema=s.schema_name, table=s.table, namespace=self.namespace)
         self.control_topic = control_topic(s, self.namespace)
         self.metrics = metrics or Metrics()
@@ -89,9 +90,8 @@ class Relay:
 
     def headers(self, row: OutboxRow) -> list[tuple[str, bytes]]:
         """An event's headers: the emitter's, then the intent's ``idem.*``."""
-        out = list(row.headers)
-        out += [("idem.key", row.idem_key.encode()), ("idem.namespace", self.namespace.encode()),
-                ("idem.outbox.id", str(row.id).encode())]
+        out = [*row.headers, ("idem.key", row.idem_key.encode()),
+               ("idem.namespace", self._namespace), ("idem.outbox.id", str(row.id).encode())]
         if row.source_topic is not None:
             out += [("idem.source.topic", row.source_topic.encode()),
                     ("idem.source.partition", str(row.source_partition).encode()),
@@ -164,6 +164,9 @@ class Relay:
         # gets it; round-robin spreads the shards evenly.
         conf["partition.assignment.strategy"] = "roundrobin"
         conf["auto.offset.reset"] = "latest"
+        # A control topic created after the start is noticed within seconds, not at
+        # librdkafka's five-minute metadata refresh.
+        conf.setdefault("topic.metadata.refresh.interval.ms", 10_000)
         return conf
 
     def _check_control_topic(self, consumer: Consumer) -> None:

@@ -36,7 +36,7 @@ class OutboxQueries(AdminQueries):
             "keys": [e.key for e in events],
             "values": [e.value for e in events],
             "headers": [Jsonb([[k, base64.b64encode(v).decode()] for k, v in e.headers])
-                        for e in events],
+                        if e.headers else None for e in events],  # most have none: NULL
             "idem_keys": [e.idem_key for e in events],
             "source_topics": [e.source.topic if e.source else None for e in events],
             "source_partitions": [e.source.partition if e.source else None for e in events],
@@ -66,15 +66,12 @@ class OutboxQueries(AdminQueries):
     def outbox_rows(self, conn: Conn, shard: int, limit: int) -> list[OutboxRow]:
         """The rows of ``shard`` visible now, in id order (at most ``limit``)."""
         with translate_errors():
-            cur = conn.cursor(row_factory=dict_row)
-            found = cur.execute(self.q["outbox_select"],
-                                {"ns": self.ns, "shard": shard, "limit": limit}).fetchall()
-        return [OutboxRow(
-            id=r["id"], topic=r["topic"], key=r["key"], value=r["value"],
-            headers=[(k, base64.b64decode(v)) for k, v in (r["headers"] or [])],
-            idem_key=r["idem_key"], source_topic=r["source_topic"],
-            source_partition=r["source_partition"], source_offset=r["source_offset"],
-            created_at=r["created_at"]) for r in found]
+            found = conn.execute(self.q["outbox_select"],
+                                 {"ns": self.ns, "shard": shard, "limit": limit}).fetchall()
+        return [OutboxRow(id=r[0], topic=r[1], key=r[2], value=r[3],
+                          headers=[(k, base64.b64decode(v)) for k, v in r[4]] if r[4] else [],
+                          idem_key=r[5], source_topic=r[6], source_partition=r[7],
+                          source_offset=r[8], created_at=r[9]) for r in found]
 
     def outbox_delete(self, conn: Conn, ids: Sequence[int]) -> int:
         """Delete exactly ``ids`` (published): how many rows were still there."""

@@ -73,7 +73,7 @@ class Event:
 
     topic: str
     key: bytes | None
-    value: bytes
+    value: bytes | None  # None: a tombstone
     headers: tuple[tuple[str, bytes], ...]
     idem_key: str
     slot: int

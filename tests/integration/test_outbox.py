@@ -10,13 +10,14 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
+from confluent_kafka import Producer
 
 from consumers import payments
 from consumers.payments import encode_charge
 from kafka_idem import Context, Permanent
 from kafka_idem.handler import AsyncContext
 from kafka_idem.store import Delivery, Store, connect
-from tests.conftest import DB, InProcess, Topics, caught_up, headers, produce, wait_for
+from tests.conftest import BOOTSTRAP, DB, InProcess, Topics, caught_up, headers, produce, wait_for
 from tests.integration.outbox_support import (
     RelayThread,
     emitting,
@@ -174,3 +175,18 @@ def test_permanent_rejection_from_a_bulk_handler_drops_that_items_events(
         fallbacks = r.runner.metrics.messages.labels(app.topics[0], "charge", "succeeded")
     assert sorted(events_by_key(events)) == ["o2", "o3"]
     assert fallbacks._value.get() == 2
+
+
+def test_an_event_carries_the_source_messages_trace_context_without_a_tracer(
+    db: DB, topics: Topics, group: str
+) -> None:
+    app, events = outbox_app(db, topics, group)
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    producer = Producer({"bootstrap.servers": BOOTSTRAP})
+    producer.produce(app.topics[0], key=b"o1", value=encode_charge("t1", "o1", "1.00"),
+                     headers=[("traceparent", parent.encode())])
+    producer.flush(30)
+    with InProcess(app), RelayThread(app):
+        processed(app, group)
+        (event,) = wait_published(db, events, 1)
+    assert headers(event)["traceparent"] == parent

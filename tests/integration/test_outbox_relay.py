@@ -5,10 +5,12 @@ Every case: each row exactly once for read_committed readers, none skipped."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 
 import psycopg
+import pytest
 from confluent_kafka import Producer
 
 from kafka_idem.outbox.emit import shard_of, slot_of
@@ -163,8 +165,9 @@ class TerminateBeforeCommit(RelayHooks):
 
 
 def test_the_database_connection_terminated_mid_round_loses_and_duplicates_nothing(
-    db: DB, topics: Topics, group: str
+    db: DB, topics: Topics, group: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="kafka_idem.outbox")
     app, events = outbox_app(db, topics, group)
     with psycopg.connect(db.dsn) as conn:
         write_events(conn, app, events, [(f"k{i}", {"n": i}) for i in range(20)])
@@ -176,6 +179,17 @@ def test_the_database_connection_terminated_mid_round_loses_and_duplicates_nothi
         wait_published(db, events, 30)
     assert hooks.terminated >= 1
     assert {k: len(v) for k, v in values_by_key(events).items()} == {f"k{i}": 1 for i in range(30)}
+    # Said once per episode (per shard publisher, the listener), with the reason, and
+    # once when it ends: for each of them, trouble and recovery alternate.
+    said = [(r.getMessage().split(":")[0], r.action) for r in caplog.records  # type: ignore[attr-defined]
+            if getattr(r, "action", None) in ("outbox_trouble", "outbox_recovered")]
+    assert any(action == "outbox_trouble" for _, action in said)
+    assert all("database" in r.getMessage() for r in caplog.records
+               if getattr(r, "action", None) == "outbox_trouble")
+    for who in {w for w, _ in said}:
+        actions = [a for w, a in said if w == who]
+        assert actions[::2] == ["outbox_trouble"] * len(actions[::2]), (who, actions)
+        assert actions[1::2] == ["outbox_recovered"] * len(actions[1::2]), (who, actions)
 
 
 def test_shards_handed_over_between_two_relays_keep_every_row_once_and_in_key_order(
@@ -217,3 +231,12 @@ def test_shards_handed_over_between_two_relays_keep_every_row_once_and_in_key_or
     assert sorted(v["seq"] for vs in got.values() for v in vs) == written
 
 
+
+
+def test_bytes_pass_through_and_none_is_a_tombstone(db: DB, topics: Topics, group: str) -> None:
+    app, events = outbox_app(db, topics, group)
+    with psycopg.connect(db.dsn) as conn:
+        write_events(conn, app, events, [("k1", b"\x00raw"), ("k1", None)])
+    with RelayThread(app):
+        got = wait_published(db, events, 2)
+    assert [(m.key(), m.value()) for m in got] == [(b"k1", b"\x00raw"), (b"k1", None)]

@@ -68,3 +68,15 @@ def test_not_ready_while_stopping_or_not_live() -> None:
     h.round()
     h.stopping()
     assert h.ready().body["reason"] == "stopping"
+
+
+def test_not_ready_while_the_outbox_relay_is_in_trouble_and_ready_again_after() -> None:
+    h = health(Clock())
+    h.assigned([])
+    h.outbox("outbox shard 1: database: StoreUnavailable: connection lost")
+    probe = h.ready()
+    assert not probe.ok
+    assert probe.body["reason"] == (
+        "outbox relay: outbox shard 1: database: StoreUnavailable: connection lost")
+    h.outbox(None)
+    assert h.ready().ok
