@@ -169,7 +169,8 @@ class ShardWorker(threading.Thread):
             _discard(producer)
             raise
         self._producer = producer
-        log.info("outbox shard %d taken over by %s (%d rows of the last round to settle)",
+        log.info("outbox shard %d taken over by %s (its last marker lists %d rows, deleted "
+                 "if still there)",
                  self.shard, self.relay.owner, len(self._pending),
                  extra={"action": "outbox_shard", "shard": self.shard})
 

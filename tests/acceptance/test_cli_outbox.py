@@ -10,11 +10,14 @@ import subprocess
 import sys
 import uuid
 
+import psycopg
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from consumers.payments import encode_charge
+from kafka_idem import App
 from tests.acceptance.test_cli_admin import kafka_idem
 from tests.conftest import (
+    BOOTSTRAP,
     DB,
     ROOT,
     Members,
@@ -24,7 +27,7 @@ from tests.conftest import (
     produce,
     wait_for,
 )
-from tests.integration.outbox_support import outbox_rows, read_committed
+from tests.integration.outbox_support import outbox_rows, read_committed, write_events
 
 APP = "tests.apps.outbox:app"
 
@@ -74,3 +77,46 @@ def test_topics_create_relay_status_and_run(
     wait_for(lambda: not outbox_rows(db) and len(read_committed(events)) == 4,
              what="run's relay to publish")
     assert sorted(m.key() for m in read_committed(events)) == [b"o1", b"o2", b"o3", b"o4"]
+
+
+def test_a_relay_killed_mid_flight_is_taken_over_without_loss_or_duplicate(
+    db: DB, topics: Topics, members: Members, group: str
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    source, events, prefix = f"t-{tag}", f"ev-{tag}", f"p{tag}-"
+    control = f"{prefix}kafka-idem-outbox.outbox"
+    topics.create([events], partitions=2)
+    topics.create([control], partitions=4)
+    env = member_env(db, source, OUTBOX_EVENTS=events, KAFKA_IDEM_NAME_PREFIX=prefix,
+                     KAFKA_IDEM_OUTBOX_BATCH="200")
+    writer = App("outbox", database_url=db.dsn, bootstrap_servers=BOOTSTRAP)
+    writer.event_topic(events)
+    total = 20_000
+    with psycopg.connect(db.dsn) as conn:
+        for b in range(total // 1000):
+            write_events(conn, writer, events, [(f"k{j % 50}", {"b": b, "j": j})
+                                                for j in range(1000)], n=b)
+
+    def relay(n: int) -> subprocess.Popen[bytes]:
+        log = open(members.tmp / f"relay-{n}.log", "wb")  # noqa: SIM115
+        return subprocess.Popen([sys.executable, "-m", "kafka_idem.cli", "relay", APP],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    first = relay(0)
+    try:
+        wait_for(lambda: len(outbox_rows(db)) <= total - 2000, what="the first relay under way")
+    finally:
+        first.kill()  # SIGKILL, wherever it is: mid-transaction, or between commit and delete
+        first.wait(30)
+    second = relay(1)
+    try:
+        wait_for(lambda: not outbox_rows(db), timeout=120, what="the second relay to drain")
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=60) == 0
+    got = read_committed(events, timeout=60)
+    ids = [dict(m.headers())["idem.outbox.id"] for m in got]
+    assert len(ids) == total and len(set(ids)) == total
+    for key in {m.key() for m in got}:  # one key's events in the order they were written
+        seq = [json.loads(m.value())["b"] for m in got if m.key() == key]
+        assert seq == sorted(seq)
