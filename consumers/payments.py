@@ -86,11 +86,6 @@ def events_topic(topic: str) -> str:
     return f"{base}charge-completed" if base != topic else f"{topic}.charge-completed"
 
 
-# source topic -> event topic, for the apps build_app made with events: the handlers
-# emit only there (other apps reuse ``charge`` for its effect alone).
-EVENT_TOPICS: dict[str, str] = {}
-
-
 def create_tables(conn: Any) -> None:
     conn.execute("CREATE SCHEMA IF NOT EXISTS payments")
     conn.execute(
@@ -151,18 +146,21 @@ def completed(msg: ChargeRequested, key: str, entry: Any) -> dict[str, Any]:
             "ledger_entry": {"id": entry[0], "created_at": entry[1]}}
 
 
-def charge(msg: ChargeRequested, ctx: Context) -> dict[str, Any]:
+def charge(msg: ChargeRequested, ctx: Context, events: str | None = None) -> dict[str, Any]:
+    """The charge; with ``events`` (an event topic of ``ctx``'s app), also its
+    ``ChargeCompleted`` there. Other apps reuse it for the effect alone."""
     problem = validate(msg)
     if problem is not None:
         raise problem
     entry = ctx.tx.execute(LEDGER_INSERT, _ledger_params(msg, ctx.idempotency_key)).fetchone()
     ctx.tx.execute(BALANCE_UPSERT, (msg.tenant_id, msg.currency, msg.amount))
-    if (events := EVENT_TOPICS.get(ctx.topic)) is not None:
+    if events is not None:
         ctx.emit(events, completed(msg, ctx.idempotency_key, entry), key=msg.order_id)
     return result_of(msg)
 
 
-async def charge_async(msg: ChargeRequested, ctx: AsyncContext) -> dict[str, Any]:
+async def charge_async(msg: ChargeRequested, ctx: AsyncContext,
+                       events: str | None = None) -> dict[str, Any]:
     """``charge`` as an ``async def`` handler (leased mode, ``PAYMENTS_ASYNC=1``)."""
     problem = validate(msg)
     if problem is not None:
@@ -170,16 +168,16 @@ async def charge_async(msg: ChargeRequested, ctx: AsyncContext) -> dict[str, Any
     cur = await ctx.tx.execute(LEDGER_INSERT, _ledger_params(msg, ctx.idempotency_key))
     entry = await cur.fetchone()
     await ctx.tx.execute(BALANCE_UPSERT, (msg.tenant_id, msg.currency, msg.amount))
-    if (events := EVENT_TOPICS.get(ctx.topic)) is not None:
+    if events is not None:
         await ctx.emit(events, completed(msg, ctx.idempotency_key, entry), key=msg.order_id)
     return result_of(msg)
 
 
 def charge_many(
-    batch: list[tuple[ChargeRequested, Context]], tx: Any
+    batch: list[tuple[ChargeRequested, Context]], tx: Any, events: str | None = None
 ) -> list[dict[str, Any] | Permanent]:
     """The same effect as ``charge`` on each item, in two statements for the batch, and
-    the same event per charged item (emitted on the item's own ``ctx``).
+    with ``events`` the same event per charged item (emitted on the item's own ``ctx``).
 
     Rejected items write nothing and come back as their ``Permanent`` error.
     Balances are updated in (tenant, currency) order so concurrent batches lock
@@ -208,7 +206,7 @@ def charge_many(
             (tenants, orders, amounts, currencies, keys),
         ).fetchall()}
         for msg, ctx in charged:
-            if (events := EVENT_TOPICS.get(ctx.topic)) is not None:
+            if events is not None:
                 key = ctx.idempotency_key
                 ctx.emit(events, completed(msg, key, entries[key]), key=msg.order_id)
         pairs = sorted(totals)
@@ -242,12 +240,9 @@ def build_app(
     settings.setdefault("schemas_dir", SCHEMAS_DIR)
     application = App(name, **settings)
     application.migration(create_tables)
-    if events:
-        EVENT_TOPICS[topic] = events_topic(topic)
-        application.event_topic(EVENT_TOPICS[topic], format="avro", schema=EVENT_SCHEMA,
-                                model=ChargeCompleted)
-    else:
-        EVENT_TOPICS.pop(topic, None)
+    emits = events_topic(topic) if events else None
+    if emits is not None:
+        application.event_topic(emits, format="avro", schema=EVENT_SCHEMA, model=ChargeCompleted)
     handler = application.handler(
         topic=topic,
         model=ChargeRequested,
@@ -256,10 +251,25 @@ def build_app(
         format=fmt,  # type: ignore[arg-type]  # "avro": single-object encoding, reader SCHEMA
         schema=SCHEMA if fmt == "avro" else None,
         mode=mode,  # type: ignore[arg-type]
+        name="charge",
         **_key_order(mode),
-    )(charge_async if ASYNC and mode == "leased" else charge)
-    handler.bulk_handler(charge_many)
+    )(_handlers(emits, asynchronous=ASYNC and mode == "leased"))
+    handler.bulk_handler(lambda batch, tx: charge_many(batch, tx, emits))
     return application
+
+
+def _handlers(events: str | None, *, asynchronous: bool) -> Any:
+    """``charge`` (or ``charge_async``) emitting to ``events`` (None: nothing)."""
+    if asynchronous:
+        async def charge_and_emit_async(msg: ChargeRequested, ctx: AsyncContext) -> Any:
+            return await charge_async(msg, ctx, events)
+
+        return charge_and_emit_async
+
+    def charge_and_emit(msg: ChargeRequested, ctx: Context) -> Any:
+        return charge(msg, ctx, events)
+
+    return charge_and_emit
 
 
 app = build_app()
