@@ -46,8 +46,8 @@ LOG_SIGNS = {  # what the members' logs say about the faults (evidence, not verd
     "partitions_lost": "kafka_idem.runner: lost ",
     "store_errors": "the message will be retried",
     "batch_failed": "batch transaction failed",
-    "relay_takeovers": "taken over (",  # a shard's publisher changed (kill, zombie, rebalance)
-    "relay_fenced": "this relay stops publishing it",  # a resumed zombie found itself fenced
+    "relay_takeovers": " taken over by ",  # a shard's publisher changed (kill, zombie, rebalance)
+    "relay_fenced": ") stops publishing it",  # a resumed zombie found itself fenced
     "relay_retries": "retrying with backoff",  # a round failed (broker, database): retried
     "tracebacks": "Traceback (most recent call last)",
 }
