@@ -73,6 +73,10 @@ PATHS: dict[str, tuple[str, str, str, bool, str]] = {
     "batch_json": ("kafka_idem batch, JSON payloads (bulk handler)", "framework", "local", True,
                    "json"),
     "dup90": ("kafka_idem batch, 90% duplicates", "framework", "local", True, "dup"),
+    "batch_emit": ("kafka_idem batch, one emit per message (bulk handler; the member's relay)",
+                   "framework", "local", True, "main"),
+    "relay": ("outbox relay, batched (a full outbox; msgs = events)", "relay", "", False,
+              "main"),
     "gateway": ("kafka_idem leased, gateway 50 ms, concurrency=1", "gateway", "leased", False,
                 "gw1"),
     "gateway_c64": ("kafka_idem leased, gateway 50 ms, concurrency=64", "gateway", "leased",
@@ -81,9 +85,11 @@ PATHS: dict[str, tuple[str, str, str, bool, str]] = {
                       "leased", False, "gw"),
 }
 ALL = ["raw", "pgbench", "naive", "leased", "batch", "batch_json", "batch_nobulk", "dup90",
-       "rss", "gateway", "gateway_c64", "gateway_async"]
+       "batch_emit", "relay", "rss", "gateway", "gateway_c64", "gateway_async"]
 ONE_PARTITION = ("gw", "gw1")  # the gateway rows: one partition, key-ordered inside it
-BATCH_FAMILY = ("batch", "batch_json", "batch_nobulk", "dup90")
+BATCH_FAMILY = ("batch", "batch_json", "batch_nobulk", "dup90", "batch_emit")
+EMITTING = ("batch_emit", "relay")  # the paths whose payments app has its events
+EMIT_LATENCY_RATE = 1000.0  # msgs/s of batch_emit's latency run (the outbox target's rate)
 FORMATS = {"json": "json"}  # topic key -> payload format (the others: the app's, Avro)
 RSS_FLAT_MB = 10.0
 
@@ -157,7 +163,8 @@ def run_worker(spec: dict[str, Any], work: Path) -> dict[str, Any]:
     try:
         # the worker's app (and its paced producer) decode/encode in the path's format
         fmt = FORMATS.get(PATHS.get(spec["path"], PATHS["batch"])[4])
-        env = {**os.environ, **({"PAYMENTS_FORMAT": fmt} if fmt else {})}
+        env = {**os.environ, **({"PAYMENTS_FORMAT": fmt} if fmt else {}),
+               "PAYMENTS_EVENTS": "on" if spec["path"] in EMITTING else "off"}
         subprocess.run([sys.executable, "-m", "bench.worker", str(spec_file), str(out_file)],
                        timeout=spec["timeout"] + 180, check=False, env=env)
         out: dict[str, Any] = json.loads(out_file.read_text())
@@ -377,6 +384,7 @@ def targets(
                 0.7, "x")
     if (d := by.get("dup90")) is not None:
         add("90%-duplicates msgs/s >= 20,000", d.rate or None, 20_000, "msgs/s")
+    out.extend(outbox_targets(by))
     if rss is not None:
         growth = rss.get("growth_mb")
         out.append({"target": f"RSS flat over {rss.get('messages', 0):,} messages (max after "
@@ -386,8 +394,58 @@ def targets(
     return out
 
 
+def outbox_targets(by: dict[str, Measured]) -> list[dict[str, Any]]:
+    """Issue 14's: relay throughput, the batch path's cost of one emit, commit to readable."""
+    out: list[dict[str, Any]] = []
+    if (r := by.get("relay")) is not None:
+        out.append({"target": "outbox relay >= 20,000 events/s (batched)", "value": r.rate or None,
+                    "goal": 20_000, "unit": "msgs/s", "met": r.rate >= 20_000})
+    emit, plain = by.get("batch_emit"), by.get("batch")
+    if emit is not None and plain is not None:
+        ratio = _ratio(emit.rate, plain.rate)
+        out.append({"target": "batch path, one emit per message >= 0.7 x without",
+                    "value": ratio, "goal": 0.7, "unit": "x",
+                    "met": ratio is not None and ratio >= 0.7})
+    if emit is not None:
+        ev = emit.latency.get("event_latency_ms") or {}
+        rate = (emit.latency.get("producer") or {}).get("rate") or 0
+        p99 = ev.get("p99")
+        out.append({"target": f"commit to readable p99 <= 100 ms at {rate:,.0f} events/s "
+                    "(goal: at 1,000)", "value": p99, "goal": 100.0, "unit": "ms",
+                    "met": p99 is not None and p99 <= 100.0 and rate >= 0.95 * EMIT_LATENCY_RATE})
+    return out
+
+
+def render_outbox(by: dict[str, Measured]) -> Table | None:
+    """The outbox's figures: what one event costs (CPU, the load disturbs it less than
+    the rates), the relay's rate, the batch path's with and without emit, latency."""
+    rows = [by[p] for p in ("batch", "batch_emit", "relay") if p in by]
+    if not any(m.path in EMITTING for m in rows):
+        return None
+    table = Table(title="Outbox (issue 14): CPU ms per event (or message), rates, commit to "
+                  "readable", title_justify="left")
+    for col in ("path", "msgs/s", "CPU process ms", "CPU PG ms", "CPU broker ms",
+                "machine busy", "commit->readable p50 / p99 ms", "at msgs/s", "outbox drain"):
+        table.add_column(col, justify="left" if col == "path" else "right")
+    for m in rows:
+        cpu = m.throughput.get("cpu") or {}
+        wall = cpu.get("wall") or 0.0
+        ev = m.latency.get("event_latency_ms") or {}
+        drain = m.throughput.get("outbox_drain_seconds")
+        table.add_row(
+            m.label, f"{m.rate:,.0f}" if m.rate else "—",
+            _f(m.cpu_per_1k("consumer")), _f(m.cpu_per_1k("postgres")),
+            _f(m.cpu_per_1k("broker")),
+            _f(busy / wall if wall and (busy := cpu.get("machine_busy")) else None, "{:.2f}"),
+            f"{_f(ev.get('p50'), '{:.1f}')} / {_f(ev.get('p99'), '{:.1f}')}" if ev else "—",
+            _f((m.latency.get("producer") or {}).get("rate"), "{:,.0f}") if ev else "—",
+            "—" if drain is None else
+            f"{m.throughput.get('outbox_pending_at_end', 0):,} rows, {drain:.1f}s")
+    return table
+
+
 def render_targets(ts: list[dict[str, Any]]) -> Table:
-    table = Table(title="targets (issues 6 and 15)", title_justify="left")
+    table = Table(title="targets (issues 6, 14 and 15)", title_justify="left")
     for col in ("target", "measured", "met"):
         table.add_column(col, justify="left" if col == "target" else "right")
     for t in ts:
@@ -505,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
                 "schema": schema_for(path, phase) if kind != "raw" else None,
                 "batch_size": args.batch_size, "local_workers": args.local_workers,
                 "timeout": args.timeout, "verbose": args.verbose,
-                "gateway_url": gateway.url if gateway is not None else None, **extra}
+                "gateway_url": gateway.url if gateway is not None else None,
+                "events": path in EMITTING, **extra}
 
     try:
         create_payments_tables(s.dsn)
@@ -561,8 +620,10 @@ def main(argv: list[str] | None = None) -> int:
                 m.throughput["check"] = (f"{m.throughput.get('check', '')}; gateway "
                                          f"{m.throughput['gateway_cpu_ms_per_msg']} ms CPU/msg")
             console.print(f"  {m.rate:,.0f} msgs/s; {m.throughput.get('check')}")
-            if m.rate:
+            if m.rate and path != "relay":
                 rate = max(m.rate * args.latency_fraction, 1.0)
+                if path == "batch_emit":  # the outbox target is at 1,000 events/s
+                    rate = min(EMIT_LATENCY_RATE, m.rate)
                 n = max(int(rate * args.latency_seconds), 1)
                 lat_topic = f"bench.{run_id}.{path}.latency"
                 create_topic(admin, lat_topic, 1 if topic_key in ONE_PARTITION else PARTITIONS)
@@ -576,6 +637,11 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(f"  latency at {rate:,.0f} msgs/s: p50 "
                               f"{_f(lat.get('p50'), '{:.1f}')} ms, p99 "
                               f"{_f(lat.get('p99'), '{:.1f}')} ms; {m.latency.get('check')}")
+                if "event_latency_ms" in m.latency:
+                    ev = m.latency["event_latency_ms"]
+                    console.print(f"  commit to readable: p50 {_f(ev.get('p50'), '{:.1f}')} "
+                                  f"ms, p99 {_f(ev.get('p99'), '{:.1f}')} ms over "
+                                  f"{ev.get('n', 0):,} events")
             rows.append(m)
         if args.profile:
             for path, key in (("batch", "main"), ("leased", "slow"),
@@ -612,6 +678,8 @@ def main(argv: list[str] | None = None) -> int:
         out_console.print(ph)
     if (st := render_pg_statements(pg)) is not None:
         out_console.print(st)
+    if (ob := render_outbox(by)) is not None:
+        out_console.print(ob)
     if ts:
         out_console.print(render_targets(ts))
     if rss and rss.get("samples"):
@@ -760,9 +828,18 @@ def cleanup(
     except psycopg.Error as exc:
         problems.append(f"database clean-up: {exc}")
     dlq = [f"{t}.dlq" for t in topics]
+    # the outbox's event and control topics, and the relays' groups (named after those)
+    try:
+        extra = [t for t in admin.list_topics(timeout=15).topics if run_id in t
+                 and t not in topics and t not in dlq]
+        relays = [g.group_id for g in admin.list_consumer_groups(request_timeout=15).result(
+            ).valid if run_id in g.group_id and "kafka-idem-outbox" in g.group_id]
+    except KafkaException as exc:
+        problems.append(f"listing the outbox's topics and groups: {exc}")
+        extra, relays = [], []
     for name, futures in (
-        ("topic", admin.delete_topics(topics + dlq) if topics else {}),
-        ("group", admin.delete_consumer_groups(groups) if groups else {}),
+        ("topic", admin.delete_topics(topics + dlq + extra) if topics else {}),
+        ("group", admin.delete_consumer_groups(groups + relays) if groups else {}),
     ):
         for what, fut in futures.items():
             try:

@@ -153,11 +153,21 @@ BATCH_VARS = {name: f"(:{name}::{cast})" for name, cast in (
 
 
 class _Recorder:
+    """A connection that records what it is asked to run; its answers are made up
+    (the ledger insert's ``RETURNING``: one row, or none for the bulk one)."""
+
     def __init__(self) -> None:
         self.statements: list[tuple[str, Any]] = []
 
-    def execute(self, query: str, params: Any = None) -> None:
+    def execute(self, query: str, params: Any = None) -> _Recorder:
         self.statements.append((query, params))
+        return self
+
+    def fetchone(self) -> tuple[int, Any]:
+        return (0, None)
+
+    def fetchall(self) -> list[Any]:
+        return []
 
 
 def _model(tenant: str, order: str, amount: str, currency: str) -> payments.ChargeRequested:
@@ -189,7 +199,7 @@ def _bind_positional(query: str, params: Any, mapping: list[tuple[Any, str]], wh
 def handler_statements(schema: str) -> tuple[list[str], list[str]]:
     """The payments handler's statements, per message and bulk, retargeted to ``schema``."""
     one = _Recorder()
-    ctx = SimpleNamespace(tx=one, idempotency_key="\x01key")
+    ctx = SimpleNamespace(tx=one, idempotency_key="\x01key", topic="")  # no events
     payments.charge(_model("\x01tenant", "\x01order", "12.34", "CHF"), ctx)  # type: ignore[arg-type]
     single = [
         (Decimal("12.34"), _AMOUNT), ("\x01tenant", _TENANT), ("\x01order", _ORDER),
@@ -199,8 +209,10 @@ def handler_statements(schema: str) -> tuple[list[str], list[str]]:
         _bind_positional(q, p, single, "charge") for q, p in one.statements
     ]
     many = _Recorder()
-    items = [(_model("\x01tB", "\x01o1", "1.00", "USD"), SimpleNamespace(idempotency_key="\x01k1")),
-             (_model("\x01tA", "\x01o2", "2.00", "EUR"), SimpleNamespace(idempotency_key="\x01k2"))]
+    items = [(_model("\x01tB", "\x01o1", "1.00", "USD"),
+              SimpleNamespace(idempotency_key="\x01k1", topic="")),
+             (_model("\x01tA", "\x01o2", "2.00", "EUR"),
+              SimpleNamespace(idempotency_key="\x01k2", topic=""))]
     payments.charge_many(items, many)  # type: ignore[arg-type]
     bulk_map: list[tuple[Any, str]] = [
         (["\x01tB", "\x01tA"], ":l_tenants"), (["\x01o1", "\x01o2"], ":l_orders"),

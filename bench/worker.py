@@ -19,6 +19,13 @@ Phases:
   commit (raw, which has no other effect).
 * ``rss``: like ``throughput`` on a long topic, sampling the process's RSS
   every ``rss_every`` messages.
+
+With ``events`` in the spec (the ``batch_emit`` path) the payments app emits its
+``ChargeCompleted`` per charge and the Runner runs its relay, as ``kafka-idem run``
+does: ``throughput`` then also waits for the outbox to drain and checks the event
+topic (one event per intent), and ``latency`` also records commit-to-readable per
+event (:class:`bench.outbox.EventClock`). Worker kind ``relay``:
+:func:`bench.outbox.relay_throughput`.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from bench import gateway as bench_gateway
-from bench import procstat, roundtrips
+from bench import outbox, procstat, roundtrips
 from bench.effects import TABLE, check_effects, ledger_state
 from bench.naive import NaiveConsumer
 from bench.workload import Plan, tenants_of
@@ -59,6 +66,7 @@ class Recorder:
     def __init__(self) -> None:
         self.count = 0
         self.latencies: list[tuple[float, float]] | None = None  # (CreateTime, latency) ms
+        self.commit_at: dict[bytes, float] | None = None  # Kafka key -> effect committed (s)
         self.profiling = False
         # name -> [wall seconds, thread CPU seconds, calls], summed over the threads
         self.phases: dict[str, list[float]] = {}
@@ -98,6 +106,8 @@ class Recorder:
                 kind, ts = m.timestamp()
                 if kind:
                     self.latencies.append((ts, now_ms - ts))
+                if self.commit_at is not None:
+                    self.commit_at[m.key() or b""] = now_ms / 1000.0
         before = self.count
         self.count += len(msgs)
         if self.rss_every and self.count // self.rss_every > before // self.rss_every:
@@ -228,9 +238,15 @@ class FrameworkLoop:
                                             **bench_gateway.app_settings(spec["path"]),
                                             **common)
         else:
-            app = payments.build_app(mode=mode, **common)
+            # events: the app as shipped (a ChargeCompleted per charge, the Runner's relay
+            # publishing them); else without them, as every row before the outbox measured
+            app = payments.build_app(mode=mode, events=bool(spec.get("events")),
+                                     name_prefix=f"{spec['group']}.", **common)
+            if spec.get("events"):
+                outbox.make_topics(app, s, partitions=4)
         if not spec.get("bulk", True):
             app.handlers[spec["topic"]].bulk = None
+        self.app = app
         self.runner = Runner(app)
         self.timed: TimedConsumer | None = None
         self.profiles: list[cProfile.Profile] = []
@@ -483,11 +499,23 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
     elif check:
         intents, _messages = plan.build()
         out["ok"], out["check"] = check_effects(s.dsn, spec["schema"], intents, mark, before)
+        if spec.get("events") and isinstance(loop, FrameworkLoop):
+            app = loop.app
+            out["outbox_pending_at_end"] = outbox.pending(s.dsn, spec["schema"], app.namespace)
+            ok, said, out["outbox_drain_seconds"] = outbox.published(
+                s, app, payments.events_topic(spec["topic"]), len({i.key for i in intents}))
+            out["ok"] = out["ok"] and ok
+            out["check"] += (f"; {said}; {out['outbox_pending_at_end']:,} rows pending at the "
+                             f"end, drained {_secs(out['outbox_drain_seconds'])} later")
     else:
         broker = {tp.partition: tp.offset for tp in _committed(s, spec["group"], tps)}
         out["ok"] = broker == ends and rec.count == total
         out["check"] = (f"{rec.count} consumed, committed = end offsets" if out["ok"]
                         else f"committed {broker} != ends {ends} ({rec.count} consumed)")
+
+
+def _secs(v: float | None) -> str:
+    return "never" if v is None else f"{v:.1f}s"
 
 
 def _committed(s: Settings, group: str, tps: list[TopicPartition]) -> list[TopicPartition]:
@@ -527,6 +555,10 @@ def latency(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
         for _ in range(5):  # let the fetchers start on the (empty) partitions
             loop.step()
         rec.latencies = []
+        clock = None
+        if spec.get("events"):
+            rec.commit_at = {}
+            clock = outbox.EventClock(s, payments.events_topic(spec["topic"]))
         watch = procstat.Watch(pids).start()
         cmd = [sys.executable, "-m", "bench.workload", "paced", "--topic", spec["topic"],
                "--plan", json.dumps(spec["plan"]), "--rate", str(spec["rate"]),
@@ -546,6 +578,11 @@ def latency(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
         producer.wait(60)
         with open(stats_name) as f:
             out["producer"] = json.load(f)
+        if clock is not None and rec.commit_at is not None:
+            clock.wait(len(rec.commit_at), timeout=60)
+            clock.close()
+            out["event_latency_ms"] = _event_latency(clock, rec.commit_at,
+                                                     float(spec.get("warmup_seconds", 1.0)))
     finally:
         if producer is not None and producer.poll() is None:
             producer.kill()
@@ -586,6 +623,18 @@ def latency(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
                     f"(+{len(pairs) - len(lat)} in the warm-up second)")
 
 
+def _event_latency(clock: outbox.EventClock, committed: dict[bytes, float],
+                   warmup: float) -> dict[str, Any]:
+    """Commit-to-readable of the events, the first ``warmup`` seconds of commits left out."""
+    first = min(committed.values(), default=0.0)
+    lat = clock.latencies_ms({k: t for k, t in committed.items() if t >= first + warmup})
+    if not lat:
+        return {"n": 0, "readable": len(clock.readable), "committed": len(committed)}
+    return {"n": len(lat), "readable": len(clock.readable), "committed": len(committed),
+            "p50": lat[len(lat) // 2], "p90": lat[int(0.9 * (len(lat) - 1))],
+            "p99": lat[int(0.99 * (len(lat) - 1))], "max": lat[-1]}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     with open(args[0]) as f:
@@ -598,6 +647,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if spec["phase"] == "latency":
             latency(s, spec, out)
+        elif spec["kind"] == "relay":
+            outbox.relay_throughput(s, spec, out)
         else:
             drain(s, spec, out)
     except Exception as exc:  # reported in the table, with the traceback on stderr

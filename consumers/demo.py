@@ -3,7 +3,9 @@
     python -m consumers.demo [--intents 3000] [--members 2] [--mode local] [--seed N] [--keep]
 
 Each run is fresh and uniquely named: topic ``demo.<run>.charge-requested``
-(4 partitions) and its ``.dlq``, store schema ``demo_<run>``, group
+(4 partitions) and its ``.dlq``, the example's event topic
+``demo.<run>.charge-completed`` and its outbox control topic (``kafka-idem topics
+create``, name prefix ``demo.<run>.``), store schema ``demo_<run>``, group
 ``demo-<run>``, tenants ``t<run>-NN``. The example's ``payments`` tables are
 shared, so every business check filters on this run's tenants.
 
@@ -11,8 +13,9 @@ It produces charge requests at a steady pace (duplicates as a retrying producer
 sends them, payload conflicts, invalid requests, undecodable bytes) to a group
 of ``kafka-idem run consumers.payments:app`` processes, SIGKILLs one once about
 a third is committed, starts a replacement, waits until the group has caught
-up, then checks the ledger, the balances, the store and the DLQ against what
-it sent. Exit status 0 only if every check passes. Everything is removed at the
+up, then checks the ledger, the balances, the store, the DLQ and the events the
+members' relays published (one ``ChargeCompleted`` per charge that took effect)
+against what it sent. Exit status 0 only if every check passes. Everything is removed at the
 end unless ``--keep`` is given or a check failed (then it is kept to inspect).
 """
 
@@ -53,7 +56,8 @@ from rich.columns import Columns
 from rich.console import Console
 from rich.table import Table
 
-from consumers.payments import CURRENCIES, encode_charge
+from consumers.payments import CURRENCIES, encode_charge, events_topic
+from kafka_idem.chaos.kafka_state import read_topic
 from kafka_idem.keys import hash_payload
 from kafka_idem.settings import Settings, load_settings
 
@@ -330,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"created topics {topic} and its .dlq, {PARTITIONS} partitions each")
         cli = [*kafka_idem_cli(), "--schema", schema]
         env = {**MEMBER_ENV, **os.environ, "PAYMENTS_TOPIC": topic, "PAYMENTS_MODE": args.mode,
+               "KAFKA_IDEM_NAME_PREFIX": f"demo.{run}.",  # the relays' control topic: ours
                "KAFKA_IDEM_BOOTSTRAP_SERVERS": s.bootstrap_servers,
                "KAFKA_IDEM_DATABASE_URL": s.dsn,
                "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.getenv("PYTHONPATH"))))}
@@ -339,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
             console.print(out.stdout + out.stderr, markup=False)
             raise RuntimeError("kafka-idem migrate failed")
         say(f"kafka-idem migrate: {out.stdout.strip()}")
+        out = subprocess.run([*cli, "topics", "create", APP, "--partitions", str(PARTITIONS)],
+                             env=env, cwd=ROOT, text=True, capture_output=True, check=False)
+        if out.returncode:
+            console.print(out.stdout + out.stderr, markup=False)
+            raise RuntimeError("kafka-idem topics create failed")
+        say(f"kafka-idem topics create: {out.stdout.strip().splitlines()[-1]}")
         intents, msgs = plan(args.intents, run, random.Random(seed))
         say(f"planned {len(intents)} intents as {len(msgs)} messages: "
             + ", ".join(f"{v} {k}" for k, v in Counter(m.kind for m in msgs).items()))
@@ -378,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             return not feed.is_alive() and committed == ends
 
         in_time = wait_until("the group to catch up", caught_up, args.timeout)
+        published = wait_until("the outbox to be published",
+                               lambda: not outbox_left(s, schema), 60)
         say(f"[red]producer errors: {feed.errors[:3]}[/]" if feed.errors else
             f"all {feed.sent} messages acknowledged; " + ("caught up: committed == end offsets "
                                                           "on every partition" if in_time else ""))
@@ -390,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                           read_dlq(s.bootstrap_servers, topic + ".dlq")),
                   ("(e) committed offsets == end offsets", in_time and final[0] == final[1],
                    f"{final[0]}"),
+                  events_check(s, schema, events_topic(topic), published),
                   ("(f) member SIGKILLed mid-run, replacement joined",
                    bool(held) and done < len(msgs) and joined,
                    f"{victim.name} killed holding {held} at {done}/{len(msgs)} committed; "
@@ -405,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
             f"tenants {tenants} in payments.*, member logs {logs}: "
             + ("kept" if keep else "removing"))
         if not keep:
-            cleanup(s, admin, schema, tenants, [topic, topic + ".dlq"], group, logs)
+            ours = [t for t in admin.list_topics(timeout=15).topics if t.startswith(f"demo.{run}.")]
+            cleanup(s, admin, schema, tenants, ours, [group, *(
+                t for t in ours if "kafka-idem-outbox" in t)], logs)
     return 0 if passed else 1
 
 
@@ -512,15 +528,37 @@ def show_checks(checks: list[tuple[str, bool, str]]) -> bool:
     return ok
 
 
+def outbox_left(s: Settings, schema: str) -> int:
+    with psycopg.connect(s.dsn) as conn:
+        row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(
+            sql.Identifier(schema, "outbox"))).fetchone()
+    return int(row[0]) if row else 0
+
+
+def events_check(s: Settings, schema: str, events: str, published: bool) -> tuple[str, bool, str]:
+    """(g): the event topic, read as read_committed: one event per succeeded intent."""
+    with psycopg.connect(s.dsn) as conn:
+        done = {r[0] for r in conn.execute(sql.SQL(
+            "SELECT idempotency_key FROM {} WHERE status = 'succeeded'").format(
+                sql.Identifier(schema, "task_idempotency"))).fetchall()}
+    records, _ = read_topic(s.bootstrap_servers, events, kafka=s.kafka)
+    got = Counter(dict(r.headers).get("idem.key", b"").decode() for r in records)
+    ok = published and set(got) == done and all(n == 1 for n in got.values())
+    return ("(g) one charge-completed event per charge that took effect (read_committed)", ok,
+            f"{len(records)} events for {len(done)} succeeded intents; "
+            f"{sum(1 for n in got.values() if n > 1)} keys twice, "
+            f"{len(set(got) - done)} for no success, {len(done - set(got))} missing")
+
+
 def cleanup(s: Settings, admin: AdminClient, schema: str, tenants: str, topics: list[str],
-            group: str, logs: Path) -> None:
+            groups: list[str], logs: Path) -> None:
     with psycopg.connect(s.dsn) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
         for name in ("ledger", "balances"):
             conn.execute(sql.SQL("DELETE FROM {} WHERE tenant_id LIKE %s").format(
                 sql.Identifier("payments", name)), (tenants,))
     futures = [*admin.delete_topics(topics, operation_timeout=30).values(),
-               *admin.delete_consumer_groups([group], request_timeout=30).values()]
+               *admin.delete_consumer_groups(groups, request_timeout=30).values()]
     for f in futures:
         try:
             f.result(timeout=30)

@@ -5,11 +5,18 @@ Topic ``payments.charge-requested``; Kafka key = order id; value = Avro
 ``{tenant_id}:charge:{order_id}``; the request hash covers amount and currency,
 not the per-send ``request_id`` / ``requested_at``.
 
+Every charge that takes effect emits one ``payments.charge-completed`` event
+(:class:`ChargeCompleted`, Avro ``payments.ChargeCompleted``; Kafka key = order
+id): the charge and the ledger entry it wrote, in the handler's own transaction
+(``ctx.emit``: the transactional outbox), so it exists if and only if the charge
+committed. A replay, a payload conflict or a failed charge emits nothing.
+
 The ledger has *no* unique constraint on purpose: this example relies on the
 framework alone, so a double execution would show as a second ledger row.
 
     kafka-idem migrate --app consumers.payments:app
-    kafka-idem run consumers.payments:app
+    kafka-idem topics create --app consumers.payments:app   # + payments.charge-completed
+    kafka-idem run consumers.payments:app                   # the relay publishes the events
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ ASYNC = os.environ.get("PAYMENTS_ASYNC", "") in ("1", "true", "yes")
 # prove and measure the JSON codec); producers' encode_charge follows it.
 FORMAT = os.environ.get("PAYMENTS_FORMAT", "avro")
 SCHEMA = "payments.ChargeRequested"
+EVENT_SCHEMA = "payments.ChargeCompleted"
+# "off" builds the app without its events (the bench's batch path without emit).
+EVENTS = os.environ.get("PAYMENTS_EVENTS", "on") != "off"
 CURRENCIES = frozenset({"EUR", "USD", "GBP", "CHF", "JPY"})
 SCHEMAS_DIR = Path(__file__).resolve().parent.parent / "schemas"
 
@@ -50,6 +60,30 @@ class ChargeRequested(BaseModel):
     currency: str
     request_id: str
     requested_at: dt.datetime
+
+
+class LedgerEntry(BaseModel):
+    id: int
+    created_at: dt.datetime
+
+
+class ChargeCompleted(BaseModel):
+    """The event of a charge that took effect: the charge and its ledger entry."""
+
+    tenant_id: str
+    order_id: str
+    amount: Decimal
+    currency: str
+    idempotency_key: str
+    request_id: str
+    ledger_entry: LedgerEntry
+
+
+def events_topic(topic: str) -> str:
+    """The event topic of a charge topic: ``payments.charge-requested`` ->
+    ``payments.charge-completed``; any other name gets ``.charge-completed`` appended."""
+    base = topic.removesuffix("charge-requested")
+    return f"{base}charge-completed" if base != topic else f"{topic}.charge-completed"
 
 
 def create_tables(conn: Any) -> None:
@@ -92,64 +126,89 @@ def result_of(msg: ChargeRequested) -> dict[str, Any]:
     return {"order_id": msg.order_id, "amount": str(msg.amount), "currency": msg.currency}
 
 
-def _writes(msg: ChargeRequested, ctx: Context) -> list[tuple[str, tuple[Any, ...]]]:
-    return [
-        ("INSERT INTO payments.ledger (tenant_id, order_id, amount, currency, idempotency_key)"
-         " VALUES (%s, %s, %s, %s, %s)",
-         (msg.tenant_id, msg.order_id, msg.amount, msg.currency, ctx.idempotency_key)),
-        ("INSERT INTO payments.balances AS b (tenant_id, currency, balance) VALUES (%s, %s, %s)"
-         " ON CONFLICT (tenant_id, currency) DO UPDATE SET balance = b.balance + EXCLUDED.balance",
-         (msg.tenant_id, msg.currency, msg.amount)),
-    ]
+LEDGER_INSERT = (
+    "INSERT INTO payments.ledger (tenant_id, order_id, amount, currency, idempotency_key)"
+    " VALUES (%s, %s, %s, %s, %s) RETURNING id, created_at")
+BALANCE_UPSERT = (
+    "INSERT INTO payments.balances AS b (tenant_id, currency, balance) VALUES (%s, %s, %s)"
+    " ON CONFLICT (tenant_id, currency) DO UPDATE SET balance = b.balance + EXCLUDED.balance")
 
 
-def charge(msg: ChargeRequested, ctx: Context) -> dict[str, Any]:
+def _ledger_params(msg: ChargeRequested, key: str) -> tuple[Any, ...]:
+    return (msg.tenant_id, msg.order_id, msg.amount, msg.currency, key)
+
+
+def completed(msg: ChargeRequested, key: str, entry: Any) -> dict[str, Any]:
+    """The ``payments.ChargeCompleted`` event of ``msg``, whose ledger row is ``entry``
+    (its ``id, created_at``)."""
+    return {"tenant_id": msg.tenant_id, "order_id": msg.order_id, "amount": msg.amount,
+            "currency": msg.currency, "idempotency_key": key, "request_id": msg.request_id,
+            "ledger_entry": {"id": entry[0], "created_at": entry[1]}}
+
+
+def charge(msg: ChargeRequested, ctx: Context, events: str | None = None) -> dict[str, Any]:
+    """The charge; with ``events`` (an event topic of ``ctx``'s app), also its
+    ``ChargeCompleted`` there. Other apps reuse it for the effect alone."""
     problem = validate(msg)
     if problem is not None:
         raise problem
-    for statement, params in _writes(msg, ctx):
-        ctx.tx.execute(statement, params)
+    entry = ctx.tx.execute(LEDGER_INSERT, _ledger_params(msg, ctx.idempotency_key)).fetchone()
+    ctx.tx.execute(BALANCE_UPSERT, (msg.tenant_id, msg.currency, msg.amount))
+    if events is not None:
+        ctx.emit(events, completed(msg, ctx.idempotency_key, entry), key=msg.order_id)
     return result_of(msg)
 
 
-async def charge_async(msg: ChargeRequested, ctx: AsyncContext) -> dict[str, Any]:
+async def charge_async(msg: ChargeRequested, ctx: AsyncContext,
+                       events: str | None = None) -> dict[str, Any]:
     """``charge`` as an ``async def`` handler (leased mode, ``PAYMENTS_ASYNC=1``)."""
     problem = validate(msg)
     if problem is not None:
         raise problem
-    for statement, params in _writes(msg, ctx):
-        await ctx.tx.execute(statement, params)
+    cur = await ctx.tx.execute(LEDGER_INSERT, _ledger_params(msg, ctx.idempotency_key))
+    entry = await cur.fetchone()
+    await ctx.tx.execute(BALANCE_UPSERT, (msg.tenant_id, msg.currency, msg.amount))
+    if events is not None:
+        await ctx.emit(events, completed(msg, ctx.idempotency_key, entry), key=msg.order_id)
     return result_of(msg)
 
 
 def charge_many(
-    batch: list[tuple[ChargeRequested, Context]], tx: Any
+    batch: list[tuple[ChargeRequested, Context]], tx: Any, events: str | None = None
 ) -> list[dict[str, Any] | Permanent]:
-    """The same effect as ``charge`` on each item, in two statements for the batch.
+    """The same effect as ``charge`` on each item, in two statements for the batch, and
+    with ``events`` the same event per charged item (emitted on the item's own ``ctx``).
 
     Rejected items write nothing and come back as their ``Permanent`` error.
     Balances are updated in (tenant, currency) order so concurrent batches lock
     rows in one order and can't deadlock.
     """
     out: list[dict[str, Any] | Permanent] = []
-    rows: list[tuple[str, str, Decimal, str, str]] = []
+    rows: list[tuple[Any, ...]] = []
+    charged: list[tuple[ChargeRequested, Context]] = []
     totals: dict[tuple[str, str], Decimal] = {}
     for msg, ctx in batch:
         problem = validate(msg)
         if problem is not None:
             out.append(problem)
             continue
-        rows.append((msg.tenant_id, msg.order_id, msg.amount, msg.currency, ctx.idempotency_key))
+        rows.append(_ledger_params(msg, ctx.idempotency_key))
+        charged.append((msg, ctx))
         pair = (msg.tenant_id, msg.currency)
         totals[pair] = totals.get(pair, Decimal(0)) + msg.amount
         out.append(result_of(msg))
     if rows:
         tenants, orders, amounts, currencies, keys = (list(col) for col in zip(*rows, strict=True))
-        tx.execute(
+        entries = {key: (entry_id, at) for entry_id, at, key in tx.execute(
             "INSERT INTO payments.ledger (tenant_id, order_id, amount, currency, idempotency_key)"
-            " SELECT * FROM unnest(%s::text[], %s::text[], %s::numeric[], %s::text[], %s::text[])",
+            " SELECT * FROM unnest(%s::text[], %s::text[], %s::numeric[], %s::text[], %s::text[])"
+            " RETURNING id, created_at, idempotency_key",
             (tenants, orders, amounts, currencies, keys),
-        )
+        ).fetchall()}
+        for msg, ctx in charged:
+            if events is not None:
+                key = ctx.idempotency_key
+                ctx.emit(events, completed(msg, key, entries[key]), key=msg.order_id)
         pairs = sorted(totals)
         tx.execute(
             "INSERT INTO payments.balances AS b (tenant_id, currency, balance)"
@@ -168,9 +227,12 @@ def _key_order(mode: str) -> dict[str, Any]:
 
 def build_app(
     *, topic: str = TOPIC, mode: str = MODE, name: str = "payments", fmt: str = FORMAT,
-    **settings: Any,
+    events: bool = EVENTS, **settings: Any,
 ) -> App:
     """The payments app on ``topic``; ``settings`` override Settings fields.
+
+    With ``events`` (the default; ``PAYMENTS_EVENTS=off`` turns it off) every charge
+    that takes effect emits a :class:`ChargeCompleted` to :func:`events_topic`.
 
     The consumer group is ``KAFKA_IDEM_GROUP_ID`` (or ``run --group-id``), else the
     app's name: a group id given here in code would win over the environment.
@@ -178,6 +240,9 @@ def build_app(
     settings.setdefault("schemas_dir", SCHEMAS_DIR)
     application = App(name, **settings)
     application.migration(create_tables)
+    emits = events_topic(topic) if events else None
+    if emits is not None:
+        application.event_topic(emits, format="avro", schema=EVENT_SCHEMA, model=ChargeCompleted)
     handler = application.handler(
         topic=topic,
         model=ChargeRequested,
@@ -186,10 +251,25 @@ def build_app(
         format=fmt,  # type: ignore[arg-type]  # "avro": single-object encoding, reader SCHEMA
         schema=SCHEMA if fmt == "avro" else None,
         mode=mode,  # type: ignore[arg-type]
+        name="charge",
         **_key_order(mode),
-    )(charge_async if ASYNC and mode == "leased" else charge)
-    handler.bulk_handler(charge_many)
+    )(_handlers(emits, asynchronous=ASYNC and mode == "leased"))
+    handler.bulk_handler(lambda batch, tx: charge_many(batch, tx, emits))
     return application
+
+
+def _handlers(events: str | None, *, asynchronous: bool) -> Any:
+    """``charge`` (or ``charge_async``) emitting to ``events`` (None: nothing)."""
+    if asynchronous:
+        async def charge_and_emit_async(msg: ChargeRequested, ctx: AsyncContext) -> Any:
+            return await charge_async(msg, ctx, events)
+
+        return charge_and_emit_async
+
+    def charge_and_emit(msg: ChargeRequested, ctx: Context) -> Any:
+        return charge(msg, ctx, events)
+
+    return charge_and_emit
 
 
 app = build_app()

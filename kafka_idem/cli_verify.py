@@ -1,4 +1,4 @@
-"""``kafka-idem verify``: prove the six scenarios against your Kafka and PostgreSQL.
+"""``kafka-idem verify``: prove the seven scenarios against your Kafka and PostgreSQL.
 
     kafka-idem verify                          # all scenarios, local services by default
     kafka-idem --bootstrap-servers b:9092 --database-url postgresql://... verify
@@ -48,7 +48,7 @@ class _Obj(Protocol):
 @click.pass_obj
 def verify(obj: _Obj, scenarios: tuple[str, ...], json_path: Path | None, keep: bool,
            prefix: str | None) -> None:
-    """Run the six exactly-once scenarios against the configured Kafka and
+    """Run the seven exactly-once scenarios against the configured Kafka and
     PostgreSQL, with real member processes and real signals, and print what each one
     checked, the durable figures it read and PASS/FAIL.
 

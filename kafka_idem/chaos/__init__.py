@@ -4,7 +4,8 @@
   the DLQ topic, the group's committed offsets, PostgreSQL) and counts anomalies;
   it re-exports the public names and is the command line
   (``python -m kafka_idem.chaos.checker``). Its parts:
-  :mod:`~kafka_idem.chaos.checks` (:func:`check`, the nine checks, one function each),
+  :mod:`~kafka_idem.chaos.checks` (:func:`check`, the checks, one function each: 1-9
+  always, 10 and 11 when asked for),
   :mod:`~kafka_idem.chaos.evidence` (the durable state read once and indexed),
   :mod:`~kafka_idem.chaos.report` (``Check``, ``Report``, ``Liveness``),
   :mod:`~kafka_idem.chaos.kafka_state` (topics and committed offsets, read patiently),

@@ -13,7 +13,7 @@ fact, including one whose processes were killed.
 This module is the checker's public face and command line (``python -m
 kafka_idem.chaos.checker --topic T --group G``); the parts are:
 
-* :mod:`~kafka_idem.chaos.checks`: :func:`check`, the nine checks (listed there);
+* :mod:`~kafka_idem.chaos.checks`: :func:`check`, the checks (listed there);
 * :mod:`~kafka_idem.chaos.evidence`: :func:`gather`, the durable state read once,
   decoded and indexed (:class:`Evidence`);
 * :mod:`~kafka_idem.chaos.report`: :class:`Check`, :class:`Report` (tables,
@@ -74,13 +74,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-attempts", type=int, help="default: KAFKA_IDEM_MAX_ATTEMPTS")
     ap.add_argument("--ordered-by", choices=("tenant",),
                     help="also check that each tenant's effects followed offset order")
+    ap.add_argument("--events", help="the outbox's event topic: also check its events "
+                    "(check 11)")
+    ap.add_argument("--no-event-order", action="store_true",
+                    help="with --events: one Kafka key's charges ran concurrently, skip order")
     ap.add_argument("--json", type=Path, help="write the report here")
     args = ap.parse_args(argv)
     s = load_settings()
     report = check(bootstrap=s.bootstrap_servers, dsn=s.dsn, topic=args.topic, group=args.group,
                    dlq_topic=args.dlq, schema=s.schema_name, table=s.table,
                    max_attempts=args.max_attempts or s.max_attempts, kafka=s.kafka,
-                   ordered_by=args.ordered_by)
+                   ordered_by=args.ordered_by, events_topic=args.events,
+                   event_order=not args.no_event_order)
     console = Console()
     console.print(report.figures_table())
     console.print(report.table())

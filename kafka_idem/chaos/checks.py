@@ -9,7 +9,8 @@ equals the record's stored hash; in the payments example every message of a key
 is on one partition (the Kafka key is the order id), so that must also be the
 key's *first-seen* payload.
 
-The nine checks (a count of anomalies each, with a few examples):
+The checks (a count of anomalies each, with a few examples; 1-9 always, 10 and 11 when
+asked for):
 
 1. **lost**: a source message with neither its effect (the key's record is
    ``succeeded`` with the message's request hash, and the ledger has the row)
@@ -55,6 +56,17 @@ The nine checks (a count of anomalies each, with a few examples):
    tenant's charges run one after another) whose accepted message comes after
    that of a row inserted later. A local-mode batch inserts its rows in claim
    order, not offset order, so only per-message runs are asked for it.
+11. **outbox events** (when the run names the event topic, ``events_topic``):
+   the topic read as ``read_committed``; a succeeded intent without exactly one
+   event (``idem.key`` its key); an event for an intent that did not succeed (a
+   replay, a conflict or a failure emits nothing); an outbox row published twice
+   (one ``idem.outbox.id`` on two events); an event whose Kafka key is not the
+   order id, whose value is not the ``ChargeCompleted`` of the accepted charge
+   and its ledger row, or whose ``idem.source.*`` headers name no message of its
+   key; with ``event_order``, one event key's events on two partitions, or out
+   of the order their transactions committed (the outbox ids: one Kafka key's
+   charges are applied one transaction after another, and a transaction's rows
+   are numbered in emit order); and outbox rows never published.
 """
 
 from __future__ import annotations
@@ -71,6 +83,7 @@ from kafka_idem.chaos.db_state import GUARD_TRIGGERS
 from kafka_idem.chaos.evidence import Evidence, gather, has_outcome, names_source, original
 from kafka_idem.chaos.evidence import Pos as Pos  # part of the checker's public names
 from kafka_idem.chaos.intents import Intent
+from kafka_idem.chaos.kafka_state import KafkaRecord
 from kafka_idem.chaos.report import Check, Liveness, Report
 from kafka_idem.dlq import ERROR_KINDS, REQUIRED_HEADERS
 
@@ -87,7 +100,10 @@ TITLES = {
     8: "retry limit exceeded",
     9: "liveness (lag back to 0)",
     10: "effects out of offset order per ordering key",
+    11: "outbox events (one per succeeded intent, none else, per-key order)",
 }
+EVENT_HEADERS = ("idem.key", "idem.source.topic", "idem.source.partition",
+                 "idem.source.offset", "idem.outbox.id")
 
 
 def _where(pos: Pos) -> str:
@@ -114,6 +130,8 @@ def check(
     balances: tuple[str, str] = ("payments", "balances"),
     kafka: Mapping[str, Any] | None = None,
     ordered_by: str | None = None,
+    events_topic: str | None = None,
+    event_order: bool = True,
 ) -> Report:
     """Judge the payments example's run on ``topic`` by ``group`` from durable state.
 
@@ -122,12 +140,16 @@ def check(
     acknowledged, ``(partition, offset)``, to its value bytes (check 1).
     ``kafka`` passes librdkafka options (SASL/TLS) to the checker's clients.
     ``ordered_by="tenant"``: the handler applied each tenant's charges of a
-    partition in offset order (check 10; not run without it).
+    partition in offset order (check 10; not run without it). ``events_topic``: the
+    outbox's event topic (check 11; not run without it); ``event_order=False`` when
+    one Kafka key's charges may run concurrently (leased, key-ordered by idempotency
+    key or tenant), so their commit order is not known.
     """
     dlq_topic = dlq_topic or f"{topic}.dlq"
     started = time.monotonic()
     ev = gather(bootstrap=bootstrap, dsn=dsn, topic=topic, group=group, dlq_topic=dlq_topic,
-                schema=schema, table=table, ledger=ledger, balances=balances, kafka=kafka)
+                schema=schema, table=table, ledger=ledger, balances=balances, kafka=kafka,
+                events_topic=events_topic)
     checks = [
         _lost(ev, acknowledged),
         _wrong_effects(ev),
@@ -141,6 +163,8 @@ def check(
     ]
     if ordered_by is not None:
         checks.append(_key_order(ev, ordered_by))
+    if events_topic is not None:
+        checks.append(_events(ev, event_order))
     return Report(checks, _figures(ev, started))
 
 
@@ -393,6 +417,88 @@ def _key_order(ev: Evidence, ordered_by: str) -> Check:
     return c10
 
 
+def _events(ev: Evidence, ordered: bool) -> Check:
+    c11 = Check(11, TITLES[11])
+    succeeded = {k for k, rec in ev.records.items() if rec["status"] == "succeeded"}
+    by_intent: dict[str, list[KafkaRecord]] = defaultdict(list)
+    by_row: dict[str, list[KafkaRecord]] = defaultdict(list)
+    for e in ev.events:
+        h = e.header_map()
+        missing = [name for name in EVENT_HEADERS if name not in h]
+        if missing:
+            c11.add(f"event p{e.partition}@{e.offset}: missing {', '.join(missing)}")
+            continue
+        by_intent[h["idem.key"]].append(e)
+        by_row[h["idem.outbox.id"]].append(e)
+    for row, published in sorted(by_row.items()):
+        if len(published) > 1:
+            c11.add(f"outbox row {row} published {len(published)} times: "
+                    + ", ".join(f"p{e.partition}@{e.offset}" for e in published))
+    for key in sorted(succeeded | by_intent.keys()):
+        got = by_intent.get(key, [])
+        rec = ev.records.get(key)
+        if key not in succeeded:
+            c11.add(f"{key}: {len(got)} event(s) for a "
+                    f"{rec['status'] if rec else 'never recorded'} intent")
+        elif len(got) != 1:
+            c11.add(f"{key}: succeeded, {len(got)} events")
+        for e in got[:1] if key in succeeded else ():
+            problem = _event_problem(ev, key, e)
+            if problem:
+                c11.add(f"{key} (event p{e.partition}@{e.offset}): {problem}")
+    if ordered:
+        _event_order(ev, c11)
+    if ev.outbox is not None and ev.outbox[0]:
+        c11.add(f"{ev.outbox[0]} outbox rows never published (the oldest "
+                f"{_secs(ev.outbox[1])} old)", ev.outbox[0])
+    c11.examined = (f"{len(ev.events)} events on {ev.events_topic} (read_committed), "
+                    f"{len(succeeded)} succeeded intents, outbox "
+                    + ("absent" if ev.outbox is None else f"{ev.outbox[0]} rows left"))
+    return c11
+
+
+def _event_problem(ev: Evidence, key: str, e: KafkaRecord) -> str | None:
+    """What is wrong with the one event of succeeded intent ``key`` (None: nothing)."""
+    h = e.header_map()
+    value = ev.event_values.get((e.partition, e.offset))
+    want, rows = ev.accepted.get(key), ev.ledger_rows.get(key, [])
+    if value is None or isinstance(value, str):
+        return f"value {value or 'not decoded'}"
+    if want is None or len(rows) != 1:
+        return None  # no accepted payload or no single ledger row: checks 2 and 6 say so
+    if e.key != want.order.encode():
+        return f"Kafka key {e.key!r}, not the order id {want.order!r}"
+    got = (value.idempotency_key, value.tenant_id, value.order_id, value.amount, value.currency,
+           value.ledger_entry.id)
+    if got != (key, want.tenant, want.order, want.amount, want.currency, rows[0]["id"]):
+        return f"value {got} is not the charge and its ledger row {rows[0]['id']}"
+    try:
+        pos = (int(h["idem.source.partition"]), int(h["idem.source.offset"]))
+    except ValueError:
+        return "unparsable idem.source.partition/offset"
+    if h["idem.source.topic"] != ev.topic or pos not in {p for p, _ in ev.by_key.get(key, [])}:
+        return f"idem.source names {h['idem.source.topic']} {_where(pos)}, no message of its key"
+    return None
+
+
+def _event_order(ev: Evidence, c11: Check) -> None:
+    """Per event key: one partition, events in outbox-id order (see check 11)."""
+    by_key: dict[bytes | None, list[tuple[int, int, int]]] = defaultdict(list)
+    for e in ev.events:
+        row = e.header_map().get("idem.outbox.id", "")
+        if row.isdigit():
+            by_key[e.key].append((e.partition, e.offset, int(row)))
+    for key, seen in sorted(by_key.items(), key=lambda kv: kv[0] or b""):
+        if len({p for p, _, _ in seen}) > 1:
+            c11.add(f"event key {key!r} on partitions {sorted({p for p, _, _ in seen})}")
+            continue
+        seen.sort()
+        for (p, off_a, row_a), (_, off_b, row_b) in itertools.pairwise(seen):
+            if row_a > row_b:
+                c11.add(f"event key {key!r}: outbox row {row_a} (p{p}@{off_a}) published "
+                        f"before row {row_b} (@{off_b})")
+
+
 def _figures(ev: Evidence, started: float) -> dict[str, Any]:
     decoded = ev.decoded.values()
     decodable = sum(1 for d in decoded if isinstance(d, Intent))
@@ -417,6 +523,10 @@ def _figures(ev: Evidence, started: float) -> dict[str, Any]:
         "source messages dead-lettered more than once": sum(
             1 for v in ev.dlq_for.values() if len(v) > 1),
         "keys spread over partitions": len(ev.spread),
+        **({} if ev.events_topic is None else {
+            "outbox events": len(ev.events),
+            "event keys with more than one event": sum(
+                1 for n in Counter(e.key for e in ev.events).values() if n > 1)}),
         "committed / end offsets": (f"{_total(ev.committed)} / "
                                     f"{sum(h for _, h in ev.marks.values())}"),
         "checker seconds": round(time.monotonic() - started, 1),

@@ -2,7 +2,8 @@
 
 :func:`read_database` returns the idempotency records by key, the payments
 example's ledger rows by key and balances by (tenant, currency), and the state
-of the transition guard's triggers (:data:`GUARD_TRIGGERS`) from the catalogue.
+of the transition guard's triggers (:data:`GUARD_TRIGGERS`) from the catalogue;
+:func:`read_outbox`, what the outbox still holds unpublished.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from psycopg import sql
 
 # The transition guard's triggers (migration 0003: one per event, each with its WHEN).
 GUARD_TRIGGERS = ("guard_transitions", "guard_transitions_insert", "guard_transitions_delete")
+OUTBOX_TABLE = "outbox"  # migration 0006: rows deleted once published
 
 
 def read_database(
@@ -46,3 +48,18 @@ def read_database(
             (schema, table, list(GUARD_TRIGGERS))).fetchall()
     enabled = {str(name): str(state) for name, state in trig}
     return records, rows, bal, enabled
+
+
+def read_outbox(dsn: str, schema: str, namespace: str) -> tuple[int, float | None] | None:
+    """The namespace's unpublished outbox rows and the age in seconds of the oldest
+    (None: the store has no outbox table)."""
+    with psycopg.connect(dsn, application_name="chaos-checker") as conn:
+        table = sql.Identifier(schema, OUTBOX_TABLE)
+        found = conn.execute("SELECT to_regclass(%s)", (f"{schema}.{OUTBOX_TABLE}",)).fetchone()
+        if found is None or found[0] is None:
+            return None
+        row = conn.execute(sql.SQL(
+            "SELECT count(*), extract(epoch FROM clock_timestamp() - min(created_at)) FROM {} "
+            "WHERE namespace = %s").format(table), (namespace,)).fetchone()
+    assert row is not None
+    return int(row[0]), None if row[1] is None else float(row[1])

@@ -1,4 +1,4 @@
-"""The durable state of a run, read once, decoded and indexed for the nine checks.
+"""The durable state of a run, read once, decoded and indexed for the checks.
 
 :func:`gather` reads the source topic, the DLQ topic and the group's committed
 offsets (:mod:`~kafka_idem.chaos.kafka_state`) and PostgreSQL
@@ -6,7 +6,9 @@ offsets (:mod:`~kafka_idem.chaos.kafka_state`) and PostgreSQL
 handler does (:mod:`~kafka_idem.chaos.intents`), and indexes it all as
 :class:`Evidence`: messages by position and by idempotency key, DLQ records by
 the source message they name, and each key's *accepted* payload (its first
-message whose request hash equals the record's stored hash).
+message whose request hash equals the record's stored hash). With an event
+topic (the outbox's), also its records (read as ``read_committed``), each
+decoded as the example's ``ChargeCompleted``, and the outbox rows left unpublished.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from kafka_idem.chaos.db_state import read_database
+from kafka_idem.chaos.db_state import read_database, read_outbox
 from kafka_idem.chaos.intents import Intent, PaymentsDecoder
 from kafka_idem.chaos.kafka_state import KafkaRecord, committed_offsets, patiently, read_topic
 
@@ -46,6 +48,12 @@ class Evidence:
     accepted: dict[str, Intent] = field(default_factory=dict)
     accepted_at: dict[str, Pos] = field(default_factory=dict)
     spread: set[str] = field(default_factory=set)  # keys on more than one partition
+    # The outbox (check 11): the event topic's records and their decoded values (or why
+    # not), and (unpublished rows, age of the oldest) of the namespace (None: no table).
+    events_topic: str | None = None
+    events: list[KafkaRecord] = field(default_factory=list)
+    event_values: dict[Pos, Any] = field(default_factory=dict)
+    outbox: tuple[int, float | None] | None = None
 
 
 def gather(
@@ -60,6 +68,8 @@ def gather(
     ledger: tuple[str, str],
     balances: tuple[str, str],
     kafka: Mapping[str, Any] | None,
+    events_topic: str | None = None,
+    namespace: str = "payments",
 ) -> Evidence:
     """Read the run's durable state (patiently: a broker restart is no verdict) and index it."""
     source, marks = patiently(lambda: read_topic(bootstrap, topic, kafka=kafka))
@@ -68,7 +78,13 @@ def gather(
                                                     kafka=kafka))
     records, ledger_rows, balance, guard = read_database(dsn, schema, table, ledger, balances)
     ev = Evidence(topic, source, marks, dead, committed, records, ledger_rows, balance, guard)
-    _index(ev, PaymentsDecoder(topic))
+    decoder = PaymentsDecoder(topic)
+    _index(ev, decoder)
+    if events_topic is not None:
+        ev.events_topic = events_topic
+        ev.events, _ = patiently(lambda: read_topic(bootstrap, events_topic, kafka=kafka))
+        ev.event_values = {(e.partition, e.offset): decoder.event(e.value) for e in ev.events}
+        ev.outbox = read_outbox(dsn, schema, namespace)
     return ev
 
 

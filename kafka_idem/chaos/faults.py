@@ -4,8 +4,12 @@ Fault types (:data:`FAULTS`): ``kill`` (SIGKILL a member, start a replacement),
 ``zombie`` (SIGSTOP a member past max.poll.interval.ms, SIGCONT later), ``add`` /
 ``remove`` (start a member / SIGTERM one, keeping 2-4), ``pg_terminate``
 (``pg_terminate_backend`` of the members' sessions), ``dlq_outage`` (the DLQ
-topic's ``max.message.bytes`` set to 1 byte, restored later) and
-``broker_restart`` (``scripts/kafka.sh restart``, in a thread). Every chosen type
+topic's ``max.message.bytes`` set to 1 byte, restored later), ``relay_kill``
+(SIGKILL a standalone outbox relay, start a replacement), ``relay_zombie``
+(SIGSTOP a relay past its shards' session timeout, so another publisher takes its
+shards over, then SIGCONT: it must find itself fenced) and ``broker_restart``
+(``scripts/kafka.sh restart``, in a thread). The members run a relay too, so
+``kill``, ``zombie`` and ``pg_terminate`` hit publishers as well. Every chosen type
 is injected once first, in a seeded order, then weighted at random
 (:data:`WEIGHTS`); what is not possible right now is skipped. :meth:`Injector.tick`
 undoes what is due and replaces members that exited on their own.
@@ -20,13 +24,21 @@ from dataclasses import dataclass, field
 
 from confluent_kafka.admin import AdminClient
 
-from kafka_idem.chaos.members import MAX_MEMBERS, MAX_POLL_INTERVAL_MS, MIN_MEMBERS, Member, Pool
+from kafka_idem.chaos.members import (
+    MAX_MEMBERS,
+    MAX_POLL_INTERVAL_MS,
+    MIN_MEMBERS,
+    SESSION_TIMEOUT_MS,
+    Member,
+    Pool,
+)
 from kafka_idem.chaos.output import say
 from kafka_idem.chaos.services import dlq_limit, kafka_sh, terminate_backends
 
-FAULTS = ("kill", "zombie", "add", "remove", "pg_terminate", "dlq_outage", "broker_restart")
+FAULTS = ("kill", "zombie", "add", "remove", "pg_terminate", "dlq_outage", "relay_kill",
+          "relay_zombie", "broker_restart")
 WEIGHTS = {"kill": 2.0, "zombie": 2.0, "add": 1.0, "remove": 1.0, "pg_terminate": 2.0,
-           "dlq_outage": 1.0, "broker_restart": 0.6}
+           "dlq_outage": 1.0, "relay_kill": 1.0, "relay_zombie": 1.0, "broker_restart": 0.6}
 
 
 @dataclass
@@ -44,6 +56,7 @@ class Undo:
     due: float  # monotonic
     what: str  # sigcont | dlq_restore
     member: Member | None = None
+    pool: Pool | None = None  # the member's pool (members or relays)
 
 
 @dataclass
@@ -63,6 +76,7 @@ class Injector:
     dlq_down: bool = False
     t_start: float = 0.0
     health: list[str] = field(default_factory=list)
+    relays: Pool | None = None  # the standalone relays (relay_kill, relay_zombie)
 
     def __post_init__(self) -> None:
         self.queue = list(self.types)
@@ -92,6 +106,8 @@ class Injector:
             return len(alive) > MIN_MEMBERS and bool(running)
         if kind == "dlq_outage":
             return not self.dlq_down
+        if kind in ("relay_kill", "relay_zombie"):
+            return self.relays is not None and bool(self.relays.running())
         return True
 
     def inject(self, n: int) -> Fault:
@@ -107,21 +123,29 @@ class Injector:
     def _pick(self, members: list[Member]) -> Member:
         return self.rng.choice(sorted(members, key=lambda m: m.name))
 
-    def _kill(self, f: Fault) -> None:
-        victim = self._pick(self.pool.alive())
-        self.pool.kill(victim)
-        new = self.pool.start()
+    def _kill(self, f: Fault, pool: Pool | None = None) -> None:
+        pool = pool or self.pool
+        victim = self._pick(pool.alive())
+        pool.kill(victim)
+        new = pool.start()
         f.pids = [victim.pid, new.pid]
         f.detail = f"SIGKILL {victim}{' (was stopped)' if victim.stopped else ''}; started {new}"
 
-    def _zombie(self, f: Fault) -> None:
-        victim = self._pick(self.pool.running())
+    def _zombie(self, f: Fault, pool: Pool | None = None) -> None:
+        pool = pool or self.pool
+        victim = self._pick(pool.running())
         seconds = MAX_POLL_INTERVAL_MS / 1000 + self.rng.uniform(1.0, 4.0)
-        self.pool.sigstop(victim)
-        self.undo.append(Undo(time.monotonic() + seconds, "sigcont", victim))
+        pool.sigstop(victim)
+        self.undo.append(Undo(time.monotonic() + seconds, "sigcont", victim, pool))
         f.pids = [victim.pid]
         f.detail = f"SIGSTOP {victim} for {seconds:.1f}s (max.poll.interval.ms " \
-                   f"{MAX_POLL_INTERVAL_MS})"
+                   f"{MAX_POLL_INTERVAL_MS}, session timeout {SESSION_TIMEOUT_MS} ms)"
+
+    def _relay_kill(self, f: Fault) -> None:
+        self._kill(f, self.relays)
+
+    def _relay_zombie(self, f: Fault) -> None:
+        self._zombie(f, self.relays)
 
     def _add(self, f: Fault) -> None:
         new = self.pool.start()
@@ -171,7 +195,7 @@ class Injector:
             if not everything and u.due > now:
                 continue
             if u.what == "sigcont" and u.member is not None:
-                self.pool.sigcont(u.member)
+                (u.pool or self.pool).sigcont(u.member)
                 self.undo.remove(u)
                 say(f"SIGCONT {u.member}")
             elif u.what == "dlq_restore" and not self.busy():
@@ -183,7 +207,8 @@ class Injector:
                 self.dlq_down = False
                 self.undo.remove(u)
                 say(f"{self.dlq_topic} max.message.bytes restored")
-        for m in self.pool.reap():
-            self.health.append(f"{m} exited on its own with code {m.exit_code}")
-            new = self.pool.start()
-            say(f"[red]{m} exited on its own (code {m.exit_code})[/]; started {new}")
+        for pool in filter(None, (self.pool, self.relays)):
+            for m in pool.reap():
+                self.health.append(f"{m} exited on its own with code {m.exit_code}")
+                new = pool.start()
+                say(f"[red]{m} exited on its own (code {m.exit_code})[/]; started {new}")

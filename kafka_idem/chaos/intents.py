@@ -4,7 +4,9 @@
 codec, model, key template and hash fields, so a message decodes to the same
 :class:`Intent` (idempotency key ``{tenant_id}:charge:{order_id}``, request hash
 over amount and currency, whether the example's rule accepts the charge) as in
-the consumer, or to the reason it does not decode. :data:`ROOT` is the checkout
+the consumer, or to the reason it does not decode; :meth:`PaymentsDecoder.event`
+decodes an event of the outbox's topic (``payments.ChargeCompleted``) the same
+way. :data:`ROOT` is the checkout
 the example is imported from (the chaos run starts its members there too).
 """
 
@@ -14,6 +16,9 @@ import sys
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
 
 from kafka_idem.errors import InvalidPayload, MessageError
 from kafka_idem.keys import hash_payload
@@ -38,10 +43,11 @@ class PaymentsDecoder:
     def __init__(self, topic: str) -> None:
         if str(ROOT) not in sys.path:
             sys.path.insert(0, str(ROOT))
-        from consumers.payments import CURRENCIES, build_app
+        from consumers import payments
 
-        self.handler = build_app(topic=topic).handlers[topic]
-        self.currencies = CURRENCIES
+        self.payments = payments
+        self.handler = payments.build_app(topic=topic).handlers[topic]
+        self.currencies = payments.CURRENCIES
 
     def __call__(self, value: bytes | None) -> Intent | str:
         h = self.handler
@@ -55,3 +61,13 @@ class PaymentsDecoder:
         amount = Decimal(model.amount)
         return Intent(key, hash_payload(model, h.hash_fields), model.tenant_id, model.order_id,
                       amount, model.currency, amount > 0 and model.currency in self.currencies)
+
+    def event(self, value: bytes | None) -> Any:
+        """A ``payments.ChargeCompleted`` event (the example's model), or why it is not one."""
+        try:
+            name, record = self.payments.codec().decode(value)
+            if name != self.payments.EVENT_SCHEMA:
+                return f"written with {name}, not {self.payments.EVENT_SCHEMA}"
+            return self.payments.ChargeCompleted.model_validate(record)
+        except (MessageError, ValidationError) as exc:
+            return f"undecodable: {type(exc).__name__}"

@@ -1,8 +1,11 @@
 """What Kafka holds durably, read without joining or disturbing the group.
 
 :func:`read_topic` reads every record of a topic from its low watermark to the
-end offset captured at the start (the source topic and the DLQ topic), as
-:class:`KafkaRecord` values, under a throw-away group id that commits nothing;
+end offset captured at the start (the source topic, the DLQ topic and the outbox's
+event topic), as :class:`KafkaRecord` values, with ``isolation.level=read_committed``
+(a transactional topic is read as its downstream consumers see it: records of
+aborted transactions never, the end reached at the last stable offset), under a
+throw-away group id that commits nothing;
 :func:`committed_offsets` asks the group's committed offsets without joining it.
 :func:`patiently` repeats a read after a pause when Kafka does not answer, so a
 broker restart is never taken for a verdict. :class:`CheckerError`: the state
@@ -17,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 T = TypeVar("T")
 
@@ -45,7 +48,9 @@ def _client_conf(bootstrap: str, kafka: Mapping[str, Any] | None) -> dict[str, A
         "group.id": f"kafka-idem-checker-{uuid.uuid4().hex[:12]}",
         "enable.auto.commit": False,
         "enable.auto.offset.store": False,
-        "enable.partition.eof": False,
+        # the end of a transactional topic is a commit marker, never a record: EOF says it
+        "enable.partition.eof": True,
+        "isolation.level": "read_committed",
         "auto.offset.reset": "earliest",
         "log_level": 2,  # connection errors during a broker restart are retried, not news
     })
@@ -73,9 +78,12 @@ def read_topic(
                 raise CheckerError(f"could not read {topic!r} to its end in {timeout:.0f}s: "
                                    f"partitions {sorted(left)} unfinished")
             for m in consumer.consume(2000, timeout=0.1):
-                if m.error() is not None:
-                    continue
                 p, off = int(m.partition() or 0), int(m.offset() or 0)
+                err = m.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF and p in left:
+                        del left[p]  # the last stable offset: nothing more to read there
+                    continue
                 if p not in left or off >= left[p]:
                     continue
                 out.append(KafkaRecord(p, off, m.key(), m.value(), _headers(m.headers())))

@@ -1,7 +1,9 @@
-"""The consumer group under test: ``kafka-idem run consumers.payments:app`` processes.
+"""The consumer group under test: ``kafka-idem run consumers.payments:app`` processes
+(each also runs the outbox relay), and the standalone relays
+(``kafka-idem relay consumers.payments:app``).
 
-:class:`Pool` starts members with the chaos settings (:data:`MEMBER_ENV`, short
-session and poll intervals), signals them (SIGKILL, SIGSTOP/SIGCONT, SIGTERM),
+:class:`Pool` starts members (or relays) with the chaos settings (:data:`MEMBER_ENV`,
+short session and poll intervals), signals them (SIGKILL, SIGSTOP/SIGCONT, SIGTERM),
 notices the ones that exit on their own, and reads their logs for evidence of
 the faults (:data:`LOG_SIGNS`).
 """
@@ -44,6 +46,9 @@ LOG_SIGNS = {  # what the members' logs say about the faults (evidence, not verd
     "partitions_lost": "kafka_idem.runner: lost ",
     "store_errors": "the message will be retried",
     "batch_failed": "batch transaction failed",
+    "relay_takeovers": " taken over by ",  # a shard's publisher changed (kill, zombie, rebalance)
+    "relay_fenced": ") stops publishing it",  # a resumed zombie found itself fenced
+    "relay_retries": "retrying with backoff",  # a round failed (broker, database): retried
     "tracebacks": "Traceback (most recent call last)",
 }
 
@@ -84,8 +89,9 @@ class Member:
 
 
 class Pool:
-    def __init__(self, cmd: list[str], env: dict[str, str], logs: Path) -> None:
-        self.cmd, self.env, self.logs = cmd, env, logs
+    def __init__(self, cmd: list[str], env: dict[str, str], logs: Path,
+                 prefix: str = "m") -> None:
+        self.cmd, self.env, self.logs, self.prefix = cmd, env, logs, prefix
         self.members: list[Member] = []
         self.crashed: list[Member] = []
         self.slow_stops: list[str] = []
@@ -98,7 +104,7 @@ class Pool:
         return [m for m in self.alive() if not m.stopped]
 
     def start(self) -> Member:
-        name = f"m{len(self.members) + 1}"
+        name = f"{self.prefix}{len(self.members) + 1}"
         m = Member(name, self.cmd, self.env, self.logs / f"{name}.log")
         self.members.append(m)
         return m

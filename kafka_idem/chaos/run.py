@@ -1,15 +1,19 @@
 """The chaos run: a consumer group under seeded faults, then the anomaly checker.
 
     python -m kafka_idem.chaos.run --duration 120 --faults 24 --seed 7 --members 3 \\
-        [--format avro|json] [--json report.json] [--allow-broker-restart] [--keep]
+        [--relays 1] [--format avro|json] [--json report.json] [--allow-broker-restart] [--keep]
 
 Everything is fresh and named after a run id: the topic ``chaos.<id>.charge-requested``
-(6 partitions) and its ``.dlq``, the database ``chaos_<id>`` (store and
-``payments`` tables, migrated here), the group ``chaos-<id>``. They are removed
-at the end unless ``--keep`` is given or an anomaly was found.
+(6 partitions) and its ``.dlq``, the event topic ``chaos.<id>.charge-completed`` (the
+outbox's), the database ``chaos_<id>`` (store, outbox and ``payments`` tables,
+migrated here), the group ``chaos-<id>``, and the name prefix ``chaos.<id>.`` of the
+relays' control topic and transactional ids. They are removed at the end unless
+``--keep`` is given or an anomaly was found.
 
 1. ``--members`` ``kafka-idem run consumers.payments:app`` processes join the group
-   (session timeout 6 s, max.poll.interval 10 s, short backoffs); ``--mode leased
+   (session timeout 6 s, max.poll.interval 10 s, short backoffs), each with its
+   outbox relay, and ``--relays`` standalone ``kafka-idem relay`` processes compete
+   with them for the outbox's shards; ``--mode leased
    --concurrency N [--order-by-tenant] [--async-handler]`` runs the handler
    key-ordered (``--async-handler``: as ``async def``).
 2. A producer thread sends charge intents at ``--rate`` per second (idempotent,
@@ -20,14 +24,19 @@ at the end unless ``--keep`` is given or an anomaly was found.
    ``kill`` (SIGKILL a member, start a replacement), ``zombie`` (SIGSTOP a member
    past max.poll.interval.ms, then SIGCONT), ``add`` / ``remove`` (start a member
    / SIGTERM one, keeping 2-4), ``pg_terminate`` (``pg_terminate_backend`` of the
-   members' sessions), ``dlq_outage`` (the DLQ topic's ``max.message.bytes`` set to
-   1 byte, so every dead-letter produce fails with MSG_SIZE_TOO_LARGE, records
-   kept; restored later), ``broker_restart`` (``scripts/kafka.sh restart``: only
-   with ``--allow-broker-restart`` and the local broker).
+   members' and relays' sessions), ``relay_kill`` / ``relay_zombie`` (the same two
+   on a standalone relay: SIGSTOPped past its session timeout, its shards are
+   taken over; resumed, it must be fenced), ``dlq_outage`` (the DLQ topic's
+   ``max.message.bytes`` set to 1 byte, so every dead-letter produce fails with
+   MSG_SIZE_TOO_LARGE, records kept; restored later), ``broker_restart``
+   (``scripts/kafka.sh restart``: only with ``--allow-broker-restart`` and the
+   local broker).
 4. Heal: SIGCONT everyone, restore the DLQ, keep at least one member, stop
-   producing; wait until the group's committed offsets equal the end offsets
-   (bounded by ``--heal-timeout``: liveness); SIGTERM the members.
-5. Run the checker (:mod:`kafka_idem.chaos.checker`) on durable state; print
+   producing; wait until the group's committed offsets equal the end offsets and
+   the outbox is empty (bounded by ``--heal-timeout``: liveness); SIGTERM the
+   members and relays.
+5. Run the checker (:mod:`kafka_idem.chaos.checker`) on durable state, the event
+   topic included (check 11, read_committed); print
    the fault log, the checker's table and the seed. Exit 1 on any anomaly.
 
 Kafka and PostgreSQL come from ``KAFKA_IDEM_BOOTSTRAP_SERVERS`` and
@@ -63,7 +72,9 @@ from kafka_idem.chaos.services import (
     Offsets,
     cleanup,
     create_database,
+    create_outbox_topics,
     dlq_limit,
+    drained,
     local_bootstrap,
     migrate_database,
     wait_assigned,
@@ -83,6 +94,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--faults", type=int, default=24, help="faults to inject (default 24)")
     ap.add_argument("--seed", type=int, help="random seed (default: a new one, printed)")
     ap.add_argument("--members", type=int, default=3, help="group members at the start (2-4)")
+    ap.add_argument("--relays", type=int, default=1,
+                    help="standalone outbox relays besides the members' own (default 1; 0: "
+                    "none, and no relay_kill / relay_zombie faults)")
     ap.add_argument("--rate", type=float, default=150.0, help="messages per second (default 150)")
     ap.add_argument("--partitions", type=int, default=6, help="source topic partitions")
     ap.add_argument("--format", choices=("avro", "json"), default=None,
@@ -111,9 +125,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"unknown fault types {sorted(unknown)}; choose from {','.join(FAULTS)}")
     if not args.allow_broker_restart:
         types = tuple(t for t in types if t != "broker_restart")
+    if args.relays == 0:
+        types = tuple(t for t in types if not t.startswith("relay_"))
     args.types = types
     if not MIN_MEMBERS <= args.members <= MAX_MEMBERS:
         ap.error(f"--members must be between {MIN_MEMBERS} and {MAX_MEMBERS}")
+    if args.relays < 0:
+        ap.error("--relays must be >= 0")
     if args.duration <= 0 or args.faults < 0 or args.rate <= 0 or args.partitions < 1:
         ap.error("--duration, --rate and --partitions must be positive, --faults >= 0")
     if (args.concurrency != 1 or args.order_by_tenant or args.async_handler) \
@@ -139,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     run_id = uuid.uuid4().hex[:8]
     topic, group, dbname = f"chaos.{run_id}.charge-requested", f"chaos-{run_id}", f"chaos_{run_id}"
     dlq_topic = f"{topic}{s.dlq_suffix}"
+    from consumers.payments import events_topic
+
+    events, prefix = events_topic(topic), f"chaos.{run_id}."
     if "broker_restart" in args.types and not local_bootstrap(s.bootstrap_servers):
         console.print("[red]--allow-broker-restart needs the local broker (scripts/kafka.sh); "
                       f"{s.bootstrap_servers} is not it[/]")
@@ -151,18 +172,21 @@ def main(argv: list[str] | None = None) -> int:
         f"faults: {', '.join(args.types)}")
     admin = AdminClient({**s.admin_config(), **QUIET})
     pool: Pool | None = None
+    relays: Pool | None = None
     injector: Injector | None = None
     feed: Feed | None = None
     offsets: Offsets | None = None
     report: Report | None = None
     result: dict[str, Any] = {"seed": seed, "run_id": run_id, "topic": topic,
-                              "dlq_topic": dlq_topic, "group": group, "database": dbname,
+                              "dlq_topic": dlq_topic, "events_topic": events,
+                              "group": group, "database": dbname,
                               "options": {k: (str(v) if isinstance(v, Path) else v)
                                           for k, v in vars(args).items()},
                               "started_at": dt.datetime.now(dt.UTC).isoformat()}
     health: list[tuple[str, bool, str]] = []
     passed = False
     created_db = created_topics = False
+    outbox_topics: list[str] = []
     try:
         # -- set-up
         dsn = create_database(s.dsn, dbname)
@@ -174,10 +198,16 @@ def main(argv: list[str] | None = None) -> int:
                                       for t in (topic, dlq_topic)]).values():
             f.result(timeout=30)
         created_topics = True
-        say(f"database {dbname} migrated; topics {topic} (+ .dlq), {args.partitions} "
-            f"partitions, replication factor {rf}; group {group}")
-        cmd = [sys.executable, "-m", "kafka_idem.cli", "run", APP, "--group-id", group]
         env = member_env(s, dsn, topic, args.mode)
+        env["KAFKA_IDEM_NAME_PREFIX"] = prefix  # the relays' control topic and ids: ours
+        outbox_topics = create_outbox_topics(admin, env, APP, prefix, args.partitions)
+        if events not in outbox_topics:
+            raise RuntimeError(f"kafka-idem topics create made no {events}: {outbox_topics}")
+        outbox_topics = [t for t in outbox_topics if t not in (topic, dlq_topic)]
+        say(f"database {dbname} migrated; topics {topic} (+ .dlq), {args.partitions} "
+            f"partitions, replication factor {rf}; kafka-idem topics create made "
+            f"{', '.join(outbox_topics)}; group {group}")
+        cmd = [sys.executable, "-m", "kafka_idem.cli", "run", APP, "--group-id", group]
         env["PAYMENTS_CONCURRENCY"] = str(args.concurrency)
         if args.order_by_tenant:
             env["PAYMENTS_ORDERING_KEY"] = "{tenant_id}"
@@ -186,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         pool = Pool(cmd, env, logs)
         for _ in range(args.members):
             pool.start()
-        say(f"members {pool.alive()} starting; logs in {logs}")
+        relays = Pool([sys.executable, "-m", "kafka_idem.cli", "relay", APP], env, logs, "r")
+        for _ in range(args.relays):
+            relays.start()
+        say(f"members {pool.alive()}, relays {relays.alive()} starting; logs in {logs}")
         offsets = Offsets(s.admin_config(), group, topic, args.partitions)
         wait_assigned(admin, group, args.partitions, timeout=60)
         say("every partition assigned")
@@ -194,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         # -- load and faults
         feed = Feed(s.bootstrap_servers, topic, args.rate, seed + 1, s.kafka)
         injector = Injector(random.Random(seed), pool, admin, s.dsn, dbname, dlq_topic,
-                            args.types)
+                            args.types, relays=relays)
         feed.start()
         injector.t_start = t_start = time.monotonic()
         say(f"producing ~{args.rate:.0f} messages/s")
@@ -227,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             health.append(("faults undone", False, f"{len(injector.undo)} not undone"))
         if not pool.running():
             say(f"started {pool.start()} (no member left)")
+        if args.relays and not relays.running():
+            say(f"started {relays.start()} (no relay left)")
         feed.stopping.set()
         feed.join(150)
         heal_start = time.monotonic()
@@ -235,19 +270,21 @@ def main(argv: list[str] | None = None) -> int:
         while time.monotonic() - heal_start < args.heal_timeout:
             injector.tick()
             state = offsets.lag()
-            if state is not None and state[1] == 0 and not feed.is_alive():
+            if state is not None and state[1] == 0 and not feed.is_alive() \
+                    and drained(dsn, s.schema_name):
                 healed_in = round(time.monotonic() - heal_start, 1)
                 break
             if time.monotonic() - last_progress >= 10:
                 last_progress = time.monotonic()
                 progress(feed, offsets, pool)
             time.sleep(0.5)
-        say(f"lag 0 after {healed_in}s" if healed_in is not None
-            else f"[red]lag not 0 after {args.heal_timeout:.0f}s[/]")
-        alive = pool.alive()
+        say(f"lag 0 and the outbox empty after {healed_in}s" if healed_in is not None
+            else f"[red]lag not 0 or the outbox not empty after {args.heal_timeout:.0f}s[/]")
+        alive = pool.alive() + relays.alive()
         pool.stop_all()
+        relays.stop_all()
         codes = {m.name: m.exit_code for m in alive}
-        say(f"members stopped: {codes}")
+        say(f"members and relays stopped: {codes}")
 
         # -- check
         report = check(bootstrap=s.bootstrap_servers, dsn=dsn, topic=topic, group=group,
@@ -255,22 +292,28 @@ def main(argv: list[str] | None = None) -> int:
                        max_attempts=s.max_attempts,
                        liveness=Liveness(healed_in, args.heal_timeout),
                        acknowledged=feed.acked, kafka=s.kafka,
-                       ordered_by=_ordered_by(args))
+                       ordered_by=_ordered_by(args), events_topic=events,
+                       event_order=_events_ordered(args))
         by_type = Counter(f.fault for f in injector.log)
         evidence, tracebacks = pool.scan_logs()
+        for mine, theirs in zip((evidence, tracebacks), relays.scan_logs(), strict=True):
+            for name, n in theirs.items():
+                mine[name] = mine.get(name, 0) + n
         health += [
             ("every planned fault injected", len(injector.log) == args.faults,
              f"{len(injector.log)} of {args.faults}"),
             ("every fault type injected", set(by_type) >= set(args.types) or
              len(injector.log) < len(args.types),
              ", ".join(f"{t} {by_type[t]}" for t in args.types)),
-            ("no member exited on its own", not pool.crashed,
-             "; ".join(f"{m} code {m.exit_code}" for m in pool.crashed) or "none"),
-            ("members exit 0 on SIGTERM",
-             all(m.exit_code == 0 for m in pool.members if m.gone == "terminated")
-             and not pool.slow_stops,
-             "; ".join(pool.slow_stops) or ", ".join(
-                 f"{m.name} {m.exit_code}" for m in pool.members if m.gone == "terminated")),
+            ("no member or relay exited on its own", not pool.crashed + relays.crashed,
+             "; ".join(f"{m} code {m.exit_code}" for m in pool.crashed + relays.crashed)
+             or "none"),
+            ("members and relays exit 0 on SIGTERM",
+             all(m.exit_code == 0 for m in pool.members + relays.members
+                 if m.gone == "terminated") and not pool.slow_stops + relays.slow_stops,
+             "; ".join(pool.slow_stops + relays.slow_stops) or ", ".join(
+                 f"{m.name} {m.exit_code}" for m in pool.members + relays.members
+                 if m.gone == "terminated")),
             *(("injector", False, h) for h in injector.health if "exited on its own" not in h),
         ]
         result.update({
@@ -285,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             "member_log_evidence": evidence,
             "member_log_tracebacks": tracebacks,
             "members_started": len(pool.members),
+            "relays_started": len(relays.members),
             "health": [{"check": n_, "ok": ok, "detail": d} for n_, ok, d in health],
             "checker": report.to_json(),
         })
@@ -300,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if feed is not None:
             feed.stopping.set()
-        if pool is not None:
-            pool.stop_all()
+        for group_of in (pool, relays):
+            if group_of is not None:
+                group_of.stop_all()
         if injector is not None and injector.dlq_down:
             try:
                 dlq_limit(admin, dlq_topic, None)
@@ -317,14 +362,16 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{verdict}: seed {seed}; replay the same faults and messages with "
                       f"[bold]python -m kafka_idem.chaos.run {_replay_args(args, seed)}[/]")
         if keep:
-            console.print(f"kept: database {dbname}, topics {topic} (+ .dlq), group {group}, "
+            console.print(f"kept: database {dbname}, topics {topic} (+ .dlq), "
+                          f"{', '.join(outbox_topics)}, group {group}, "
                           f"member logs {logs}. Check again with: KAFKA_IDEM_DATABASE_URL="
                           f"'{redact(make_conninfo(s.dsn, dbname=dbname), s.secret_values())}' "
-                          f"python -m kafka_idem.chaos.checker --topic {topic} --group {group}",
-                          markup=False)
+                          f"python -m kafka_idem.chaos.checker --topic {topic} --group {group}"
+                          f" --events {events}", markup=False)
         else:
             cleanup(s, dbname if created_db else None,
-                     [topic, dlq_topic] if created_topics else [], group, logs)
+                    [topic, dlq_topic, *outbox_topics] if created_topics else [],
+                    group, logs)
     return 0 if passed else 1
 
 
@@ -338,9 +385,16 @@ def _ordered_by(args: argparse.Namespace) -> str | None:
     return "tenant" if prefix or args.order_by_tenant else None
 
 
+def _events_ordered(args: argparse.Namespace) -> bool:
+    """One Kafka key's (order id's) charges are applied one transaction after another,
+    so their events' order is known (check 11), unless leased runs them concurrently
+    (key-ordered by idempotency key or by tenant: two tenants may share an order id)."""
+    return args.mode == "local" or (args.concurrency == 1 and not args.async_handler)
+
+
 def _replay_args(args: argparse.Namespace, seed: int) -> str:
     parts = [f"--duration {args.duration:g}", f"--faults {args.faults}", f"--seed {seed}",
-             f"--members {args.members}", f"--rate {args.rate:g}",
+             f"--members {args.members}", f"--relays {args.relays}", f"--rate {args.rate:g}",
              f"--partitions {args.partitions}", f"--mode {args.mode}",
              f"--concurrency {args.concurrency}", f"--fault-types {','.join(args.types)}"]
     if args.order_by_tenant:

@@ -3,6 +3,7 @@
 Creating, migrating and dropping the run's database; watching the group's lag
 without joining it; the admin operations the faults use (a topic's
 ``max.message.bytes``, ``pg_terminate_backend``, ``scripts/kafka.sh restart``);
+the outbox's topics (``kafka-idem topics create``) and whether it is drained;
 and removing the run's artefacts at the end.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +29,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from psycopg import sql
 
 from kafka_idem.chaos.checker import ROOT
+from kafka_idem.chaos.db_state import read_outbox
 from kafka_idem.chaos.output import say
 from kafka_idem.migrate import migrate
 from kafka_idem.settings import Settings
@@ -90,6 +93,25 @@ def migrate_database(dsn: str, schema: str, table: str) -> None:
 
     with psycopg.connect(dsn, application_name="chaos-run") as conn:
         create_tables(conn)
+
+
+def create_outbox_topics(admin: AdminClient, env: dict[str, str], app: str, prefix: str,
+                         partitions: int) -> list[str]:
+    """``kafka-idem topics create APP`` in the members' environment (it adds the event
+    topic and the relays' control topic); return every topic named ``prefix...``."""
+    out = subprocess.run([sys.executable, "-m", "kafka_idem.cli", "topics", "create", app,
+                          "--partitions", str(partitions)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=False)
+    if out.returncode:
+        raise RuntimeError(f"kafka-idem topics create {app} exited {out.returncode}: "
+                           f"{(out.stdout + out.stderr).strip()[-600:]}")
+    return sorted(t for t in admin.list_topics(timeout=15).topics if t.startswith(prefix))
+
+
+def drained(dsn: str, schema: str) -> bool:
+    """The payments outbox holds no unpublished row (or there is no outbox)."""
+    left = read_outbox(dsn, schema, "payments")
+    return left is None or left[0] == 0
 
 
 def drop_database(admin_dsn: str, name: str) -> None:

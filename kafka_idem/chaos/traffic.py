@@ -3,7 +3,9 @@
 :class:`Feed` is a thread that sends originals, re-sends of earlier intents (a new
 request id, like a producer's retry), payload conflicts, invalid charges and
 undecodable bytes, seeded; it records every acknowledged message, which the
-checker compares with what the source topic holds.
+checker compares with what the source topic holds. Some originals reuse a recent
+order id for another tenant: two intents on one Kafka key (the order id), so the
+outbox's per-key order (check 11) has something to judge.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from confluent_kafka import Producer
 from kafka_idem.chaos.services import QUIET
 
 TENANTS = 20
+SHARED_ORDERS = 0.1  # share of originals that reuse a recent order id for another tenant
 CURRENCIES = ("EUR", "USD", "GBP", "CHF", "JPY")
 
 
@@ -80,8 +83,12 @@ class Feed(threading.Thread):
                 amount = Decimal(0) if rng.random() < 0.3 else -amount
             else:
                 currency = "XXX"
-        intent = Intent(f"t{rng.randrange(TENANTS):02d}", f"o-{len(intents):07d}", amount,
-                        currency)
+        tenant, order = f"t{rng.randrange(TENANTS):02d}", f"o-{len(intents):07d}"
+        if intents and rng.random() < SHARED_ORDERS:
+            base = rng.choice(intents[-100:])  # same order id, another tenant: another intent
+            tenant = f"t{(int(base.tenant[1:]) + rng.randrange(1, TENANTS)) % TENANTS:02d}"
+            order = base.order
+        intent = Intent(tenant, order, amount, currency)
         intents.append(intent)
         return kind, intent.order.encode(), self._value(intent)
 

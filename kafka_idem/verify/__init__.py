@@ -1,4 +1,4 @@
-"""``kafka-idem verify``: the six verification scenarios (docs/VERIFICATION.md), run
+"""``kafka-idem verify``: the seven verification scenarios (docs/VERIFICATION.md), run
 against the Kafka and PostgreSQL the settings point to, with real processes and real signals.
 
     from kafka_idem.verify import run, select

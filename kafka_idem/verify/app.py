@@ -23,7 +23,10 @@ Fault hooks (environment, read by :meth:`Config.from_env`):
   Retryable (after the business write) on attempts up to N;
 * ``IDEM_VERIFY_PERMANENT_ORDERS``: raise Permanent after the business write;
 * ``IDEM_VERIFY_GATEWAY_URL`` / ``IDEM_VERIFY_GATEWAY_TIMEOUT``: charge the example
-  payment gateway (``consumers.gateway``, leased mode, reconciled by key) first.
+  payment gateway (``consumers.gateway``, leased mode, reconciled by key) first;
+* ``IDEM_VERIFY_EVENTS_TOPIC``: with its business write, every call emits one
+  :class:`Charged` event (JSON; Kafka key = order id) to this topic through the
+  outbox (``ctx.emit``), rolled back with the write when the call fails.
 """
 
 from __future__ import annotations
@@ -68,6 +71,17 @@ class Intent(BaseModel):
     requested_at: dt.datetime
 
 
+class Charged(BaseModel):
+    """The event of a charge that took effect (``IDEM_VERIFY_EVENTS_TOPIC``)."""
+
+    idempotency_key: str
+    order_id: str
+    amount: Decimal
+    currency: str
+    pid: int
+    attempt: int
+
+
 def _orders(raw: str) -> frozenset[str]:
     return frozenset(o for o in raw.split(",") if o)
 
@@ -87,6 +101,7 @@ class Config:
     permanent_orders: frozenset[str] = field(default_factory=frozenset)
     gateway_url: str | None = None
     gateway_timeout: float = 2.0
+    events_topic: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -107,6 +122,7 @@ class Config:
             permanent_orders=_orders(get("PERMANENT_ORDERS")),
             gateway_url=get("GATEWAY_URL") or None,
             gateway_timeout=float(get("GATEWAY_TIMEOUT", "2")),
+            events_topic=get("EVENTS_TOPIC") or None,
         )
 
     def to_env(self) -> dict[str, str]:
@@ -123,6 +139,7 @@ class Config:
             "PERMANENT_ORDERS": ",".join(sorted(self.permanent_orders)),
             "GATEWAY_URL": self.gateway_url or "",
             "GATEWAY_TIMEOUT": str(self.gateway_timeout),
+            "EVENTS_TOPIC": self.events_topic or "",
         }
         return {ENV_PREFIX + k: v for k, v in env.items()}
 
@@ -183,6 +200,8 @@ def build_app(config: Config, **settings: Any) -> App:
     mode = "leased" if gateway is not None else config.mode
     ledger = sql.Identifier(config.biz_schema, "ledger")
     trace = _Tracer(application, config.biz_schema)
+    if config.events_topic is not None:
+        application.event_topic(config.events_topic, format="json", model=Charged)
 
     def write(msg: Intent, ctx: Context, charge_id: str | None) -> dict[str, Any]:
         ctx.tx.execute(
@@ -195,6 +214,11 @@ def build_app(config: Config, **settings: Any) -> App:
                                   "currency": msg.currency}
         if charge_id is not None:
             result["charge_id"] = charge_id
+        if config.events_topic is not None:
+            ctx.emit(config.events_topic, Charged(
+                idempotency_key=ctx.idempotency_key, order_id=msg.order_id, amount=msg.amount,
+                currency=msg.currency, pid=os.getpid(), attempt=ctx.attempt),
+                key=msg.order_id)
         return result
 
     @application.handler(topic=config.topic, model=Intent, key=KEY_TEMPLATE,

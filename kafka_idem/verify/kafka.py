@@ -233,13 +233,14 @@ class Kafka:
         return all(got.get(p, -1) == end for p, end in ends.items() if end > 0)
 
     def read(self, topic: str) -> list[Any]:
-        """Every record of ``topic`` from the beginning to the end offsets seen now."""
+        """Every record of ``topic`` from the beginning to the end offsets seen now, as a
+        ``read_committed`` consumer sees it (an aborted transaction's records never)."""
         ends = self.end_offsets(topic)
         if not any(ends.values()):
             return []
         c = self._consumer(
             f"{self.settings.name_prefix}kafka-idem-verify-reader-{uuid.uuid4().hex[:8]}",
-                           **{"enable.partition.eof": True})
+            **{"enable.partition.eof": True, "isolation.level": "read_committed"})
         out: list[Any] = []
         try:
             c.assign([TopicPartition(topic, p, 0) for p, end in ends.items() if end > 0])

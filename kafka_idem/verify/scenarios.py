@@ -1,4 +1,4 @@
-"""The six verification scenarios (docs/VERIFICATION.md) and the loop that runs them.
+"""The seven verification scenarios (docs/VERIFICATION.md) and the loop that runs them.
 
 Each scenario gets a :class:`~kafka_idem.verify.workspace.Workspace` of its own (fresh
 schemas, topics and group, named after the run id), decides on durable state only,
@@ -24,6 +24,7 @@ from kafka_idem.verify.concurrency import concurrent_duplicates, payload_conflic
 from kafka_idem.verify.crash import crash_after_local_write, crash_after_remote_write
 from kafka_idem.verify.kafka import Kafka, Timeout
 from kafka_idem.verify.limits import retry_limits
+from kafka_idem.verify.outbox import outbox_exactly_once
 from kafka_idem.verify.repeat import repeat_after_success
 from kafka_idem.verify.report import FAIL, Outcome, Report
 from kafka_idem.verify.takeover import sigkill_after_claim
@@ -46,6 +47,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("5b", "crash after the remote write: unknown outcome, reconcile",
              crash_after_remote_write),
     Scenario("6", "retry limits and permanent errors", retry_limits),
+    Scenario("7", "outbox: events exactly once through relay kills and a zombie relay",
+             outbox_exactly_once),
 )
 
 

@@ -27,6 +27,7 @@ from kafka_idem.verify.app import APP_NAME, ENV_PREFIX, Config, business_tables
 from kafka_idem.verify.kafka import Kafka
 
 TABLE = "task_idempotency"
+OUTBOX_TABLE = "outbox"
 APP_SPEC = "kafka_idem.verify.app:app"
 # Member settings: small leases and timeouts, so a scenario takes seconds.
 MEMBER_SETTINGS = {
@@ -183,18 +184,19 @@ class Workspace:
         env["PYTHONPATH"] = os.pathsep.join([*self.pythonpath, *([extra] if extra else [])])
         return env
 
-    def start(self, config: Config, **settings: str) -> Member:
-        if self.group not in self.groups:
+    def start(self, config: Config, *, relay: bool = False, **settings: str) -> Member:
+        """A ``kafka-idem run`` member (``relay``: a ``kafka-idem relay`` process)."""
+        if self.group not in self.groups and not relay:
             self.groups.append(self.group)
         port = free_port()
-        log = self.logdir / f"s{self.sid}-member-{len(self.members)}.log"
+        what = "relay" if relay else "member"
+        log = self.logdir / f"s{self.sid}-{what}-{len(self.members)}.log"
+        cmd = [sys.executable, "-m", "kafka_idem.cli", "relay", APP_SPEC] if relay else [
+            sys.executable, "-m", "kafka_idem.cli", "run", APP_SPEC, "--group-id", self.group,
+            "--metrics-port", str(port)]
         with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kafka_idem.cli", "run", APP_SPEC,
-                 "--group-id", self.group, "--metrics-port", str(port)],
-                cwd=self.logdir, env=self.env(config, **settings), stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+            proc = subprocess.Popen(cmd, cwd=self.logdir, env=self.env(config, **settings),
+                                    stdout=out, stderr=subprocess.STDOUT)
         member = Member(proc, log, port)
         self.members.append(member)
         return member
@@ -249,6 +251,13 @@ class Workspace:
 
     def dlq_records(self) -> list[Any]:
         return self.kafka.read(self.dlq)
+
+    def outbox(self) -> list[dict[str, Any]]:
+        """The outbox rows not yet published (the store schema's ``outbox``)."""
+        return self.rows(sql.SQL("SELECT id, topic, key, idem_key FROM {} WHERE namespace = %s "
+                                 "ORDER BY id").format(sql.Identifier(self.store_schema,
+                                                                      OUTBOX_TABLE)),
+                         (APP_NAME,))
 
     def snapshot(self) -> dict[str, Any]:
         """Generic figures, for a scenario that stopped early."""

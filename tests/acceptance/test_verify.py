@@ -1,5 +1,5 @@
 """``kafka-idem verify`` as users run it: the installed command, as a subprocess, against
-the local Kafka and PostgreSQL. It must pass all six scenarios (5b too: the example
+the local Kafka and PostgreSQL. It must pass all seven scenarios (5b too: the example
 gateway is importable from the repository), report its durable figures, and leave
 nothing behind unless asked to keep it."""
 
@@ -21,7 +21,7 @@ from psycopg import sql
 from tests.acceptance.conftest import KAFKA_IDEM
 from tests.conftest import ADMIN_DSN, BOOTSTRAP, ROOT
 
-ALL = ["1", "2", "3", "4", "5a", "5b", "6"]
+ALL = ["1", "2", "3", "4", "5a", "5b", "6", "7"]
 
 
 def verify(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
@@ -54,8 +54,8 @@ def by_id(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {s["id"]: s for s in report["scenarios"]}
 
 
-def test_verify_passes_all_six_scenarios_and_cleans_up(tmp_path: Path,
-                                                       admin: AdminClient) -> None:
+def test_verify_passes_all_seven_scenarios_and_cleans_up(tmp_path: Path,
+                                                         admin: AdminClient) -> None:
     path = tmp_path / "report.json"
     proc = verify("--json", str(path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -67,7 +67,7 @@ def test_verify_passes_all_six_scenarios_and_cleans_up(tmp_path: Path,
               for i, o in s.items() if o["status"] != "PASS"}
     assert not failed, failed
     assert all(c["ok"] for o in s.values() for c in o["checks"])
-    assert "PASS" in proc.stdout and f"run {report['run_id']}: 7 PASS" in proc.stdout
+    assert "PASS" in proc.stdout and f"run {report['run_id']}: 8 PASS" in proc.stdout
 
     # The durable figures behind the verdicts are in the report.
     f = {i: o["figures"] for i, o in s.items()}
@@ -88,6 +88,10 @@ def test_verify_passes_all_six_scenarios_and_cleans_up(tmp_path: Path,
     assert f["6"]["attempts"] == 4 and f["6"]["dlq_records"] == 2
     assert f["6"]["metrics"]["exhausted_total"] >= 1
     assert len(f["6"]["retry_delays_s"]) == 3
+    # 7: 6 + 4 + 2 + 3 succeeded intents, one event each; the killed relays' rows waited
+    assert f["7"]["events"] == 15 and f["7"]["records"] == {"failed": 1, "succeeded": 15}
+    assert f["7"]["pending_after_kill"] == 3 and f["7"]["killed_relays"] == [-9, -9]
+    assert any("outbox control topic" in line for line in f["7"]["topics_create"])
 
     # Each scenario had artefacts of its own, and none is left.
     run_id = report["run_id"]
@@ -135,7 +139,7 @@ def test_one_scenario_with_keep_leaves_its_artefacts_named_inside_the_prefix(
 
 
 def test_unknown_scenario_is_a_usage_error() -> None:
-    proc = verify("--scenario", "7", timeout=60)
+    proc = verify("--scenario", "8", timeout=60)
     assert proc.returncode == 2
     assert "unknown scenario" in proc.stderr
 

@@ -1,6 +1,8 @@
-"""The CI-sized chaos run: a 3-member group of ``kafka-idem run`` processes under 22
-seeded faults of every type (the local broker restarted included: in CI the broker
-is ours), then the checker on durable state. Zero anomalies, in about 2-3 minutes.
+"""The CI-sized chaos run: a 3-member group of ``kafka-idem run`` processes (each with
+its outbox relay) and one standalone relay under 22 seeded faults of every type (the
+relays' kills and zombies and the local broker restarted included: in CI the broker
+is ours), then the checker on durable state, the outbox's events included (check 11).
+Zero anomalies, in about 2-4 minutes.
 
 The seed is random unless ``CHAOS_SEED`` is set; a failure prints it, with the
 command that replays the same faults and messages.

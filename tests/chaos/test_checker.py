@@ -17,8 +17,11 @@ from typing import Any
 import psycopg
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
-from consumers.payments import build_app, encode_charge
+from consumers.payments import build_app, encode_charge, events_topic
+from kafka_idem import App
+from kafka_idem import topics as topic_rules
 from kafka_idem.chaos.checker import Liveness, PaymentsDecoder, Report, check
 from tests.conftest import (
     BOOTSTRAP,
@@ -32,6 +35,7 @@ from tests.conftest import (
     read_topic,
     wait_for,
 )
+from tests.integration.outbox_support import read_committed, wait_published
 
 VALID = [("t1", "o1", "5.00", "EUR"), ("t1", "o2", "7.25", "USD"), ("t2", "o3", "1.00", "EUR"),
          ("t2", "o4", "2.50", "EUR"), ("t1", "o5", "3.10", "EUR"), ("t3", "o6", "9.99", "GBP")]
@@ -43,12 +47,14 @@ class Run:
     topic: str
     group: str
     db: DB
+    events: str | None = None  # the outbox's event topic (check 11), when the run has one
 
     @property
     def dlq(self) -> str:
         return f"{self.topic}.dlq"
 
     def check(self, **kwargs: Any) -> Report:
+        kwargs.setdefault("events_topic", self.events)
         return check(bootstrap=BOOTSTRAP, dsn=self.db.dsn, topic=self.topic, group=self.group,
                      **kwargs)
 
@@ -78,19 +84,45 @@ def charge(tenant: str, order: str, amount: str, currency: str = "EUR") -> tuple
     return order.encode(), encode_charge(tenant, order, amount, currency)
 
 
+def _messages() -> list[tuple[bytes | None, bytes]]:
+    return [*(charge(*c) for c in VALID + INVALID),
+            charge(*VALID[0]),  # a producer's re-send: same intent, new request id
+            charge("t1", "o2", "8.00", "USD"),  # same key, another amount: a conflict
+            charge(*INVALID[0]),  # a re-send of an invalid charge
+            (b"g1", b"\x00garbage"), (None, b"")]  # undecodable bytes, an empty value
+
+
 @pytest.fixture
 def run(db: DB, topics: Topics, group: str) -> Run:
     topic = topics(partitions=2)
-    msgs = [charge(*c) for c in VALID + INVALID]
-    msgs += [charge(*VALID[0]),  # a producer's re-send: same intent, new request id
-             charge("t1", "o2", "8.00", "USD"),  # same key, another amount: a conflict
-             charge(*INVALID[0]),  # a re-send of an invalid charge
-             (b"g1", b"\x00garbage"), (None, b"")]  # undecodable bytes, an empty value
-    produce(topic, msgs)
+    produce(topic, _messages())
     app = build_app(topic=topic, **app_settings(db, group_id=group))
     with InProcess(app):
         wait_for(lambda: caught_up(group, topic), what="the group to catch up")
     return Run(topic, group, db)
+
+
+def evented_app(db: DB, topics: Topics, group: str, admin: AdminClient, topic: str,
+                **settings: Any) -> App:
+    """The payments app on ``topic`` with its outbox: event topic and the relays'
+    control topic made (``kafka-idem topics create``), under a prefix of its own."""
+    app = build_app(topic=topic, **app_settings(
+        db, group_id=group, name_prefix=f"ck{topic}-", outbox_shards=2,
+        outbox_poll_seconds=0.2, **settings))
+    topics.created.extend(d.name for d in topic_rules.create(app, admin, partitions=2)
+                          if d.created)
+    return app
+
+
+@pytest.fixture
+def evented(db: DB, topics: Topics, group: str, admin: AdminClient) -> Run:
+    """A clean run whose charges' events were published (check 11 is asked for)."""
+    topic = topics(partitions=2)
+    produce(topic, _messages())
+    with InProcess(evented_app(db, topics, group, admin, topic)):
+        wait_for(lambda: caught_up(group, topic), what="the group to catch up")
+        wait_published(db, events_topic(topic), len(VALID))
+    return Run(topic, group, db, events_topic(topic))
 
 
 def test_a_clean_run_has_no_anomaly(run: Run) -> None:
@@ -300,3 +332,79 @@ def test_effects_applied_out_of_offset_order_within_a_tenant_are_reported(
     report = leased.check(ordered_by="tenant")
     assert report.failing() == {10}, report.to_json()
     assert any(f"before {key}" in e for e in report.by_number(10).examples)
+
+
+# --- check 11: the outbox's events -------------------------------------------------------
+
+
+def test_a_clean_run_with_events_has_no_anomaly(evented: Run) -> None:
+    report = evented.check()
+    assert report.ok, report.to_json()
+    assert report.figures["outbox events"] == len(VALID)
+    assert "6 events" in report.by_number(11).examined
+    assert 11 not in {c.number for c in evented.check(events_topic=None).checks}
+
+
+def republish(run: Run, event: Any, **changed: str) -> None:
+    """Produce a copy of ``event`` to the event topic (in no transaction), headers changed."""
+    assert run.events is not None
+    hdrs = [(k, v) for k, v in event.headers() if k not in changed]
+    hdrs += [(k, v.encode()) for k, v in changed.items()]
+    p = Producer({"bootstrap.servers": BOOTSTRAP, "enable.idempotence": True})
+    p.produce(run.events, key=event.key(), value=event.value(), headers=hdrs)
+    assert p.flush(30) == 0
+
+
+def event_of(run: Run, order: bytes) -> Any:
+    assert run.events is not None
+    return next(m for m in read_committed(run.events) if m.key() == order)
+
+
+def event_published_twice(run: Run) -> str:
+    republish(run, event_of(run, b"o3"))
+    return "t2:charge:o3: succeeded, 2 events"
+
+
+def event_for_a_failed_intent(run: Run) -> str:
+    republish(run, event_of(run, b"o1"), **{"idem.key": "t1:charge:o7",
+                                           "idem.outbox.id": "999999"})
+    return "t1:charge:o7: 1 event(s) for a failed intent"
+
+
+def events_out_of_order(run: Run) -> str:
+    republish(run, event_of(run, b"o4"), **{"idem.outbox.id": "0"})
+    return "published before row 0"
+
+
+def event_of_another_ledger_row(run: Run) -> str:
+    """The event's ledger entry is no longer the charge's row (renumbered here)."""
+    run.sql("UPDATE payments.ledger SET id = id + 100000 WHERE idempotency_key = 't1:charge:o5'")
+    return "is not the charge and its ledger row"
+
+
+@pytest.mark.parametrize("damage", [event_published_twice, event_for_a_failed_intent,
+                                    events_out_of_order, event_of_another_ledger_row],
+                         ids=lambda v: v.__name__)
+def test_event_damage_is_reported(evented: Run, damage: Damage) -> None:
+    assert evented.check().ok
+    example = damage(evented)
+    report = evented.check()
+    assert report.failing() == {11}, report.to_json()
+    assert any(example in e for e in report.by_number(11).examples), (
+        example, report.by_number(11).examples)
+
+
+def test_a_charge_whose_event_was_never_published_is_reported(
+    evented: Run, topics: Topics, admin: AdminClient
+) -> None:
+    """A member without a relay charges one more: its event waits in the outbox."""
+    produce(evented.topic, [charge("t4", "o96", "4.00")])
+    app = evented_app(evented.db, topics, evented.group, admin, evented.topic,
+                      outbox_relay=False)
+    with InProcess(app):
+        wait_for(lambda: caught_up(evented.group, evented.topic), what="the extra charge")
+    report = evented.check()
+    assert report.failing() == {11}, report.to_json()
+    examples = report.by_number(11).examples
+    assert "t4:charge:o96: succeeded, 0 events" in examples
+    assert any("1 outbox rows never published" in e for e in examples), examples

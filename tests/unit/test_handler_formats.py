@@ -102,7 +102,7 @@ def test_a_missing_schema_name_fails_when_the_codec_is_bound_naming_the_schema_s
     register(app, model=Order, schema="nope.Missing", name="place")
     with pytest.raises(ConfigError, match=r"handler 'place': schema 'nope\.Missing' is not among "
                        r"the Avro schemas of .*found: orders\.OrderPlaced, payments\."
-                       r"ChargeRequested\) \(setting=schema\)"):
+                       r"ChargeCompleted, payments\.ChargeRequested\) \(setting=schema\)"):
         app.bind_codecs()
 
 
