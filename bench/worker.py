@@ -118,13 +118,14 @@ class Recorder:
 
 class TimedConsumer:
     """Stands in for a consumer: notes the first fetched batch (and calls ``on_first``)
-    and the offsets each commit stored, then delegates everything."""
+    and the offsets each commit stored (``stored``: not ``committed``, the consumer
+    method the framework calls), then delegates everything."""
 
     def __init__(self, inner: Consumer, on_first: Callable[[], None]) -> None:
         self.inner = inner
         self.on_first: Callable[[], None] | None = on_first
         self.first_batch: float | None = None
-        self.committed: dict[int, int] = {}
+        self.stored: dict[int, int] = {}
         self.last_commit = 0.0
 
     def _first(self) -> None:
@@ -148,10 +149,10 @@ class TimedConsumer:
     def commit(self, *args: Any, **kwargs: Any) -> Any:
         out = self.inner.commit(*args, **kwargs)
         for tp in kwargs.get("offsets") or []:
-            self.committed[tp.partition] = max(self.committed.get(tp.partition, -1), tp.offset)
+            self.stored[tp.partition] = max(self.stored.get(tp.partition, -1), tp.offset)
         if (msg := kwargs.get("message")) is not None:
             p = msg.partition()
-            self.committed[p] = max(self.committed.get(p, -1), msg.offset() + 1)
+            self.stored[p] = max(self.stored.get(p, -1), msg.offset() + 1)
         self.last_commit = time.perf_counter()
         return out
 
@@ -442,10 +443,10 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
                 # The broker's committed offsets are the stop condition, asked once our
                 # own commits say the end was reached (and every second, in case a commit
                 # went another way, e.g. in a rebalance callback).
-                if _reached(timed.committed, ends) or now - last_check >= 1.0:
+                if _reached(timed.stored, ends) or now - last_check >= 1.0:
                     last_check = now
                     if spec["kind"] == "naive" or spec["kind"] == "raw":
-                        done = _reached(timed.committed, ends)
+                        done = _reached(timed.stored, ends)
                     else:
                         try:
                             stored = timed.inner.committed(tps, timeout=10)
@@ -470,7 +471,7 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
     out["phases"] = {k: {"wall_s": v[0], "cpu_s": v[1], "calls": v[2]}
                      for k, v in rec.phases.items()}
     if not done or timed.first_batch is None or "a" not in window:
-        out["check"] = f"timed out after {spec['timeout']:.0f}s; committed {timed.committed} " \
+        out["check"] = f"timed out after {spec['timeout']:.0f}s; committed {timed.stored} " \
                        f"of {ends}"
         return
     out["seconds"] = end - timed.first_batch
