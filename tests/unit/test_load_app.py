@@ -56,5 +56,5 @@ def test_a_missing_schemas_folder_is_said_to_be_missing(tmp_path: Path) -> None:
         f"schemas folder '{tmp_path / 'nope'}' does not exist: set KAFKA_IDEM_SCHEMAS_DIR to "
         "the folder of the .avsc files (setting=schemas_dir)")
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match="'.*file' is not a folder"):
+    with pytest.raises(ConfigError, match=r"'.*file' is not a folder"):
         AvroCodec.from_dir(tmp_path / "file")
