@@ -84,7 +84,8 @@ class Harness:
     app's migrations and ``setup(conn)`` (seed rows...), and drops them on
     :meth:`close`. ``tables`` names the tables :meth:`check` compares (default: the
     ones the migrations and ``setup`` created); ``ignore`` leaves columns out
-    (``{"shop.orders": ["remote_id"]}``); ``remotes`` are the fakes of the remote
+    (``{"shop.orders": ["remote_id"]}``), or an event topic's fields
+    (``{"shop.order-placed": ["sent_at"]}``); ``remotes`` are the fakes of the remote
     services the handlers call (see :class:`~kafka_idem.testing.remote.Remote`), reset
     now and before each scenario.
     """
@@ -328,8 +329,9 @@ class Harness:
     ) -> CheckReport:
         """Prove ``topic``'s handler idempotent on ``value``: run the scenario matrix
         (:data:`~kafka_idem.testing.SCENARIOS`, or the ``scenarios`` named), each from a
-        clean database, and compare the app's tables and the remotes' effects with a
-        single delivery's; raise ``AssertionError`` with the report when one differs.
+        clean database, and compare the app's tables, the events in the outbox and the
+        remotes' effects with a single delivery's; raise ``AssertionError`` with the
+        report when one differs.
 
         ``value`` is a payload or raw bytes, sent with ``key`` and ``headers``;
         ``conflict`` is the payload with the same key and another request (made from
