@@ -219,9 +219,10 @@ def check(
         report.reference.append(f"delivered once on the {paths[0]} path: {told(d)}; {rows}")
         if d.result is not None:
             report.reference.append(f"stored result: {json.dumps(d.result, default=str)}")
-        emitted = Counter(e.topic for e in case.ref.events)
-        report.reference.append("events: " + (", ".join(
-            f"{n} to {t}" for t, n in sorted(emitted.items())) or "none"))
+        if harness.app.event_topics:
+            emitted = Counter(e.topic for e in case.ref.events)
+            report.reference.append("events: " + (", ".join(
+                f"{n} to {t}" for t, n in sorted(emitted.items())) or "none"))
         report.reference += [f"remote {n!r}: {sum(c.values())} effect(s)"
                              for n, c in case.ref.effects.items()]
         if d.outcome == "deferred":
