@@ -198,8 +198,6 @@ class App:
             raise ConfigError(f"topic {topic!r} already has a handler", setting="topic")
         if mode not in ("local", "leased"):
             raise ConfigError(f"mode must be 'local' or 'leased', not {mode!r}", setting="mode")
-        if not hash_fields:
-            raise ConfigError("hash_fields must name at least one field", setting="hash_fields")
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigError(f"concurrency must be a whole number >= 1, not {concurrency!r}",
                               setting="concurrency")
@@ -212,6 +210,10 @@ class App:
             if inspect.iscoroutinefunction(fn) and mode != "leased":
                 raise ConfigError(f"handler {name or fn.__name__!r} is async def: async "
                                   "handlers run in mode='leased'", setting="mode")
+            if not hash_fields:
+                raise ConfigError(f"handler {name or fn.__name__!r}: hash_fields must name at "
+                                  "least one payload field (what makes two requests with one "
+                                  "key the same)", setting="hash_fields")
             mapping = tuple((errors or {}).items()) + self.errors + DEFAULT_ERRORS
             h = Handler(
                 fn,

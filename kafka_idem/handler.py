@@ -146,6 +146,21 @@ def check_topic_name(name: str, *, setting: str) -> str:
     return name
 
 
+def check_takes_two(fn: Callable[..., Any], *, what: str, params: str, setting: str) -> None:
+    """A :class:`ConfigError` now when ``fn`` cannot be called with the two positional
+    arguments the framework passes, instead of a ``TypeError`` retried at every message."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None, None)
+    except TypeError as exc:
+        shown = f"{getattr(fn, '__name__', type(fn).__name__)}({', '.join(sig.parameters)})"
+        raise ConfigError(f"{what} must take two arguments {params}; {shown} cannot: {exc}",
+                          setting=setting) from None
+
+
 class Handler(Generic[M]):
     """A registered handler; call ``@handler.reconciler`` to add a reconcile step."""
 
@@ -169,6 +184,7 @@ class Handler(Generic[M]):
         concurrency: int = 1,
         ordering_key: KeySpec | None = None,
     ) -> None:
+        check_takes_two(fn, what=f"handler {name!r}", params="(msg, ctx)", setting="handler")
         self.fn = fn
         self.is_async = inspect.iscoroutinefunction(fn)
         self.concurrency = concurrency
@@ -282,6 +298,8 @@ class Handler(Generic[M]):
             raise ConfigError(f"handler {self.name!r} is {kind}: its reconciler must be "
                               f"{kind} too (it shares the handler's ctx.tx)",
                               setting="reconciler")
+        check_takes_two(fn, what=f"handler {self.name!r}'s reconciler", params="(msg, ctx)",
+                        setting="reconciler")
         self.reconcile = fn
         return fn
 
@@ -298,6 +316,8 @@ class Handler(Generic[M]):
         raised here makes the batch fall back). Lock rows in a stable order (sort
         by key) so concurrent batches can't deadlock.
         """
+        check_takes_two(fn, what=f"handler {self.name!r}'s bulk handler", params="(batch, tx)",
+                        setting="bulk_handler")
         self.bulk = fn
         return fn
 

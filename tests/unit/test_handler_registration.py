@@ -1,0 +1,77 @@
+"""Mistakes in a handler's definition are a ConfigError naming the handler when it is
+registered, not a TypeError retried at every message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from kafka_idem import App, Context, Done
+from kafka_idem.errors import ConfigError
+
+
+class Loan(BaseModel):
+    branch: str
+    copy_id: str
+
+
+def _app() -> App:
+    return App("library", database_url="postgresql://u@127.0.0.1:1/none")
+
+
+def test_a_handler_that_does_not_take_msg_and_ctx_is_refused_by_name() -> None:
+    app = _app()
+    with pytest.raises(ConfigError) as caught:
+        @app.handler(topic="loans", model=Loan, key="{branch}:loan:{copy_id}",
+                     hash_fields=("copy_id",))
+        def checkout(msg: Loan) -> None: ...
+    assert str(caught.value) == (
+        "handler 'checkout' must take two arguments (msg, ctx); checkout(msg) cannot: too "
+        "many positional arguments (setting=handler)")
+    assert "loans" not in app.handlers
+
+
+def test_handlers_with_defaults_varargs_or_callables_are_accepted() -> None:
+    app = _app()
+
+    class Callable_:
+        def __call__(self, msg: Any, ctx: Any) -> None: ...
+
+    app.handler(topic="a", model=Loan, key="{branch}:a:{copy_id}", hash_fields=("copy_id",))(
+        lambda msg, ctx, extra=1: None)
+    app.handler(topic="b", model=Loan, key="{branch}:b:{copy_id}", hash_fields=("copy_id",),
+                name="b")(lambda *args: None)
+    app.handler(topic="c", model=Loan, key="{branch}:c:{copy_id}", hash_fields=("copy_id",),
+                name="c")(Callable_())
+    assert sorted(app.handlers) == ["a", "b", "c"]
+
+
+def test_a_reconciler_or_bulk_form_with_the_wrong_arguments_is_refused() -> None:
+    app = _app()
+
+    @app.handler(topic="loans", model=Loan, key="{branch}:loan:{copy_id}",
+                 hash_fields=("copy_id",), mode="leased")
+    def remind(msg: Loan, ctx: Context) -> None: ...
+
+    with pytest.raises(ConfigError, match=r"^handler 'remind''s reconciler must take two "
+                       r"arguments \(msg, ctx\); find\(ctx\) cannot: .*\(setting=reconciler\)$"):
+        @remind.reconciler
+        def find(ctx: Any) -> Done | None: ...
+    with pytest.raises(ConfigError, match=r"^handler 'remind''s bulk handler must take two "
+                       r"arguments \(batch, tx\); <lambda>\(batch\) cannot: "
+                       r".*\(setting=bulk_handler\)$"):
+        remind.bulk_handler(lambda batch: [])
+    assert remind.reconcile is None and remind.bulk is None
+
+
+def test_empty_hash_fields_are_refused_naming_the_handler() -> None:
+    with pytest.raises(ConfigError) as caught:
+        @_app().handler(topic="returns", model=Loan, key="{branch}:return:{copy_id}",
+                        hash_fields=())
+        def return_book(msg: Loan, ctx: Context) -> None: ...
+    assert str(caught.value) == (
+        "handler 'return_book': hash_fields must name at least one payload field (what "
+        "makes two requests with one key the same) (setting=hash_fields)")
+
