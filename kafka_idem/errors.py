@@ -61,6 +61,11 @@ class UnknownOutcome(HandlerError):
 # --- problems with a message --------------------------------------------------
 
 
+class ResultNotJSON(TypeError):
+    """A handler (or its reconciler's ``Done``, or its bulk form) returned a result that
+    cannot be stored as ``result_json``: the handler's own error, retried like one."""
+
+
 class MessageError(KafkaIdemError):
     """The message cannot be processed."""
 

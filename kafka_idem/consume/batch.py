@@ -53,7 +53,7 @@ from kafka_idem.consume.outcome import (
 )
 from kafka_idem.consume.steps import Steps, delivery, log
 from kafka_idem.consume.verdicts import Note, letter_note, where
-from kafka_idem.errors import MessageError
+from kafka_idem.errors import MessageError, ResultNotJSON
 from kafka_idem.handler import Context, Handler
 from kafka_idem.store import Claim, Conn, Outcome, translate_errors
 
@@ -294,12 +294,15 @@ class BatchPath:
             # The successes' events, their slots locked in one sorted statement; a
             # fallback rolls them back and the per-message re-run emits again.
             self.steps.emitter.flush(conn, *_contexts(first[key] for key, _t, _v in successes))
-            cur = self.steps.store.complete_batch(
-                conn,
-                keys=[s[0] for s in successes],
-                tokens=[s[1] for s in successes],
-                results=[s[2] for s in successes],
-            )
+            try:
+                cur = self.steps.store.complete_batch(
+                    conn,
+                    keys=[s[0] for s in successes],
+                    tokens=[s[1] for s in successes],
+                    results=[s[2] for s in successes],
+                )
+            except ResultNotJSON as exc:
+                raise Fallback(str(exc)) from exc
         if cur.rowcount != len(successes):
             raise Fallback("a completion lost its fence")
         return outcomes

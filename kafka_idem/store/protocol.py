@@ -29,6 +29,7 @@ translated in :func:`translate_errors` only.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -37,11 +38,23 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from kafka_idem.errors import StaleOwner, TransientStoreError
+from kafka_idem.errors import ResultNotJSON, StaleOwner, TransientStoreError
 from kafka_idem.sql import compile_queries
 from kafka_idem.store.errors import storable, translate_errors
 from kafka_idem.store.outbox import OutboxQueries
 from kafka_idem.store.types import AsyncConn, Claim, Conn, Delivery, Failure, Outcome
+
+
+def result_dumps(obj: Any) -> str:
+    """``json.dumps`` of a handler's result, whose failure names what to fix: without it
+    the user sees psycopg's bare ``TypeError`` and a stack trace from the batch path."""
+    try:
+        return json.dumps(obj)
+    except (TypeError, ValueError) as exc:
+        raise ResultNotJSON(
+            f"the handler's result is not JSON-serialisable ({exc}): return only dict, "
+            "list, str, int, float, bool or None (it is stored in result_json and given "
+            "back to every duplicate)") from None
 
 
 class Store(OutboxQueries):
@@ -274,7 +287,8 @@ class Store(OutboxQueries):
                 await cur.fetchone()
 
     def _complete_params(self, key: str, token: uuid.UUID, result: Any) -> dict[str, Any]:
-        return {"ns": self.ns, "key": key, "token": token, "result": Jsonb(result)}
+        return {"ns": self.ns, "key": key, "token": token,
+                "result": Jsonb(result, dumps=result_dumps)}
 
     def fail(
         self,
@@ -368,7 +382,7 @@ class Store(OutboxQueries):
         return conn.execute(
             self.q["batch_complete"],
             {"ns": self.ns, "keys": list(keys), "tokens": list(tokens),
-             "results": Jsonb(list(results))},
+             "results": Jsonb(list(results), dumps=result_dumps)},
         )
 
     # --- reads -----------------------------------------------------------------

@@ -293,3 +293,39 @@ def test_a_store_beside_the_app_s_tables_in_one_schema_is_reset_with_them(
     again = harness.deliver("things", value)
     assert (again.outcome, [r["id"] for r in harness.rows("shared.things")]) == (
         "succeeded", [1])
+
+
+@pytest.mark.parametrize("mode", ["local", "leased"])
+def test_a_result_that_is_not_json_is_dead_lettered_saying_what_to_return(
+    kafka_idem_harness: Make, mode: Literal["local", "leased"], caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Loan(BaseModel):
+        branch: str
+        copy_id: str
+
+    app = App(f"loans-{mode}", max_attempts=2)
+
+    @app.migration
+    def tables(conn: Any) -> None:
+        conn.execute("CREATE SCHEMA IF NOT EXISTS library")
+        conn.execute("CREATE TABLE IF NOT EXISTS library.loans (copy_id text)")
+
+    @app.handler(topic="loans", model=Loan, key="{branch}:loan:{copy_id}",
+                 hash_fields=("copy_id",), mode=mode)
+    def checkout(msg: Loan, ctx: Context) -> Any:
+        ctx.tx.execute("INSERT INTO library.loans VALUES (%s)", (msg.copy_id,))
+        return {"tags": {msg.copy_id}}
+
+    harness = kafka_idem_harness(app)
+    done = harness.deliver("loans", {"branch": "north", "copy_id": "c-1"})
+    assert (done.outcome, done.steps, done.status) == (
+        "dead_lettered", ("retry", "dead_lettered"), "failed")
+    [letter] = done.dead_letters
+    assert letter.kind == "exhausted"
+    assert letter.idem["idem.error.message"] == (
+        "2 attempts reached the limit of 2; last error: the handler's result is not "
+        "JSON-serialisable (Object of type set is not JSON serializable): return only dict, "
+        "list, str, int, float, bool or None (it is stored in result_json and given back to "
+        "every duplicate)")
+    assert not [r for r in caplog.records if r.exc_info], "no stack trace in the log"
+    assert harness.rows("library.loans") == []

@@ -9,7 +9,8 @@ import pytest
 from pydantic import BaseModel
 
 from kafka_idem import App, Context, Done
-from kafka_idem.errors import ConfigError
+from kafka_idem.errors import ConfigError, ResultNotJSON
+from kafka_idem.store.protocol import result_dumps
 
 
 class Loan(BaseModel):
@@ -75,3 +76,14 @@ def test_empty_hash_fields_are_refused_naming_the_handler() -> None:
         "handler 'return_book': hash_fields must name at least one payload field (what "
         "makes two requests with one key the same) (setting=hash_fields)")
 
+
+def test_a_result_that_is_not_json_says_what_to_return() -> None:
+    assert result_dumps({"due": "2026-12-20", "n": [1, None]}) == (
+        '{"due": "2026-12-20", "n": [1, null]}')
+    with pytest.raises(ResultNotJSON) as caught:
+        result_dumps({"tags": {"x"}})
+    assert str(caught.value) == (
+        "the handler's result is not JSON-serialisable (Object of type set is not JSON "
+        "serializable): return only dict, list, str, int, float, bool or None (it is stored "
+        "in result_json and given back to every duplicate)")
+    assert isinstance(caught.value, TypeError)
