@@ -38,22 +38,27 @@ from kafka_idem.store import Store, connect
 log = logging.getLogger("kafka_idem.cli")
 
 
+HINT = "'MODULE:APP'"
+
+
 def load_app(spec: str) -> App:
     """Import ``module:attribute`` and return the :class:`App` it names."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise click.BadParameter(f"{spec!r} is not MODULE:APP (e.g. consumers.payments:app)")
+        raise click.BadParameter(f"{spec!r} is not MODULE:APP (e.g. consumers.payments:app)",
+                                 param_hint=HINT)
     if "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise click.BadParameter(f"cannot import {module_name!r}: {exc}") from exc
+        raise click.BadParameter(f"cannot import {module_name!r}: {exc}",
+                                 param_hint=HINT) from exc
     except ConfigError:
         raise
     except Exception as exc:
         raise click.BadParameter(f"importing {module_name!r} failed{_where(exc)}: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+                                 f"{type(exc).__name__}: {exc}", param_hint=HINT) from exc
     app = getattr(module, attr, None)
     if isinstance(app, App):
         return app
@@ -61,9 +66,10 @@ def load_app(spec: str) -> App:
     found = (f"its App objects: {', '.join(f'{module_name}:{a}' for a in apps)}" if apps
              else "it has no App object")
     if not hasattr(module, attr):
-        raise click.BadParameter(f"module {module_name!r} has no attribute {attr!r} ({found})")
+        raise click.BadParameter(f"module {module_name!r} has no attribute {attr!r} ({found})",
+                                 param_hint=HINT)
     raise click.BadParameter(f"{spec!r} is a {type(app).__name__}, not a kafka_idem App "
-                             f"({found})")
+                             f"({found})", param_hint=HINT)
 
 
 def _where(exc: BaseException) -> str:

@@ -13,7 +13,6 @@ database or Kafka unreachable or refusing, a port in use); 4 internal error.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import sys
@@ -151,10 +150,13 @@ def fail(exc: BaseException) -> int:
 
 
 def usage(exc: click.ClickException) -> int:
-    """A click usage error, printed by click, secrets masked."""
-    shown = io.StringIO()
-    exc.show(file=shown)
-    sys.stderr.write(redact(shown.getvalue(), STATE.secrets))
+    """A click usage error as one line ``error: ...``, like every other failure (a
+    missing or unknown argument also names the command's ``--help``); secrets masked."""
+    text = exc.format_message()
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None and (type(exc) is not click.BadParameter):
+        text += f" (see '{ctx.command_path} --help')"
+    sys.stderr.write(f"error: {one_line(redact(text, STATE.secrets))}\n")
     return exc.exit_code
 
 

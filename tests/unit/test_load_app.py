@@ -75,3 +75,29 @@ def test_a_module_that_fails_on_import_is_named_with_its_line(tmp_path: Path) ->
     assert caught.value.message == (
         f"importing {name!r} failed at {path}:6: TypeError: App.handler() missing 1 required "
         "keyword-only argument: 'hash_fields'")
+
+
+def _stderr_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    from kafka_idem.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    code = exited.value.code
+    assert isinstance(code, int)
+    return code, capsys.readouterr().err
+
+
+def test_a_wrong_module_app_is_one_error_line_naming_the_argument(
+        module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _stderr_of(["run", f"{module}:nope"], capsys)
+    assert (code, err) == (2, (
+        f"error: Invalid value for 'MODULE:APP': module {module!r} has no attribute 'nope' "
+        f"(its App objects: {module}:admin_app, {module}:app)\n"))
+
+
+def test_a_missing_argument_or_option_is_one_line_naming_the_help(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert _stderr_of(["run"], capsys) == (
+        2, "error: Missing argument 'MODULE:APP'. (see 'kafka-idem run --help')\n")
+    assert _stderr_of(["status", "--bogus"], capsys) == (
+        2, "error: No such option '--bogus'. (see 'kafka-idem status --help')\n")
