@@ -168,6 +168,7 @@ def check(
     scenarios: Iterable[str] | None = None,
 ) -> CheckReport:
     """See :meth:`Harness.check`."""
+    __tracebackhide__ = True
     started = time.monotonic()
     handler = harness.handler(topic)
     if not harness.tables and not harness.remotes:

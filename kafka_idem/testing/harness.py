@@ -343,5 +343,6 @@ class Harness:
         """
         from kafka_idem.testing.check import check
 
+        __tracebackhide__ = True  # pytest shows the report, not the kit's source
         return check(self, topic, value, key=key, headers=headers, conflict=conflict,
                      batch=batch, scenarios=scenarios)
