@@ -8,10 +8,11 @@ it is async: :class:`AsyncLeasedPath` runs it on an ``AsyncConnection``, with th
 same decisions as the sync path (:mod:`~kafka_idem.consume.verdicts`) and the same
 statements (:meth:`Store.complete_async <kafka_idem.store.Store.complete_async>`).
 The claim and the failure record stay the sync path's own code, run on a few
-threads (``to_thread``): a thread hop per message instead of a second copy of the
-claim protocol. Many keys in flight hold one async connection each while their
-handler runs; :class:`AsyncConnections` keeps the idle ones (the dispatcher
-bounds how many are in use, so no pool library is needed).
+threads: a thread hop instead of a second copy of the claim protocol (one hop per
+dispatch round for the new keys it starts, :mod:`~kafka_idem.consume.rounds`).
+Many keys in flight hold one async connection each while their handler runs;
+:class:`AsyncConnections` keeps the idle ones (the dispatcher bounds how many are
+in use, so no pool library is needed).
 """
 
 from __future__ import annotations

@@ -7,10 +7,12 @@ order, to learn their keys: :meth:`KeyedState.admit
 the handler's ``concurrency`` and the member's ``max_concurrency``, taking one
 message from each partition in turn. A sync handler's job runs on a thread of its
 own (one connection each, :class:`DaemonPool`); an ``async def`` handler's is a
-task on the member's event loop (:mod:`~kafka_idem.consume.aio`).
+task on the member's event loop (:mod:`~kafka_idem.consume.aio`). The new keys of
+the messages a round starts share one claim (:mod:`~kafka_idem.consume.rounds`).
 
 A revoke or a stop waits up to ``drain_seconds`` for the jobs in flight; jobs not
-started yet do not start, and those still running then are abandoned: a task is
+started yet do not start (unless their round's claim, already sent, took their
+key), and those still running then are abandoned: a task is
 cancelled (its transaction rolls back), a thread is left to finish (its
 completion is fenced). Either way the offset stays before them: the next owner
 finds the key ``processing`` under our lease and takes it over when it ends.
