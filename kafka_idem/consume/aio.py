@@ -169,7 +169,8 @@ class AsyncLeasedPath:
                 and shared.covers(prep.key, delivery(self.steps.handler(msg), msg))):
             round_claim = shared.future(
                 lambda todo: self.on_thread(lambda p: p.claim_round(todo)))
-            await asyncio.wait([asyncio.wrap_future(round_claim)])
+            with contextlib.suppress(Exception):  # its error is read (and logged) next
+                await asyncio.wrap_future(round_claim)
             tokens = answer(round_claim)
             if tokens is not None and prep.key in tokens:
                 return Claim(Outcome.CLAIMED, prep.key, token=tokens[prep.key], attempts=1)
