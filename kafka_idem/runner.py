@@ -245,11 +245,21 @@ class Runner:
             msgs = self.consumer.consume(num_messages=1, timeout=self._wait_time())
             if msgs and size > 1:
                 msgs += self.consumer.consume(num_messages=size - 1, timeout=0.0)
-        linger = self.settings.batch_linger_seconds
-        if msgs and linger > 0 and len(msgs) < size:
-            msgs += self.consumer.consume(num_messages=size - len(msgs),
-                                          timeout=min(linger, self._wait_time()))
+        if msgs and self.settings.batch_linger_seconds > 0:
+            self._linger(msgs)
         return msgs
+
+    def _linger(self, msgs: list[Any]) -> None:
+        """Let a batch fill for ``batch_linger_seconds`` (not past a backoff's end).
+        Partition-end events come back from consume() too: they do not count."""
+        assert self.consumer is not None
+        size = self.settings.batch_size
+        deadline = time.monotonic() + min(self.settings.batch_linger_seconds, self._wait_time())
+        have = sum(1 for m in msgs if m.error() is None)
+        while have < size and (left := deadline - time.monotonic()) > 0:
+            more = self.consumer.consume(num_messages=size - have, timeout=left)
+            msgs += more
+            have += sum(1 for m in more if m.error() is None)
 
     def _wait_time(self) -> float:
         s = self.settings

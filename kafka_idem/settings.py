@@ -246,6 +246,18 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("batch_linger_seconds")
+    @classmethod
+    def _linger(cls, value: float, info: ValidationInfo) -> float:
+        max_wait = info.data.get("batch_max_wait_seconds")
+        if max_wait is not None and value > max_wait:
+            raise ValueError(
+                f"{value} is longer than batch_max_wait_seconds ({max_wait}), which bounds "
+                "every loop round (how soon a stop, a rebalance or a backoff's end is seen): "
+                "raise KAFKA_IDEM_BATCH_MAX_WAIT_SECONDS too, or linger less"
+            )
+        return value
+
     @field_validator("group_id")
     @classmethod
     def _group_id(cls, value: str | None) -> str | None:
