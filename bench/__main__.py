@@ -207,7 +207,10 @@ def run_members(s: Any, spec: dict[str, Any], work: Path, n: int) -> dict[str, A
     load_before = os.getloadavg()
     mark, before = ledger_state(s.dsn, tenants_of(Plan.from_json(spec["plan"]).tag))
     barrier = work / f"{spec['path']}-{spec['phase']}-start"
+    # The members' joins take a rebalance each, a heartbeat (3 s by default) apart:
+    # frequent heartbeats keep that out of most of the group's clock.
     shared = {**spec, "members": n, "mark": mark, "barrier": str(barrier),
+              "kafka": {"heartbeat.interval.ms": 250},
               "before": [[t, c, str(b)] for (t, c), b in before.items()]}
     started = [_start_worker({**shared, "member": i}, work) for i in range(n)]
     # Each member imports and connects at its own pace: they subscribe together.

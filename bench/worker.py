@@ -233,7 +233,7 @@ class FrameworkLoop:
             group_id=spec["group"], schema_name=spec["schema"], table=TABLE,
             batch_size=spec["batch_size"], bootstrap_servers=s.bootstrap_servers,
             **({"local_workers": spec["local_workers"]} if spec.get("local_workers") else {}),
-            database_url=s.dsn, kafka=s.kafka,
+            database_url=s.dsn, kafka={**s.kafka, **spec.get("kafka", {})},
         )
         if spec["kind"] == "gateway":
             app = gateway_example.build_app(gateway_url=spec["gateway_url"], timeout=10.0,
