@@ -253,7 +253,7 @@ class Settings(BaseSettings):
         if max_wait is not None and value > max_wait:
             raise ValueError(
                 f"{value} is longer than batch_max_wait_seconds ({max_wait}), which bounds "
-                "every loop round (how soon a stop, a rebalance or a backoff's end is seen): "
+                "every loop round (how soon a stop or a backoff's end is seen): "
                 "raise KAFKA_IDEM_BATCH_MAX_WAIT_SECONDS too, or linger less"
             )
         return value
