@@ -51,13 +51,15 @@ def charge_message() -> type:
             if kind:
                 added.type_name = kind
         pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("bench.ChargeRequested"))
+    cls: type = message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("bench.ChargeRequested"))
+    return cls
 
 
 def handlers(registry_url: str) -> dict[str, object]:
     from kafka_idem.protobuf import ProtobufCodec
 
-    out = {}
+    out: dict[str, object] = {}
     formats: dict[str, object] = {"json": "json", "avro": "avro",
                                   "protobuf": ProtobufCodec(charge_message())}
     for name, fmt in formats.items():

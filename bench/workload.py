@@ -90,8 +90,9 @@ def encode(m: Intent, fmt: str | None = None) -> bytes:
     """The payments app's bytes for ``m``: its format (PAYMENTS_FORMAT), or ``fmt``."""
     if fmt is None or fmt == payments.FORMAT:
         return payments.encode_charge(m.tenant_id, m.order_id, m.amount, m.currency)
-    return _handler(fmt).encode(
+    data: bytes = _handler(fmt).encode(
         payments.charge_payload(m.tenant_id, m.order_id, m.amount, m.currency))
+    return data
 
 
 @functools.cache

@@ -213,7 +213,8 @@ def charge_many(
         tx.execute(
             "INSERT INTO payments.balances AS b (tenant_id, currency, balance)"
             " SELECT * FROM unnest(%s::text[], %s::text[], %s::numeric[])"
-            " ON CONFLICT (tenant_id, currency) DO UPDATE SET balance = b.balance + EXCLUDED.balance",
+            " ON CONFLICT (tenant_id, currency)"
+            " DO UPDATE SET balance = b.balance + EXCLUDED.balance",
             ([p[0] for p in pairs], [p[1] for p in pairs], [totals[p] for p in pairs]),
         )
     return out

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -27,6 +29,7 @@ from kafka_idem.cli_errors import ServiceError
 from kafka_idem.cli_text import plain
 from kafka_idem.cli_topics import topics
 from kafka_idem.cli_verify import verify
+from kafka_idem.errors import ConfigError
 from kafka_idem.migrate import migrate as run_migrations
 from kafka_idem.migrate import migrate_app
 from kafka_idem.settings import Settings, load_settings
@@ -46,6 +49,11 @@ def load_app(spec: str) -> App:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise click.BadParameter(f"cannot import {module_name!r}: {exc}") from exc
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise click.BadParameter(f"importing {module_name!r} failed{_where(exc)}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
     app = getattr(module, attr, None)
     if isinstance(app, App):
         return app
@@ -56,6 +64,13 @@ def load_app(spec: str) -> App:
         raise click.BadParameter(f"module {module_name!r} has no attribute {attr!r} ({found})")
     raise click.BadParameter(f"{spec!r} is a {type(app).__name__}, not a kafka_idem App "
                              f"({found})")
+
+
+def _where(exc: BaseException) -> str:
+    """' at FILE:LINE' of the last frame outside kafka_idem: the user's line that raised."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if f"{os.sep}kafka_idem{os.sep}" not in f.filename and "<frozen" not in f.filename]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 class Ctx:

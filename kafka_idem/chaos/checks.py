@@ -72,7 +72,6 @@ asked for):
 from __future__ import annotations
 
 import hashlib
-import itertools
 import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping
@@ -80,34 +79,15 @@ from decimal import Decimal
 from typing import Any
 
 from kafka_idem.chaos.db_state import GUARD_TRIGGERS
+from kafka_idem.chaos.event_checks import events_check, key_order
 from kafka_idem.chaos.evidence import Evidence, gather, has_outcome, names_source, original
 from kafka_idem.chaos.evidence import Pos as Pos  # part of the checker's public names
 from kafka_idem.chaos.intents import Intent
-from kafka_idem.chaos.kafka_state import KafkaRecord
-from kafka_idem.chaos.report import Check, Liveness, Report
+from kafka_idem.chaos.report import TITLES as TITLES  # the checker's table titles
+from kafka_idem.chaos.report import Check, Liveness, Report, place, secs
 from kafka_idem.dlq import ERROR_KINDS, REQUIRED_HEADERS
 
 FAILED_KINDS = ("permanent", "exhausted")
-
-TITLES = {
-    1: "lost",
-    2: "duplicate or wrong effects",
-    3: "contradictory outcomes",
-    4: "DLQ record integrity",
-    5: "stale-owner commits",
-    6: "illegal or stuck records",
-    7: "committed offsets ahead of outcomes",
-    8: "retry limit exceeded",
-    9: "liveness (lag back to 0)",
-    10: "effects out of offset order per ordering key",
-    11: "outbox events (one per succeeded intent, none else, per-key order)",
-}
-EVENT_HEADERS = ("idem.key", "idem.source.topic", "idem.source.partition",
-                 "idem.source.offset", "idem.outbox.id")
-
-
-def _where(pos: Pos) -> str:
-    return f"p{pos[0]}@{pos[1]}"
 
 
 def _what(d: Intent | str) -> str:
@@ -162,9 +142,9 @@ def check(
         _liveness(ev, liveness),
     ]
     if ordered_by is not None:
-        checks.append(_key_order(ev, ordered_by))
+        checks.append(key_order(ev, ordered_by))
     if events_topic is not None:
-        checks.append(_events(ev, event_order))
+        checks.append(events_check(ev, event_order))
     return Report(checks, _figures(ev, started))
 
 
@@ -175,12 +155,12 @@ def _lost(ev: Evidence, acknowledged: Mapping[Pos, bytes | None] | None) -> Chec
     c1 = Check(1, TITLES[1])
     for pos in sorted(ev.decoded):
         if not has_outcome(ev, pos):
-            c1.add(f"{_where(pos)} {_what(ev.decoded[pos])}: no effect, no DLQ record")
+            c1.add(f"{place(pos)} {_what(ev.decoded[pos])}: no effect, no DLQ record")
     if acknowledged is not None:
         for pos, value in sorted(acknowledged.items()):
             got = ev.by_pos.get(pos)
             if got is None or got.value != value:
-                c1.add(f"{_where(pos)}: acknowledged send "
+                c1.add(f"{place(pos)}: acknowledged send "
                        + ("not on the topic" if got is None else "has other bytes on the topic"))
     c1.examined = f"{len(ev.source)} source messages" + (
         f", {len(acknowledged)} acknowledged sends" if acknowledged is not None else "")
@@ -195,8 +175,8 @@ def _wrong_effects(ev: Evidence) -> Check:
             continue
         first = ev.by_key[key][0][0]
         if rec["status"] == "succeeded" and first != ev.accepted_at[key]:
-            c2.add(f"{key}: a later payload ({_where(ev.accepted_at[key])}) took effect, not "
-                   f"the first-seen one ({_where(first)})")
+            c2.add(f"{key}: a later payload ({place(ev.accepted_at[key])}) took effect, not "
+                   f"the first-seen one ({place(first)})")
     for key, rows in ev.ledger_rows.items():
         owner = ev.records.get(key)
         if len(rows) > 1:
@@ -239,11 +219,11 @@ def _contradictions(ev: Evidence) -> Check:
             for h in letters:
                 kind = h.get("idem.error.kind", "?")
                 if kind == "payload_conflict" and stored["request_hash"] == d.request_hash:
-                    c3.add(f"{_where(pos)} {d.key}: dead-lettered as payload_conflict "
+                    c3.add(f"{place(pos)} {d.key}: dead-lettered as payload_conflict "
                            "with the stored request hash")
         for h in letters:
             if h.get("idem.error.kind") == "undecodable":
-                c3.add(f"{_where(pos)}: dead-lettered as undecodable but decodes ({d.key})")
+                c3.add(f"{place(pos)}: dead-lettered as undecodable but decodes ({d.key})")
     for key, seen in ev.by_key.items():
         known = ev.records.get(key)
         if known is None:
@@ -277,7 +257,7 @@ def _dlq_integrity(ev: Evidence) -> Check:
             c4.add(f"{where}: unparsable original partition/offset")
             continue
         if not names_source(ev, h, pos):
-            c4.add(f"{where}: names {h.get('idem.original.topic')} {_where(pos)}, "
+            c4.add(f"{where}: names {h.get('idem.original.topic')} {place(pos)}, "
                    "no such source message")
             continue
         src, d = ev.by_pos[pos], ev.decoded[pos]
@@ -286,9 +266,9 @@ def _dlq_integrity(ev: Evidence) -> Check:
         if kind not in ERROR_KINDS:
             c4.add(f"{where}: unknown error kind {kind!r}")
         elif not _same_bytes(src.key, letter.key, h, "key"):
-            c4.add(f"{where}: key bytes differ from source {_where(pos)}")
+            c4.add(f"{where}: key bytes differ from source {place(pos)}")
         elif not _same_bytes(src.value, letter.value, h, "value"):
-            c4.add(f"{where}: value bytes differ from source {_where(pos)}")
+            c4.add(f"{where}: value bytes differ from source {place(pos)}")
         elif stated is not None and isinstance(d, Intent) and stated != d.key:
             c4.add(f"{where}: idem.key {stated!r} is not the message's key {d.key!r}")
     c4.examined = f"{len(ev.dead)} DLQ records"
@@ -364,7 +344,7 @@ def _committed_ahead(ev: Evidence) -> Check:
     c7 = Check(7, TITLES[7])
     for pos in sorted(ev.decoded):
         if not has_outcome(ev, pos) and ev.committed.get(pos[0], -1) > pos[1]:
-            c7.add(f"{_where(pos)} {_what(ev.decoded[pos])}: below committed offset "
+            c7.add(f"{place(pos)} {_what(ev.decoded[pos])}: below committed offset "
                    f"{ev.committed[pos[0]]}")
     for p, (_low, high) in sorted(ev.marks.items()):
         if ev.committed.get(p, -1) > high:
@@ -392,111 +372,9 @@ def _liveness(ev: Evidence, liveness: Liveness | None) -> Check:
                                  or liveness.healed_in > liveness.bound):
         c9.add(f"lag not back to 0 within {liveness.bound:.0f}s of the heal")
     c9.examined = f"{len(ev.marks)} partitions" + (
-        "" if liveness is None else f", healed in {_secs(liveness.healed_in)} "
+        "" if liveness is None else f", healed in {secs(liveness.healed_in)} "
         f"(bound {liveness.bound:.0f}s)")
     return c9
-
-
-def _key_order(ev: Evidence, ordered_by: str) -> Check:
-    if ordered_by != "tenant":
-        raise ValueError(f"ordered_by must be 'tenant', not {ordered_by!r}")
-    c10 = Check(10, TITLES[10])
-    applied: dict[tuple[int, str], list[tuple[int, int, str]]] = defaultdict(list)
-    for key, rows in ev.ledger_rows.items():
-        pos = ev.accepted_at.get(key)
-        if pos is None or len(rows) != 1:
-            continue  # no accepted payload, or doubled: check 2's
-        applied[(pos[0], ev.accepted[key].tenant)].append((rows[0]["id"], pos[1], key))
-    for (p, tenant), effects in sorted(applied.items()):
-        effects.sort()  # as they were inserted
-        for (_, off_a, key_a), (_, off_b, key_b) in itertools.pairwise(effects):
-            if off_a > off_b:
-                c10.add(f"p{p} {tenant}: {key_a} (@{off_a}) applied before {key_b} (@{off_b})")
-    c10.examined = (f"{sum(len(e) for e in applied.values())} effects over {len(applied)} "
-                    "(partition, tenant) pairs")
-    return c10
-
-
-def _events(ev: Evidence, ordered: bool) -> Check:
-    c11 = Check(11, TITLES[11])
-    succeeded = {k for k, rec in ev.records.items() if rec["status"] == "succeeded"}
-    by_intent: dict[str, list[KafkaRecord]] = defaultdict(list)
-    by_row: dict[str, list[KafkaRecord]] = defaultdict(list)
-    for e in ev.events:
-        h = e.header_map()
-        missing = [name for name in EVENT_HEADERS if name not in h]
-        if missing:
-            c11.add(f"event p{e.partition}@{e.offset}: missing {', '.join(missing)}")
-            continue
-        by_intent[h["idem.key"]].append(e)
-        by_row[h["idem.outbox.id"]].append(e)
-    for row, published in sorted(by_row.items()):
-        if len(published) > 1:
-            c11.add(f"outbox row {row} published {len(published)} times: "
-                    + ", ".join(f"p{e.partition}@{e.offset}" for e in published))
-    for key in sorted(succeeded | by_intent.keys()):
-        got = by_intent.get(key, [])
-        rec = ev.records.get(key)
-        if key not in succeeded:
-            c11.add(f"{key}: {len(got)} event(s) for a "
-                    f"{rec['status'] if rec else 'never recorded'} intent")
-        elif len(got) != 1:
-            c11.add(f"{key}: succeeded, {len(got)} events")
-        for e in got[:1] if key in succeeded else ():
-            problem = _event_problem(ev, key, e)
-            if problem:
-                c11.add(f"{key} (event p{e.partition}@{e.offset}): {problem}")
-    if ordered:
-        _event_order(ev, c11)
-    if ev.outbox is not None and ev.outbox[0]:
-        c11.add(f"{ev.outbox[0]} outbox rows never published (the oldest "
-                f"{_secs(ev.outbox[1])} old)", ev.outbox[0])
-    c11.examined = (f"{len(ev.events)} events on {ev.events_topic} (read_committed), "
-                    f"{len(succeeded)} succeeded intents, outbox "
-                    + ("absent" if ev.outbox is None else f"{ev.outbox[0]} rows left"))
-    return c11
-
-
-def _event_problem(ev: Evidence, key: str, e: KafkaRecord) -> str | None:
-    """What is wrong with the one event of succeeded intent ``key`` (None: nothing)."""
-    h = e.header_map()
-    value = ev.event_values.get((e.partition, e.offset))
-    want, rows = ev.accepted.get(key), ev.ledger_rows.get(key, [])
-    if value is None or isinstance(value, str):
-        return f"value {value or 'not decoded'}"
-    if want is None or len(rows) != 1:
-        return None  # no accepted payload or no single ledger row: checks 2 and 6 say so
-    if e.key != want.order.encode():
-        return f"Kafka key {e.key!r}, not the order id {want.order!r}"
-    got = (value.idempotency_key, value.tenant_id, value.order_id, value.amount, value.currency,
-           value.ledger_entry.id)
-    if got != (key, want.tenant, want.order, want.amount, want.currency, rows[0]["id"]):
-        return f"value {got} is not the charge and its ledger row {rows[0]['id']}"
-    try:
-        pos = (int(h["idem.source.partition"]), int(h["idem.source.offset"]))
-    except ValueError:
-        return "unparsable idem.source.partition/offset"
-    if h["idem.source.topic"] != ev.topic or pos not in {p for p, _ in ev.by_key.get(key, [])}:
-        return f"idem.source names {h['idem.source.topic']} {_where(pos)}, no message of its key"
-    return None
-
-
-def _event_order(ev: Evidence, c11: Check) -> None:
-    """Per event key: one partition, events in outbox-id order (see check 11)."""
-    by_key: dict[bytes | None, list[tuple[int, int, int]]] = defaultdict(list)
-    for e in ev.events:
-        row = e.header_map().get("idem.outbox.id", "")
-        if row.isdigit():
-            by_key[e.key].append((e.partition, e.offset, int(row)))
-    for key, seen in sorted(by_key.items(), key=lambda kv: kv[0] or b""):
-        if len({p for p, _, _ in seen}) > 1:
-            c11.add(f"event key {key!r} on partitions {sorted({p for p, _, _ in seen})}")
-            continue
-        seen.sort()
-        for (p, off_a, row_a), (_, off_b, row_b) in itertools.pairwise(seen):
-            if row_a > row_b:
-                c11.add(f"event key {key!r}: outbox row {row_a} (p{p}@{off_a}) published "
-                        f"before row {row_b} (@{off_b})")
 
 
 def _figures(ev: Evidence, started: float) -> dict[str, Any]:
@@ -535,7 +413,3 @@ def _figures(ev: Evidence, started: float) -> dict[str, Any]:
 
 def _total(offsets: Mapping[int, int]) -> int:
     return sum(max(o, 0) for o in offsets.values())
-
-
-def _secs(value: float | None) -> str:
-    return "never" if value is None else f"{value:.1f}s"

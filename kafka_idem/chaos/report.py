@@ -16,6 +16,30 @@ from rich.table import Table
 
 EXAMPLES = 5  # offending keys/offsets kept per check
 
+TITLES = {
+    1: "lost",
+    2: "duplicate or wrong effects",
+    3: "contradictory outcomes",
+    4: "DLQ record integrity",
+    5: "stale-owner commits",
+    6: "illegal or stuck records",
+    7: "committed offsets ahead of outcomes",
+    8: "retry limit exceeded",
+    9: "liveness (lag back to 0)",
+    10: "effects out of offset order per ordering key",
+    11: "outbox events (one per succeeded intent, none else, per-key order)",
+}
+
+
+def place(pos: tuple[int, int]) -> str:
+    """A message's position as the examples name it."""
+    return f"p{pos[0]}@{pos[1]}"
+
+
+def secs(value: float | None) -> str:
+    """Seconds as the examples say them (None: never)."""
+    return "never" if value is None else f"{value:.1f}s"
+
 
 @dataclass
 class Check:

@@ -63,9 +63,10 @@ from typing import Any
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from psycopg.conninfo import make_conninfo
 
-from kafka_idem.chaos.checker import ROOT, Liveness, Report, check
+from kafka_idem.chaos.checker import ROOT, Liveness, check
 from kafka_idem.chaos.faults import FAULTS, Injector
-from kafka_idem.chaos.members import APP, MAX_MEMBERS, MIN_MEMBERS, Pool, member_env
+from kafka_idem.chaos.members import APP, Pool, member_env
+from kafka_idem.chaos.options import events_ordered, ordered_by, parse, replay_args
 from kafka_idem.chaos.output import T0, console, print_summary, progress, say
 from kafka_idem.chaos.services import (
     QUIET,
@@ -81,69 +82,13 @@ from kafka_idem.chaos.services import (
 )
 from kafka_idem.chaos.traffic import Feed
 from kafka_idem.redact import redact
-from kafka_idem.settings import load_settings
+from kafka_idem.settings import Settings, load_settings
 
 __all__ = ["FAULTS", "main", "parse"]  # FAULTS: the tests choose fault types from it
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m kafka_idem.chaos.run", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--duration", type=float, default=120.0,
-                    help="seconds over which the faults are spread (default 120)")
-    ap.add_argument("--faults", type=int, default=24, help="faults to inject (default 24)")
-    ap.add_argument("--seed", type=int, help="random seed (default: a new one, printed)")
-    ap.add_argument("--members", type=int, default=3, help="group members at the start (2-4)")
-    ap.add_argument("--relays", type=int, default=1,
-                    help="standalone outbox relays besides the members' own (default 1; 0: "
-                    "none, and no relay_kill / relay_zombie faults)")
-    ap.add_argument("--rate", type=float, default=150.0, help="messages per second (default 150)")
-    ap.add_argument("--partitions", type=int, default=6, help="source topic partitions")
-    ap.add_argument("--format", choices=("avro", "json"), default=None,
-                    help="payload format of the charges (PAYMENTS_FORMAT: default avro, "
-                    "Avro single-object; json: validated by pydantic's JSON parser)")
-    ap.add_argument("--mode", choices=("local", "leased"), default="local",
-                    help="the payments handler's processing mode (default local)")
-    ap.add_argument("--concurrency", type=int, default=1,
-                    help="leased mode: the handler's concurrency (key-ordered above 1)")
-    ap.add_argument("--order-by-tenant", action="store_true",
-                    help="leased mode: ordering_key='{tenant_id}' (with --concurrency > 1)")
-    ap.add_argument("--async-handler", action="store_true",
-                    help="leased mode: the payments handler as async def (PAYMENTS_ASYNC=1)")
-    ap.add_argument("--heal-timeout", type=float, default=180.0,
-                    help="liveness bound: seconds for the lag to reach 0 after healing")
-    ap.add_argument("--fault-types", default=",".join(FAULTS),
-                    help=f"comma-separated subset of {','.join(FAULTS)}")
-    ap.add_argument("--allow-broker-restart", action="store_true",
-                    help="allow restarting the local broker (scripts/kafka.sh restart)")
-    ap.add_argument("--json", type=Path, help="write the report to this file")
-    ap.add_argument("--keep", action="store_true", help="keep topics, database and logs")
-    args = ap.parse_args(argv)
-    types = tuple(t.strip() for t in args.fault_types.split(",") if t.strip())
-    unknown = set(types) - set(FAULTS)
-    if unknown or not types:
-        ap.error(f"unknown fault types {sorted(unknown)}; choose from {','.join(FAULTS)}")
-    if not args.allow_broker_restart:
-        types = tuple(t for t in types if t != "broker_restart")
-    if args.relays == 0:
-        types = tuple(t for t in types if not t.startswith("relay_"))
-    args.types = types
-    if not MIN_MEMBERS <= args.members <= MAX_MEMBERS:
-        ap.error(f"--members must be between {MIN_MEMBERS} and {MAX_MEMBERS}")
-    if args.relays < 0:
-        ap.error("--relays must be >= 0")
-    if args.duration <= 0 or args.faults < 0 or args.rate <= 0 or args.partitions < 1:
-        ap.error("--duration, --rate and --partitions must be positive, --faults >= 0")
-    if (args.concurrency != 1 or args.order_by_tenant or args.async_handler) \
-            and args.mode != "leased":
-        ap.error("--concurrency, --order-by-tenant and --async-handler need --mode leased")
-    if args.concurrency < 1:
-        ap.error("--concurrency must be >= 1")
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+    args = parse(argv, __doc__ or "")
     if not (ROOT / "consumers" / "payments.py").exists():
         console.print(f"[red]the chaos run needs a checkout: no consumers/payments.py in {ROOT}[/]")
         return 2
@@ -151,83 +96,117 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(ROOT))  # the payments example, from any working directory
     if args.format:  # before consumers.payments is imported; the members inherit it
         os.environ["PAYMENTS_FORMAT"] = args.format
-    fmt = os.environ.get("PAYMENTS_FORMAT", "avro")
     s = load_settings()
-    seed = args.seed if args.seed is not None else random.randrange(1_000_000_000)
-    run_id = uuid.uuid4().hex[:8]
-    topic, group, dbname = f"chaos.{run_id}.charge-requested", f"chaos-{run_id}", f"chaos_{run_id}"
-    dlq_topic = f"{topic}{s.dlq_suffix}"
-    from consumers.payments import events_topic
-
-    events, prefix = events_topic(topic), f"chaos.{run_id}."
     if "broker_restart" in args.types and not local_bootstrap(s.bootstrap_servers):
         console.print("[red]--allow-broker-restart needs the local broker (scripts/kafka.sh); "
                       f"{s.bootstrap_servers} is not it[/]")
         return 2
-    logs = Path(tempfile.mkdtemp(prefix=f"kafka-idem-chaos-{run_id}-"))
-    console.rule(f"kafka_idem chaos run {run_id}: seed {seed}, {args.faults} faults over "
-                 f"{args.duration:.0f}s, {args.members} members, {args.mode} mode, {fmt} "
-                 "payloads")
-    say(f"Kafka {s.bootstrap_servers}, PostgreSQL {s.redacted()['database_url']}, "
-        f"faults: {', '.join(args.types)}")
-    admin = AdminClient({**s.admin_config(), **QUIET})
-    pool: Pool | None = None
-    relays: Pool | None = None
-    injector: Injector | None = None
-    feed: Feed | None = None
-    offsets: Offsets | None = None
-    report: Report | None = None
-    result: dict[str, Any] = {"seed": seed, "run_id": run_id, "topic": topic,
-                              "dlq_topic": dlq_topic, "events_topic": events,
-                              "group": group, "database": dbname,
-                              "options": {k: (str(v) if isinstance(v, Path) else v)
-                                          for k, v in vars(args).items()},
-                              "started_at": dt.datetime.now(dt.UTC).isoformat()}
-    health: list[tuple[str, bool, str]] = []
-    passed = False
-    created_db = created_topics = False
-    outbox_topics: list[str] = []
+    run = Run(args, s)
     try:
-        # -- set-up
-        dsn = create_database(s.dsn, dbname)
-        created_db = True
-        migrate_database(dsn, s.schema_name, s.table)
-        brokers = len(admin.list_topics(timeout=15).brokers)
-        rf = min(3, brokers)
+        run.go()
+    except KeyboardInterrupt:
+        say("[red]interrupted[/]")
+    except Exception as exc:  # set-up or the broker failed us: report, clean up, exit 1
+        console.print_exception()
+        run.result["error"] = repr(exc)
+    finally:
+        run.finish()
+    return 0 if run.passed else 1
+
+
+class Run:
+    """One chaos run's names, processes and findings, phase by phase (:meth:`go`), and
+    what :meth:`finish` must undo or keep whatever happened."""
+
+    def __init__(self, args: argparse.Namespace, s: Settings) -> None:
+        from consumers.payments import events_topic
+
+        self.args, self.s = args, s
+        self.seed = args.seed if args.seed is not None else random.randrange(1_000_000_000)
+        run_id = uuid.uuid4().hex[:8]
+        self.topic = f"chaos.{run_id}.charge-requested"
+        self.group, self.dbname = f"chaos-{run_id}", f"chaos_{run_id}"
+        self.dlq_topic = f"{self.topic}{s.dlq_suffix}"
+        self.events, self.prefix = events_topic(self.topic), f"chaos.{run_id}."
+        self.logs = Path(tempfile.mkdtemp(prefix=f"kafka-idem-chaos-{run_id}-"))
+        self.admin = AdminClient({**s.admin_config(), **QUIET})
+        self.dsn = ""
+        self.pool: Pool | None = None
+        self.relays: Pool | None = None
+        self.injector: Injector | None = None
+        self.feed: Feed | None = None
+        self.offsets: Offsets | None = None
+        self.health: list[tuple[str, bool, str]] = []
+        self.passed = self.created_db = self.created_topics = False
+        self.outbox_topics: list[str] = []
+        self.result: dict[str, Any] = {
+            "seed": self.seed, "run_id": run_id, "topic": self.topic,
+            "dlq_topic": self.dlq_topic, "events_topic": self.events, "group": self.group,
+            "database": self.dbname,
+            "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "started_at": dt.datetime.now(dt.UTC).isoformat()}
+
+    def go(self) -> None:
+        args, s = self.args, self.s
+        console.rule(f"kafka_idem chaos run {self.result['run_id']}: seed {self.seed}, "
+                     f"{args.faults} faults over {args.duration:.0f}s, {args.members} members, "
+                     f"{args.mode} mode, {os.environ.get('PAYMENTS_FORMAT', 'avro')} payloads")
+        say(f"Kafka {s.bootstrap_servers}, PostgreSQL {s.redacted()['database_url']}, "
+            f"faults: {', '.join(args.types)}")
+        pool, relays = self.set_up()
+        feed = Feed(s.bootstrap_servers, self.topic, args.rate, self.seed + 1, s.kafka)
+        injector = Injector(random.Random(self.seed), pool, self.admin, s.dsn, self.dbname,
+                            self.dlq_topic, args.types, relays=relays)
+        self.feed, self.injector = feed, injector
+        t_start, last_fault = self.load_and_faults(feed, injector, pool)
+        healed_in = self.heal(feed, injector, pool, relays)
+        self.result.update({"fault_span_seconds": round(last_fault - t_start, 1),
+                            "heal": {"healed_in": healed_in, "bound": args.heal_timeout}})
+        self.check(feed, injector, pool, relays, healed_in)
+
+    def set_up(self) -> tuple[Pool, Pool]:
+        """The database, the topics, the members and relays, until every partition is
+        assigned."""
+        args, s, admin = self.args, self.s, self.admin
+        self.dsn = create_database(s.dsn, self.dbname)
+        self.created_db = True
+        migrate_database(self.dsn, s.schema_name, s.table)
+        rf = min(3, len(admin.list_topics(timeout=15).brokers))
         for f in admin.create_topics([NewTopic(t, args.partitions, rf)
-                                      for t in (topic, dlq_topic)]).values():
+                                      for t in (self.topic, self.dlq_topic)]).values():
             f.result(timeout=30)
-        created_topics = True
-        env = member_env(s, dsn, topic, args.mode)
-        env["KAFKA_IDEM_NAME_PREFIX"] = prefix  # the relays' control topic and ids: ours
-        outbox_topics = create_outbox_topics(admin, env, APP, prefix, args.partitions)
-        if events not in outbox_topics:
-            raise RuntimeError(f"kafka-idem topics create made no {events}: {outbox_topics}")
-        outbox_topics = [t for t in outbox_topics if t not in (topic, dlq_topic)]
-        say(f"database {dbname} migrated; topics {topic} (+ .dlq), {args.partitions} "
+        self.created_topics = True
+        env = member_env(s, self.dsn, self.topic, args.mode)
+        env["KAFKA_IDEM_NAME_PREFIX"] = self.prefix  # the relays' control topic and ids: ours
+        made = create_outbox_topics(admin, env, APP, self.prefix, args.partitions)
+        if self.events not in made:
+            raise RuntimeError(f"kafka-idem topics create made no {self.events}: {made}")
+        self.outbox_topics = [t for t in made if t not in (self.topic, self.dlq_topic)]
+        say(f"database {self.dbname} migrated; topics {self.topic} (+ .dlq), {args.partitions} "
             f"partitions, replication factor {rf}; kafka-idem topics create made "
-            f"{', '.join(outbox_topics)}; group {group}")
-        cmd = [sys.executable, "-m", "kafka_idem.cli", "run", APP, "--group-id", group]
+            f"{', '.join(self.outbox_topics)}; group {self.group}")
         env["PAYMENTS_CONCURRENCY"] = str(args.concurrency)
         if args.order_by_tenant:
             env["PAYMENTS_ORDERING_KEY"] = "{tenant_id}"
         if args.async_handler:
             env["PAYMENTS_ASYNC"] = "1"
-        pool = Pool(cmd, env, logs)
+        cli = [sys.executable, "-m", "kafka_idem.cli"]
+        self.pool = pool = Pool([*cli, "run", APP, "--group-id", self.group], env, self.logs)
         for _ in range(args.members):
             pool.start()
-        relays = Pool([sys.executable, "-m", "kafka_idem.cli", "relay", APP], env, logs, "r")
+        self.relays = relays = Pool([*cli, "relay", APP], env, self.logs, "r")
         for _ in range(args.relays):
             relays.start()
-        say(f"members {pool.alive()}, relays {relays.alive()} starting; logs in {logs}")
-        offsets = Offsets(s.admin_config(), group, topic, args.partitions)
-        wait_assigned(admin, group, args.partitions, timeout=60)
+        say(f"members {pool.alive()}, relays {relays.alive()} starting; logs in {self.logs}")
+        self.offsets = Offsets(s.admin_config(), self.group, self.topic, args.partitions)
+        wait_assigned(admin, self.group, args.partitions, timeout=60)
         say("every partition assigned")
+        return pool, relays
 
-        # -- load and faults
-        feed = Feed(s.bootstrap_servers, topic, args.rate, seed + 1, s.kafka)
-        injector = Injector(random.Random(seed), pool, admin, s.dsn, dbname, dlq_topic,
-                            args.types, relays=relays)
+    def load_and_faults(self, feed: Feed, injector: Injector, pool: Pool) -> tuple[float, float]:
+        """Produce while injecting the planned faults; the start and the last fault's end."""
+        args, offsets = self.args, self.offsets
+        assert offsets is not None
         feed.start()
         injector.t_start = t_start = time.monotonic()
         say(f"producing ~{args.rate:.0f} messages/s")
@@ -248,16 +227,20 @@ def main(argv: list[str] | None = None) -> int:
         while injector.busy():  # a broker restart still in progress
             injector.tick()
             time.sleep(0.2)
-        last_fault = time.monotonic()
+        return t_start, time.monotonic()
 
-        # -- heal
+    def heal(self, feed: Feed, injector: Injector, pool: Pool, relays: Pool) -> float | None:
+        """Undo the faults, stop producing, and wait for lag 0 and an empty outbox
+        (liveness, bounded by --heal-timeout); then SIGTERM everyone. Seconds it took."""
+        args, offsets = self.args, self.offsets
+        assert offsets is not None
         say("[bold]healing[/]: SIGCONT everyone, DLQ restored, producing stopped")
         deadline = time.monotonic() + 120
         while injector.undo and time.monotonic() < deadline:
             injector.tick(everything=True)
             time.sleep(0.5)
         if injector.undo:
-            health.append(("faults undone", False, f"{len(injector.undo)} not undone"))
+            self.health.append(("faults undone", False, f"{len(injector.undo)} not undone"))
         if not pool.running():
             say(f"started {pool.start()} (no member left)")
         if args.relays and not relays.running():
@@ -271,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             injector.tick()
             state = offsets.lag()
             if state is not None and state[1] == 0 and not feed.is_alive() \
-                    and drained(dsn, s.schema_name):
+                    and drained(self.dsn, self.s.schema_name):
                 healed_in = round(time.monotonic() - heal_start, 1)
                 break
             if time.monotonic() - last_progress >= 10:
@@ -283,129 +266,100 @@ def main(argv: list[str] | None = None) -> int:
         alive = pool.alive() + relays.alive()
         pool.stop_all()
         relays.stop_all()
-        codes = {m.name: m.exit_code for m in alive}
-        say(f"members and relays stopped: {codes}")
+        say(f"members and relays stopped: { {m.name: m.exit_code for m in alive} }")
+        return healed_in
 
-        # -- check
-        report = check(bootstrap=s.bootstrap_servers, dsn=dsn, topic=topic, group=group,
-                       dlq_topic=dlq_topic, schema=s.schema_name, table=s.table,
-                       max_attempts=s.max_attempts,
+    def check(self, feed: Feed, injector: Injector, pool: Pool, relays: Pool,
+              healed_in: float | None) -> None:
+        """The checker on durable state, the run's own health, and the report."""
+        args, s = self.args, self.s
+        report = check(bootstrap=s.bootstrap_servers, dsn=self.dsn, topic=self.topic,
+                       group=self.group, dlq_topic=self.dlq_topic, schema=s.schema_name,
+                       table=s.table, max_attempts=s.max_attempts,
                        liveness=Liveness(healed_in, args.heal_timeout),
                        acknowledged=feed.acked, kafka=s.kafka,
-                       ordered_by=_ordered_by(args), events_topic=events,
-                       event_order=_events_ordered(args))
+                       ordered_by=ordered_by(args), events_topic=self.events,
+                       event_order=events_ordered(args))
         by_type = Counter(f.fault for f in injector.log)
         evidence, tracebacks = pool.scan_logs()
         for mine, theirs in zip((evidence, tracebacks), relays.scan_logs(), strict=True):
             for name, n in theirs.items():
                 mine[name] = mine.get(name, 0) + n
-        health += [
-            ("every planned fault injected", len(injector.log) == args.faults,
-             f"{len(injector.log)} of {args.faults}"),
-            ("every fault type injected", set(by_type) >= set(args.types) or
-             len(injector.log) < len(args.types),
-             ", ".join(f"{t} {by_type[t]}" for t in args.types)),
-            ("no member or relay exited on its own", not pool.crashed + relays.crashed,
-             "; ".join(f"{m} code {m.exit_code}" for m in pool.crashed + relays.crashed)
-             or "none"),
-            ("members and relays exit 0 on SIGTERM",
-             all(m.exit_code == 0 for m in pool.members + relays.members
-                 if m.gone == "terminated") and not pool.slow_stops + relays.slow_stops,
-             "; ".join(pool.slow_stops + relays.slow_stops) or ", ".join(
-                 f"{m.name} {m.exit_code}" for m in pool.members + relays.members
-                 if m.gone == "terminated")),
-            *(("injector", False, h) for h in injector.health if "exited on its own" not in h),
-        ]
-        result.update({
+        self.health += _run_health(args, injector, by_type, pool, relays)
+        self.result.update({
             "seconds": round(time.monotonic() - T0, 1),
             "faults": [asdict(f) for f in injector.log],
             "faults_by_type": dict(sorted(by_type.items())),
-            "fault_span_seconds": round(last_fault - t_start, 1),
             "broker_restarts_took": injector.restart_result,
             "messages": {"sent": sum(feed.sent.values()), "sent_by_kind": dict(feed.sent),
                          "acknowledged": len(feed.acked), "delivery_errors": dict(feed.errors)},
-            "heal": {"healed_in": healed_in, "bound": args.heal_timeout},
             "member_log_evidence": evidence,
             "member_log_tracebacks": tracebacks,
             "members_started": len(pool.members),
             "relays_started": len(relays.members),
-            "health": [{"check": n_, "ok": ok, "detail": d} for n_, ok, d in health],
+            "health": [{"check": n_, "ok": ok, "detail": d} for n_, ok, d in self.health],
             "checker": report.to_json(),
         })
-        print_summary(injector, feed, report, health, evidence, tracebacks, result)
-        passed = report.ok and all(ok for _, ok, _ in health)
-        result["anomalies"] = report.anomalies + sum(1 for _, ok, _ in health if not ok)
-        result["passed"] = passed
-    except KeyboardInterrupt:
-        say("[red]interrupted[/]")
-    except Exception as exc:  # set-up or the broker failed us: report, clean up, exit 1
-        console.print_exception()
-        result["error"] = repr(exc)
-    finally:
-        if feed is not None:
-            feed.stopping.set()
-        for group_of in (pool, relays):
+        print_summary(injector, feed, report, self.health, evidence, tracebacks, self.result)
+        self.passed = report.ok and all(ok for _, ok, _ in self.health)
+        self.result["anomalies"] = report.anomalies + sum(1 for _, ok, _ in self.health if not ok)
+        self.result["passed"] = self.passed
+
+    def finish(self) -> None:
+        """Stop what runs, restore the DLQ, write the report; keep everything of a failed
+        (or --keep) run, remove everything of a passed one."""
+        args, s = self.args, self.s
+        if self.feed is not None:
+            self.feed.stopping.set()
+        for group_of in (self.pool, self.relays):
             if group_of is not None:
                 group_of.stop_all()
-        if injector is not None and injector.dlq_down:
+        if self.injector is not None and self.injector.dlq_down:
             try:
-                dlq_limit(admin, dlq_topic, None)
+                dlq_limit(self.admin, self.dlq_topic, None)
             except Exception as exc:  # best effort; the topic is removed unless kept
                 say(f"[yellow]could not restore the DLQ limit: {exc}[/]")
-        if offsets is not None:
-            offsets.close()
+        if self.offsets is not None:
+            self.offsets.close()
         if args.json:
-            result.setdefault("passed", False)
-            args.json.write_text(json.dumps(result, indent=2, default=str))
-        keep = args.keep or not passed
-        verdict = "[bold green]PASSED[/]" if passed else "[bold red]FAILED[/]"
-        console.print(f"{verdict}: seed {seed}; replay the same faults and messages with "
-                      f"[bold]python -m kafka_idem.chaos.run {_replay_args(args, seed)}[/]")
-        if keep:
-            console.print(f"kept: database {dbname}, topics {topic} (+ .dlq), "
-                          f"{', '.join(outbox_topics)}, group {group}, "
-                          f"member logs {logs}. Check again with: KAFKA_IDEM_DATABASE_URL="
-                          f"'{redact(make_conninfo(s.dsn, dbname=dbname), s.secret_values())}' "
-                          f"python -m kafka_idem.chaos.checker --topic {topic} --group {group}"
-                          f" --events {events}", markup=False)
+            self.result.setdefault("passed", False)
+            args.json.write_text(json.dumps(self.result, indent=2, default=str))
+        verdict = "[bold green]PASSED[/]" if self.passed else "[bold red]FAILED[/]"
+        console.print(f"{verdict}: seed {self.seed}; replay the same faults and messages with "
+                      f"[bold]python -m kafka_idem.chaos.run {replay_args(args, self.seed)}[/]")
+        if args.keep or not self.passed:
+            console.print(f"kept: database {self.dbname}, topics {self.topic} (+ .dlq), "
+                          f"{', '.join(self.outbox_topics)}, group {self.group}, "
+                          f"member logs {self.logs}. Check again with: KAFKA_IDEM_DATABASE_URL="
+                          f"'{redact(make_conninfo(s.dsn, dbname=self.dbname), s.secret_values())}"
+                          f"' python -m kafka_idem.chaos.checker --topic {self.topic} --group "
+                          f"{self.group} --events {self.events}", markup=False)
         else:
-            cleanup(s, dbname if created_db else None,
-                    [topic, dlq_topic, *outbox_topics] if created_topics else [],
-                    group, logs)
-    return 0 if passed else 1
+            cleanup(s, self.dbname if self.created_db else None,
+                    [self.topic, self.dlq_topic, *self.outbox_topics] if self.created_topics
+                    else [], self.group, self.logs)
 
 
-def _ordered_by(args: argparse.Namespace) -> str | None:
-    """Per-message runs keep each tenant's charges of a partition in offset order: a
-    partition run as prefixes, or key-ordered by tenant (check 10). Local batches
-    and key order by idempotency key alone do not."""
-    if args.mode != "leased":
-        return None
-    prefix = args.concurrency == 1 and not args.async_handler
-    return "tenant" if prefix or args.order_by_tenant else None
-
-
-def _events_ordered(args: argparse.Namespace) -> bool:
-    """One Kafka key's (order id's) charges are applied one transaction after another,
-    so their events' order is known (check 11), unless leased runs them concurrently
-    (key-ordered by idempotency key or by tenant: two tenants may share an order id)."""
-    return args.mode == "local" or (args.concurrency == 1 and not args.async_handler)
-
-
-def _replay_args(args: argparse.Namespace, seed: int) -> str:
-    parts = [f"--duration {args.duration:g}", f"--faults {args.faults}", f"--seed {seed}",
-             f"--members {args.members}", f"--relays {args.relays}", f"--rate {args.rate:g}",
-             f"--partitions {args.partitions}", f"--mode {args.mode}",
-             f"--concurrency {args.concurrency}", f"--fault-types {','.join(args.types)}"]
-    if args.order_by_tenant:
-        parts.append("--order-by-tenant")
-    if args.async_handler:
-        parts.append("--async-handler")
-    if args.allow_broker_restart:
-        parts.append("--allow-broker-restart")
-    if args.format:
-        parts.append(f"--format {args.format}")
-    return " ".join(parts)
+def _run_health(args: argparse.Namespace, injector: Injector, by_type: Counter[str], pool: Pool,
+                relays: Pool) -> list[tuple[str, bool, str]]:
+    """The run's own checks, beside the checker's: the faults happened as planned, no
+    process died on its own, and SIGTERM stopped each one cleanly."""
+    crashed = pool.crashed + relays.crashed
+    slow = pool.slow_stops + relays.slow_stops
+    terminated = [m for m in pool.members + relays.members if m.gone == "terminated"]
+    return [
+        ("every planned fault injected", len(injector.log) == args.faults,
+         f"{len(injector.log)} of {args.faults}"),
+        ("every fault type injected", set(by_type) >= set(args.types) or
+         len(injector.log) < len(args.types),
+         ", ".join(f"{t} {by_type[t]}" for t in args.types)),
+        ("no member or relay exited on its own", not crashed,
+         "; ".join(f"{m} code {m.exit_code}" for m in crashed) or "none"),
+        ("members and relays exit 0 on SIGTERM",
+         all(m.exit_code == 0 for m in terminated) and not slow,
+         "; ".join(slow) or ", ".join(f"{m.name} {m.exit_code}" for m in terminated)),
+        *(("injector", False, h) for h in injector.health if "exited on its own" not in h),
+    ]
 
 
 if __name__ == "__main__":

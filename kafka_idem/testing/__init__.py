@@ -13,11 +13,13 @@
 :meth:`Harness.check` runs the scenario matrix (redelivery, crashes before and after
 the commit, concurrent duplicates, a payload conflict, exhausted retries, a lost
 answer, a lease taken over, the batch path against the per-message path) and
-compares the app's own tables and remote fakes (:class:`FakeService`, or any
-:class:`Remote`) with a single delivery. The pytest plugin (``kafka_idem_harness``
-fixture) is in :mod:`kafka_idem.testing.plugin`. README: "Testing your handlers".
+compares the app's own tables, the events its handlers emitted (the outbox) and
+remote fakes (:class:`FakeService`, or any :class:`Remote`) with a single delivery.
+The pytest plugin (``kafka_idem_harness`` fixture) is in
+:mod:`kafka_idem.testing.plugin`. README: "Testing your handlers".
 """
 
+from kafka_idem.testing.events import EmittedEvent
 from kafka_idem.testing.harness import Harness
 from kafka_idem.testing.letters import CapturedLetter
 from kafka_idem.testing.message import FakeMessage
@@ -31,6 +33,7 @@ __all__ = [
     "CapturedLetter",
     "CheckReport",
     "Delivered",
+    "EmittedEvent",
     "FakeMessage",
     "FakeService",
     "Harness",

@@ -1,7 +1,7 @@
 """What one :func:`~kafka_idem.testing.check.check` works on (:class:`Case`: the
 message, the derived ones, the reference) and how a scenario judges what it saw:
-outcomes as :data:`Sig` (an outcome and its dead letter's kind), the app's tables and
-the remotes' effects against the reference's."""
+outcomes as :data:`Sig` (an outcome and its dead letter's kind), the app's tables, the
+events in the outbox and the remotes' effects against the reference's."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from kafka_idem.consume.outcome import Finished, Result
 from kafka_idem.handler import Handler
+from kafka_idem.testing.events import Compared, EmittedEvent, compare_events
 from kafka_idem.testing.harness import Harness
 from kafka_idem.testing.message import FakeMessage
 from kafka_idem.testing.report import ScenarioResult
@@ -62,6 +63,7 @@ class Reference:
     delivered: Delivered
     state: State
     effects: Effects
+    events: list[EmittedEvent] = field(default_factory=list)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Case:
     ref: Reference
     tables: list[Table] = field(default_factory=list)  # compared: the harness's, less drift
     result_drift: frozenset[str] = frozenset()  # stored result keys not compared
+    compared: Compared = field(default_factory=Compared)  # how events are compared
     conflict: FakeMessage | None = None
     batch: list[FakeMessage] = field(default_factory=list)
 
@@ -105,6 +108,15 @@ class Case:
         want = self.ref.state if expected is None else expected
         for diff in compare(want, sb.state(self.tables)):
             out.wrong("\n".join(diff.lines(expected=what)))
+
+    def same_events(self, out: ScenarioResult, sb: Sandbox,
+                    expected: list[EmittedEvent] | None = None, *,
+                    what: str = "the reference") -> None:
+        """The outbox holds the events of ``expected`` (default: the reference's), each
+        as often: none more (a replay, a conflict, a failure emit nothing)."""
+        want = self.ref.events if expected is None else expected
+        for problem in compare_events(want, sb.events(), self.compared, what=what):
+            out.wrong(problem)
 
     def same_effects(self, out: ScenarioResult, *, at_most: bool = False,
                      expected: Effects | None = None, what: str = "the reference") -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -14,12 +15,20 @@ from kafka_idem.errors import ConfigError, MessageError
 from kafka_idem.handler import Handler
 from kafka_idem.retry import no_wait
 from kafka_idem.testing.case import Case, Reference, settings_for, show, told
+from kafka_idem.testing.events import MADE, Compared, EmittedEvent, Made, made_fields, made_values
 from kafka_idem.testing.harness import Harness
 from kafka_idem.testing.message import FakeMessage
 from kafka_idem.testing.report import CheckReport, ScenarioResult
 from kafka_idem.testing.sandbox import Path
 from kafka_idem.testing.scenarios import LEASED_ONLY, RUN, SCENARIOS
-from kafka_idem.testing.tables import DRIFTING, State, drifting, drifting_result, leave_out
+from kafka_idem.testing.tables import (
+    DRIFTING,
+    State,
+    Table,
+    drifting,
+    drifting_result,
+    leave_out,
+)
 from kafka_idem.testing.values import conflicting, other_keys
 
 NEEDS_SUCCESS = ("crash_before_commit", "retries_exhausted", "unknown_outcome",
@@ -121,6 +130,32 @@ def _probe(harness: Harness, msg: FakeMessage, path: Path) -> tuple[State, Any]:
         return sb.state(harness.tables), d.result
 
 
+def _compared(harness: Harness, msg: FakeMessage, path: Path, tables: list[Table],
+              ref: list[EmittedEvent], ref_made: Made) -> tuple[Compared, list[str]]:
+    """How events are compared, and the report's lines for the fields left out: the
+    user's ``ignore``, and the fields that carry a value the database makes (found by
+    delivering the reference once more, every sequence moved on: a field that then
+    differs and is in both deliveries the value of one left-out column)."""
+    made: dict[str, dict[str, str]] = {}
+    if ref:
+        _clean(harness)
+        with harness.scratch(**settings_for(path)) as sb:
+            harness.move_sequences(sb.conn())
+            sb.drive(sb.processor(), msg, path)
+            made = made_fields(ref, ref_made, sb.events(), made_values(sb.conn(), tables))
+    left: dict[str, set[str]] = {}
+    lines = []
+    for topic, fields in sorted(made.items()):
+        for name, column in sorted(fields.items()):
+            left.setdefault(topic, set()).add(name)
+            lines.append(f"event {topic} field {name} ({MADE}: {column})")
+    for topic, names in sorted(harness.event_ignore.items()):
+        for name in sorted(names):
+            left.setdefault(topic, set()).add(name)
+            lines.append(f"event {topic} field {name} (ignored)")
+    return Compared({t: frozenset(f) for t, f in left.items()}), lines
+
+
 def check(
     harness: Harness,
     topic: str,
@@ -160,26 +195,34 @@ def check(
             # what differs between two deliveries of the reference is not compared
             tables = leave_out(harness.tables, drifting(probe, sb.state(harness.tables)),
                                DRIFTING)
-            case = Case(harness, handler, msg, paths, Reference(d, sb.state(tables), {}),
+            case = Case(harness, handler, msg, paths,
+                        Reference(d, sb.state(tables), {}, sb.events()),
                         tables=tables, result_drift=drifting_result(probe_result, d.result))
             case.ref.effects = case.effects()
+            ref_made = made_values(sb.conn(), tables)
 
             def prepare(payload: bytes) -> Any:
                 return proc.prepare(handler, at(0, payload))
 
             other, payloads = _derived(harness, topic, data, prepare, conflict, batch)
+        case.compared, events_left_out = _compared(harness, msg, paths[0], tables,
+                                                   case.ref.events, ref_made)
     report = CheckReport(
         handler=handler.name, topic=topic, mode=handler.mode,
         tables=[t.name for t in tables],
         left_out=[f"{t.name}.{c} ({why})" for t in tables for c, why in t.left_out]
         + [f"the stored result{f'[{k!r}]' if k else ''} ({DRIFTING})"
-           for k in sorted(case.result_drift)],
+           for k in sorted(case.result_drift)] + events_left_out,
         remotes=list(harness.remotes))
     with no_wait():
         rows = ", ".join(f"{len(r.rows)} row(s) in {name}" for name, r in case.ref.state.items())
         report.reference.append(f"delivered once on the {paths[0]} path: {told(d)}; {rows}")
         if d.result is not None:
             report.reference.append(f"stored result: {json.dumps(d.result, default=str)}")
+        if harness.app.event_topics:
+            emitted = Counter(e.topic for e in case.ref.events)
+            report.reference.append("events: " + (", ".join(
+                f"{n} to {t}" for t, n in sorted(emitted.items())) or "none"))
         report.reference += [f"remote {n!r}: {sum(c.values())} effect(s)"
                              for n, c in case.ref.effects.items()]
         if d.outcome == "deferred":

@@ -30,6 +30,7 @@ from kafka_idem.handler import Handler
 from kafka_idem.migrate import migrate, migrate_app
 from kafka_idem.store import Conn, Store, connect
 from kafka_idem.testing.databases import Databases
+from kafka_idem.testing.events import EmittedEvent
 from kafka_idem.testing.hooks import Hooks
 from kafka_idem.testing.letters import CapturedLetter
 from kafka_idem.testing.message import FakeMessage, Headers
@@ -83,7 +84,8 @@ class Harness:
     app's migrations and ``setup(conn)`` (seed rows...), and drops them on
     :meth:`close`. ``tables`` names the tables :meth:`check` compares (default: the
     ones the migrations and ``setup`` created); ``ignore`` leaves columns out
-    (``{"shop.orders": ["remote_id"]}``); ``remotes`` are the fakes of the remote
+    (``{"shop.orders": ["remote_id"]}``), or an event topic's fields
+    (``{"shop.order-placed": ["sent_at"]}``); ``remotes`` are the fakes of the remote
     services the handlers call (see :class:`~kafka_idem.testing.remote.Remote`), reset
     now and before each scenario.
     """
@@ -104,6 +106,10 @@ class Harness:
             raise ConfigError("concurrency must be at least 2", setting="concurrency")
         self.concurrency = concurrency
         self.remotes: dict[str, Remote] = dict(remotes or {})
+        # ignore= names event topics too: their fields are left out of the event comparison
+        self.event_ignore = {t: frozenset(f) for t, f in (ignore or {}).items()
+                             if t in self.app.event_topics}
+        ignore = {t: f for t, f in (ignore or {}).items() if t not in self.event_ignore}
         self.databases = Databases(database_url or self.app.settings.dsn)
         self.hooks = Hooks()
         self._offsets = _Offsets()
@@ -177,6 +183,14 @@ class Harness:
             yield sb
         finally:
             sb.close()
+
+    def move_sequences(self, conn: Conn, by: int = 1000) -> None:
+        """Move every sequence of the clean state on by ``by``: a delivery then gets
+        other numbers from them (how :meth:`check` tells a number the database made)."""
+        for name, value, _called in self._state.sequences:
+            conn.execute("SELECT setval(%s::regclass, %s, true)",
+                         (psycopg.sql.Identifier(*split_name(name)).as_string(conn),
+                          value + by))
 
     @property
     def current(self) -> Sandbox:
@@ -289,6 +303,12 @@ class Harness:
         """Every dead letter produced since the last :meth:`reset`."""
         return self.current.letters.letters
 
+    def events(self, topic: str | None = None) -> list[EmittedEvent]:
+        """Every event in the outbox (what the handlers' committed ``ctx.emit`` calls
+        wrote since the last :meth:`reset`; to ``topic`` only, if given), in the order
+        they were written."""
+        return [e for e in self.current.events() if topic is None or e.topic == topic]
+
     def rows(self, table: str) -> list[dict[str, Any]]:
         """Every row of ``table`` (all its columns) in the current database."""
         query = psycopg.sql.SQL("SELECT * FROM {}").format(
@@ -309,8 +329,9 @@ class Harness:
     ) -> CheckReport:
         """Prove ``topic``'s handler idempotent on ``value``: run the scenario matrix
         (:data:`~kafka_idem.testing.SCENARIOS`, or the ``scenarios`` named), each from a
-        clean database, and compare the app's tables and the remotes' effects with a
-        single delivery's; raise ``AssertionError`` with the report when one differs.
+        clean database, and compare the app's tables, the events in the outbox and the
+        remotes' effects with a single delivery's; raise ``AssertionError`` with the
+        report when one differs.
 
         ``value`` is a payload or raw bytes, sent with ``key`` and ``headers``;
         ``conflict`` is the payload with the same key and another request (made from

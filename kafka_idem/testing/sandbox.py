@@ -14,6 +14,7 @@ from kafka_idem.consume.outcome import TP, Finished, Result
 from kafka_idem.metrics import Metrics
 from kafka_idem.retry import no_wait
 from kafka_idem.store import Conn, Store, connect
+from kafka_idem.testing.events import EmittedEvent, mark, read_events
 from kafka_idem.testing.letters import CapturedLetter, LetterBox
 from kafka_idem.testing.message import FakeMessage
 from kafka_idem.testing.tables import State, Table, snapshot
@@ -32,6 +33,8 @@ class Delivered:
     with another payload), ``dead_lettered``, or ``deferred`` (``reason`` says why:
     ``busy`` when another owner's live lease holds the key). Tries that failed and
     were retried at once are in ``steps`` (``("retry", "retry", "dead_lettered")``).
+    ``events`` are the events it left in the outbox (``ctx.emit``, committed): none
+    for a replay, a conflict or a failure.
     """
 
     outcome: str
@@ -41,6 +44,7 @@ class Delivered:
     record: dict[str, Any] | None
     dead_letters: tuple[CapturedLetter, ...]
     message: FakeMessage
+    events: tuple[EmittedEvent, ...] = ()
 
     @property
     def status(self) -> str | None:
@@ -109,6 +113,14 @@ class Sandbox:
     def expire_leases(self, key: str | None = None) -> list[str]:
         return self.store.expire_leases(self.conn(), key=key)
 
+    def events(self, *, after: int = 0) -> list[EmittedEvent]:
+        """The committed events in the outbox (ids above ``after``), in id order."""
+        return read_events(self.conn(), self.app, after=after)
+
+    def mark(self) -> int:
+        """The outbox's highest id now: :meth:`events` after it are what came since."""
+        return mark(self.conn(), self.app.settings.schema_name, self.app.namespace)
+
     def run(self, proc: Processor, msg: FakeMessage, path: Path,
             reentrant: Any = None) -> Result:
         """One try of ``msg`` on ``path`` (what one unit of work of the runner does)."""
@@ -133,6 +145,7 @@ class Sandbox:
         steps: list[Result] = []
         letters: list[CapturedLetter] = []
         token = None
+        since = self.mark()
         with no_wait():
             for _ in range(limit):
                 result = self.run(proc, msg, path, token)
@@ -141,10 +154,12 @@ class Sandbox:
                 if isinstance(result, Finished) or result.reason == "busy":
                     break
                 token = result.token
-        return self.delivered(proc, msg, steps, letters)
+        return self.delivered(proc, msg, steps, letters, since=since)
 
     def delivered(self, proc: Processor, msg: FakeMessage, steps: list[Result],
-                  letters: list[CapturedLetter]) -> Delivered:
+                  letters: list[CapturedLetter], *, since: int | None = None) -> Delivered:
+        """What became of ``msg``; its events are those after the mark ``since``
+        (``None``: not known, several deliveries ran at once)."""
         last = steps[-1]
         key = last.key if isinstance(last, Finished) else None
         if key is None:
@@ -153,7 +168,8 @@ class Sandbox:
             outcome=last.outcome.value if isinstance(last, Finished) else "deferred",
             reason=None if isinstance(last, Finished) else last.reason.value,
             steps=tuple(_step(r) for r in steps), key=key, record=self.record(key),
-            dead_letters=tuple(letters), message=msg)
+            dead_letters=tuple(letters), message=msg,
+            events=() if since is None else tuple(self.events(after=since)))
 
     def close(self) -> None:
         for proc in self._procs:

@@ -3,9 +3,9 @@ against the user's handler, each scenario from a clean database.
 
 Every scenario runs the message through the framework's own path (the batch path and
 the per-message path of local mode, or the leased path), and afterwards compares
-the app's tables (and the remote fakes' effects) with the *reference*: the same
-message delivered once on the reference path (per-message in local mode). The faults
-are the kit's only addition, each at the point where it matters:
+the app's tables, the events in the outbox (and the remote fakes' effects) with the
+*reference*: the same message delivered once on the reference path (per-message in
+local mode). The faults are the kit's only addition, each at the point where it matters:
 
 * a crash (the process dies) right after the handler returned, inside its open
   transaction: in local mode nothing of the unit commits; in leased mode the claim
@@ -41,6 +41,7 @@ from kafka_idem.testing.case import (
     step,
     told,
 )
+from kafka_idem.testing.events import EmittedEvent, compare_events
 from kafka_idem.testing.hooks import Call, Crash, Plan
 from kafka_idem.testing.report import ScenarioResult
 from kafka_idem.testing.sandbox import Path, Sandbox
@@ -71,6 +72,7 @@ def once(case: Case, path: Path, out: ScenarioResult) -> None:
         out.said(f"delivered: {told(d)}")
         case.expect(out, "the delivery", sig(d), case.first)
         case.same_state(out, sb, what=f"the reference ({case.paths[0]} path)")
+        case.same_events(out, sb, what=f"the reference ({case.paths[0]} path)")
         case.same_effects(out)
 
 
@@ -83,6 +85,7 @@ def twice(case: Case, path: Path, out: ScenarioResult) -> None:
         case.expect(out, "the first delivery", sig(d1), case.first)
         case.expect(out, "the second delivery", sig(d2), case.again)
         case.same_state(out, sb)
+        case.same_events(out, sb)
         case.same_effects(out)
 
 
@@ -117,6 +120,7 @@ def crash_before_commit(case: Case, path: Path, out: ScenarioResult) -> None:
         out.said(f"redelivered: {told(d)}")
         case.expect(out, "the redelivery", sig(d), case.first)
         case.same_state(out, sb)
+        case.same_events(out, sb)
         case.same_effects(out)
 
 
@@ -131,6 +135,7 @@ def crash_before_offset_commit(case: Case, path: Path, out: ScenarioResult) -> N
         case.expect(out, "the first delivery", sig(d1), case.first)
         case.expect(out, "the redelivery", sig(d2), case.again)
         case.same_state(out, sb)
+        case.same_events(out, sb)
         case.same_effects(out)
 
 
@@ -204,6 +209,7 @@ def concurrent(case: Case, path: Path, out: ScenarioResult) -> None:
                 f"{show(s)} x{c}" for s, c in sorted(Counter(finals).items()))
                 + "; expected " + ", ".join(f"{show(s)} x{c}" for s, c in sorted(want.items())))
         case.same_state(out, sb)
+        case.same_events(out, sb)
         case.same_effects(out)
 
 
@@ -225,6 +231,7 @@ def conflict(case: Case, path: Path, out: ScenarioResult) -> None:
             if changed:
                 out.wrong(f"the conflict changed the key's record: {', '.join(changed)}")
         case.same_state(out, sb)
+        case.same_events(out, sb)
         case.same_effects(out)
 
 
@@ -244,6 +251,7 @@ def retries_exhausted(case: Case, path: Path, out: ScenarioResult) -> None:
             out.wrong(f"{d.attempts} attempts were counted, the retry budget is "
                       f"{policy.max_attempts}")
         case.same_state(out, sb, case.harness.clean, what="the clean database (no effect)")
+        case.same_events(out, sb, [], what="the clean database (no event)")
         case.same_effects(out, at_most=True)
 
 
@@ -259,6 +267,7 @@ def unknown_outcome(case: Case, path: Path, out: ScenarioResult) -> None:
                  + (f"; reconcile ran {reconciled} time(s)" if reconciled else ""))
         case.expect(out, "the retry", sig(d), case.first)
         case.same_state(out, sb)
+        case.same_events(out, sb)
         case.same_effects(out)
 
 
@@ -315,6 +324,7 @@ def lease_takeover(case: Case, path: Path, out: ScenarioResult) -> None:
         out.said(f"the first owner's message again: {told(again)}")
         case.expect(out, "the first owner's redelivery", sig(again), case.again)
         case.same_state(out, sb)
+        case.same_events(out, sb)
         case.same_effects(out)
 
 
@@ -326,6 +336,7 @@ def batch(case: Case, path: Path, out: ScenarioResult) -> None:
     states: dict[str, State] = {}
     records: dict[str, dict[str, Any]] = {}
     effects: dict[str, Effects] = {}
+    events: dict[str, list[EmittedEvent]] = {}
     for side in ("per-message", "batch"):
         for remote in h.remotes.values():
             remote.reset()
@@ -343,6 +354,7 @@ def batch(case: Case, path: Path, out: ScenarioResult) -> None:
             outcomes[side] = [show((step(r), next(letters).kind if isinstance(r, Finished)
                                     and r.letter is not None else None)) for r in results]
             states[side] = sb.state(case.tables)
+            events[side] = sb.events()
             keys = sorted({r.key for r in results if isinstance(r, Finished) and r.key})
             records[side] = {k: _summary(sb.record(k), case.result_drift) for k in keys}
             effects[side] = case.effects()
@@ -355,6 +367,9 @@ def batch(case: Case, path: Path, out: ScenarioResult) -> None:
                   f"batch path {outcomes['batch']}")
     for diff in compare(states["per-message"], states["batch"]):
         out.wrong("\n".join(diff.lines(expected="the per-message path")))
+    for problem in compare_events(events["per-message"], events["batch"], case.compared,
+                                  what="the per-message path"):
+        out.wrong(problem)
     for key in sorted(set(records["batch"]) | set(records["per-message"])):
         a, b = records["per-message"].get(key), records["batch"].get(key)
         if a != b:

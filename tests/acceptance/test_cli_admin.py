@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -111,6 +112,16 @@ def _mixed_run(db: DB, topics: Topics, members: Members, group: str, **env: str)
     return topic
 
 
+def assert_outbox_lines(human: str, namespaces: list[str], pending: dict[str, Any]) -> None:
+    """Every namespace of the store has a line in the outbox table, with nothing pending too."""
+    outbox = human.split("outbox: events not published yet", 1)[1]
+    for ns in namespaces:
+        n = pending.get(ns, {"pending": 0})["pending"]
+        age = r"[0-9.]+" if n else "-"
+        assert re.search(rf"^\W*{re.escape(ns or '(unassigned)')}\W+{n}\W+{age}\W*$",
+                         outbox, re.M), outbox
+
+
 def test_status_and_inspect_after_a_mixed_run(db: DB, topics: Topics, members: Members,
                                               group: str) -> None:
     _mixed_run(db, topics, members, group)
@@ -123,6 +134,11 @@ def test_status_and_inspect_after_a_mixed_run(db: DB, topics: Topics, members: M
     assert st["processing"] == {"live": 0, "expired": 0}
     human = kafka_idem(db, "status")
     assert human.returncode == 0 and "succeeded" in human.stdout
+    assert_outbox_lines(human.stdout, list(st["by_namespace"]), st["outbox"])
+    with psycopg.connect(db.dsn, autocommit=True) as conn:  # as if the relay had published
+        conn.execute("DELETE FROM kafka_idem.outbox")
+    assert json.loads(kafka_idem(db, "status", "--json").stdout)["outbox"] == {}
+    assert_outbox_lines(kafka_idem(db, "status").stdout, list(st["by_namespace"]), {})
 
     rec = json.loads(kafka_idem(db, "inspect", "t1:charge:o3", "--json").stdout)
     assert rec["status"] == "failed" and rec["error_kind"] == "permanent"

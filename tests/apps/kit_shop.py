@@ -2,8 +2,9 @@
 kit's own tests, with the mistakes the kit must catch switched on by name.
 
 Two handlers: ``shop.orders`` (local mode, with a bulk form) records an order, counts
-it and numbers its invoice; ``shop.payments`` (leased mode, with a reconciler) charges
-the fake ``bank`` and records the charge. ``MISTAKE`` (set by a test, reset to
+it, numbers its invoice and emits ``shop.order-placed`` with the order row's id;
+``shop.payments`` (leased mode, with a reconciler) charges the fake ``bank``, records
+the charge and emits ``shop.order-paid``. ``MISTAKE`` (set by a test, reset to
 "none") makes one of them wrong:
 
 * ``own_connection``: the order row is written through a second connection;
@@ -12,11 +13,22 @@ the fake ``bank`` and records the charge. ``MISTAKE`` (set by a test, reset to
 * ``sequence_counter``: the invoice number is drawn from a sequence (not rolled back);
 * ``remote_without_key``: the bank is called without the idempotency key;
 * ``bulk_skips_counter``: the bulk form forgets the counter;
-* ``reconcile_forgets_row``: the reconciler finds the charge but records nothing.
+* ``reconcile_forgets_row``: the reconciler finds the charge but records nothing;
+* ``event_counter``: the order event carries a number the process counts up, not
+  the key's;
+* ``event_random_id``: the order event carries a random id made for each emit;
+* ``reconcile_emits_twice``: the reconciler emits the paid event again, after the
+  recording it shares with the handler emitted it;
+* ``event_own_connection``: the order event is written into the outbox through a
+  second connection (as a handler does that reports a failure on a connection the
+  rollback does not undo).
 """
 
 from __future__ import annotations
 
+import itertools
+import json
+import uuid
 from decimal import Decimal
 from typing import Any
 
@@ -28,8 +40,11 @@ from kafka_idem.testing import FakeService
 
 ORDERS = "shop.orders"
 PAYMENTS = "shop.payments"
+PLACED = "shop.order-placed"
+PAID = "shop.order-paid"
 MISTAKE = {"now": "none"}
 bank = FakeService("bank")
+COUNTER = itertools.count(1)
 
 
 class Order(BaseModel):
@@ -40,6 +55,8 @@ class Order(BaseModel):
 
 
 app = App("shop")
+app.event_topic(PLACED, format="json")
+app.event_topic(PAID, format="json")
 
 
 @app.migration
@@ -56,14 +73,20 @@ def tables(conn: Any) -> None:
                  " key text NOT NULL, charge_id text NOT NULL, amount numeric NOT NULL)")
 
 
-def _order(tx: psycopg.Connection[Any], key: str, msg: Order, *, count: bool = True) -> None:
+def _order(tx: psycopg.Connection[Any], ctx: Context, msg: Order, *,
+           count: bool = True) -> None:
     """An order's effects (the handler's and, item by item, its bulk form's)."""
-    insert = "INSERT INTO shop.orders (key, order_id, amount) VALUES (%s, %s, %s)"
+    key = ctx.idempotency_key
+    insert = ("INSERT INTO shop.orders (key, order_id, amount) VALUES (%s, %s, %s)"
+              " RETURNING id")
     if MISTAKE["now"] == "own_connection":
         with psycopg.connect(tx.info.dsn, autocommit=True) as conn:
             conn.execute(insert, (key, msg.order_id, msg.amount))
+        row_id = None
     else:
-        tx.execute(insert, (key, msg.order_id, msg.amount))
+        row = tx.execute(insert, (key, msg.order_id, msg.amount)).fetchone()
+        row_id = None if row is None else int(row[0])
+    _placed(tx, ctx, msg, row_id)
     counter = "UPDATE shop.counters SET n = n + 1 WHERE name = 'orders'"
     if not count:
         pass
@@ -81,23 +104,45 @@ def _order(tx: psycopg.Connection[Any], key: str, msg: Order, *, count: bool = T
               order_id=msg.order_id)
 
 
+def _placed(tx: psycopg.Connection[Any], ctx: Context, msg: Order, row_id: int | None) -> None:
+    """The order event: the order and its row's id (a number the database made)."""
+    event: dict[str, Any] = {"order_id": msg.order_id, "amount": str(msg.amount),
+                             "row": row_id}
+    if MISTAKE["now"] == "event_counter":
+        event["n"] = next(COUNTER)
+    if MISTAKE["now"] == "event_random_id":
+        event["event_id"] = uuid.uuid4().hex
+    if MISTAKE["now"] != "event_own_connection":
+        ctx.emit(PLACED, event, key=msg.order_id)
+        return
+    s = app.settings
+    with psycopg.connect(tx.info.dsn, autocommit=True) as conn:
+        conn.execute(
+            psycopg.sql.SQL("INSERT INTO {} (namespace, shard, topic, key, value, idem_key)"
+                            " VALUES (%s, 0, %s, %s, %s, %s)").format(
+                psycopg.sql.Identifier(s.schema_name, "outbox")),
+            (app.namespace, PLACED, msg.order_id.encode(), json.dumps(event).encode(),
+             ctx.idempotency_key))
+
+
 @app.handler(topic=ORDERS, model=Order, key="{tenant_id}:order:{order_id}",
              hash_fields=("amount",))
 def place(msg: Order, ctx: Context) -> dict[str, Any]:
-    _order(ctx.tx, ctx.idempotency_key, msg)
+    _order(ctx.tx, ctx, msg)
     return {"order_id": msg.order_id}
 
 
 @place.bulk_handler
 def place_many(batch: list[tuple[Order, Context]], tx: Any) -> list[Any]:
     for msg, ctx in batch:
-        _order(tx, ctx.idempotency_key, msg, count=MISTAKE["now"] != "bulk_skips_counter")
+        _order(tx, ctx, msg, count=MISTAKE["now"] != "bulk_skips_counter")
     return [{"order_id": m.order_id} for m, _ in batch]
 
 
 def _record(ctx: Context, charge: dict[str, Any], amount: Decimal) -> dict[str, Any]:
     ctx.tx.execute("INSERT INTO shop.charges (key, charge_id, amount) VALUES (%s, %s, %s)",
                    (ctx.idempotency_key, charge["id"], amount))
+    ctx.emit(PAID, {"key": ctx.idempotency_key, "amount": str(amount)})
     return {"charge_id": charge["id"]}
 
 
@@ -115,4 +160,7 @@ def find_charge(msg: Order, ctx: Context) -> Done | None:
         return None
     if MISTAKE["now"] == "reconcile_forgets_row":
         return Done({"charge_id": found["id"]})
-    return Done(_record(ctx, found, msg.amount))
+    done = Done(_record(ctx, found, msg.amount))
+    if MISTAKE["now"] == "reconcile_emits_twice":
+        ctx.emit(PAID, {"key": ctx.idempotency_key, "amount": str(msg.amount)})
+    return done

@@ -137,7 +137,8 @@ def test_database_refuses_completion_with_a_stale_token_even_in_plain_sql(db: DB
 def test_repeat_after_success_replays_the_stored_result_exactly(db: DB) -> None:
     store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
     conn = connect(db.dsn)
-    for result in (0, False, [], None, {"a": 1}):  # falsy results are results (never mistaken for "no result")
+    # falsy results are results (never mistaken for "no result")
+    for result in (0, False, [], None, {"a": 1}):
         key = f"t1:charge:{uuid.uuid4().hex}"
         with conn.transaction():
             c = store.claim(conn, key=key, request_hash="v1:x", delivery=Delivery(TOPIC, 0, 0, "h"),
@@ -198,7 +199,8 @@ def test_store_error_translation_maps_transition_refusal(db: DB) -> None:
         # failed -> processing through the store's own SQL is refused by the guard
         from kafka_idem.store import translate_errors
         with translate_errors(key=key):
-            conn.execute(store.q["claim_take"], {"ns": store.ns, "key": key, "token": uuid.uuid4(), "lease": 30,
+            conn.execute(store.q["claim_take"], {"ns": store.ns, "key": key,
+                                                 "token": uuid.uuid4(), "lease": 30,
                                                  "charge": 1, "handler": "h", "topic": TOPIC,
                                                  "partition": 0, "offset": 0})
     conn.close()

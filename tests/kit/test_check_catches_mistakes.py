@@ -7,6 +7,7 @@ the mistake switched on per test."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from decimal import Decimal
 
@@ -57,6 +58,11 @@ def test_the_handlers_without_a_mistake_pass_every_scenario(harness: Harness) ->
         "conflict", "retries_exhausted", "unknown_outcome", "lease_takeover"}
     takeover = leased.result("lease_takeover")
     assert any("reconcile x1" in line for line in takeover.story), takeover.story
+    # the events are compared too; the order row's id in the event is the database's
+    assert "  reference: events: 1 to shop.order-placed" in str(local).splitlines()
+    assert "  reference: events: 1 to shop.order-paid" in str(leased).splitlines()
+    assert ("event shop.order-placed field row (a value the database makes: "
+            "shop.orders.id)") in local.left_out
 
 
 def test_a_write_through_a_second_connection_fails(harness: Harness,
@@ -115,3 +121,66 @@ def test_a_reconciler_that_records_nothing_fails(harness: Harness,
                                          "unknown_outcome [leased]:",
                                          "lease_takeover [leased]:"}
     assert "table shop.charges: 1 row(s) of the reference missing" in report
+
+
+# --- the events (ctx.emit) --------------------------------------------------------------
+
+
+def test_an_event_with_a_counter_of_the_process_fails(harness: Harness,
+                                                      mistake: dict[str, str]) -> None:
+    # every delivery counts on: no scenario's event is the reference's
+    report = failed(harness, kit_shop.ORDERS, mistake, "event_counter")
+    assert {"once [batch]:", "twice [per-message]:", "crash_before_commit [batch]:",
+            "concurrent [per-message]:", "batch [batch]:"} <= failing_scenarios(report)
+    assert "retries_exhausted [per-message]:" not in failing_scenarios(report)  # none emitted
+    assert "events to shop.order-placed: 1 event(s), the reference has 1" in report
+    assert re.search(r"missing key 'o-1': \{order_id: 'o-1', amount: '12.50', n: \d+\}",
+                     report), report
+    assert re.search(r"extra   key 'o-1': \{order_id: 'o-1', amount: '12.50', n: \d+\}",
+                     report), report
+    assert "left out: " in report and "field n " not in report  # n is compared
+
+
+def test_an_event_with_a_random_id_fails(harness: Harness, mistake: dict[str, str]) -> None:
+    report = failed(harness, kit_shop.ORDERS, mistake, "event_random_id")
+    assert {"twice [per-message]:", "crash_before_offset_commit [batch]:",
+            "conflict [per-message]:"} <= failing_scenarios(report)
+    assert "FAILED   twice [per-message]" in report
+    problem = report.split("FAILED   twice [per-message]")[1]
+    assert "! events to shop.order-placed: 1 event(s), the reference has 1" in problem
+    assert re.search(r"extra   key 'o-1': \{order_id: 'o-1', amount: '12.50', "
+                     r"event_id: '[0-9a-f]{32}'\}", problem), problem
+    # a field left out by the user (the event topic in ignore=) is not compared
+    with Harness(kit_shop.app, database_url=ADMIN_DSN, remotes={"bank": kit_shop.bank},
+                 ignore={kit_shop.PLACED: ["event_id"]}) as lenient:
+        allowed = lenient.check(kit_shop.ORDERS, ORDER)
+    assert allowed.passed
+    assert "event shop.order-placed field event_id (ignored)" in allowed.left_out
+
+
+def test_a_reconciler_that_emits_again_fails(harness: Harness,
+                                             mistake: dict[str, str]) -> None:
+    report = failed(harness, kit_shop.PAYMENTS, mistake, "reconcile_emits_twice")
+    assert failing_scenarios(report) == {"crash_before_commit [leased]:",
+                                         "unknown_outcome [leased]:",
+                                         "lease_takeover [leased]:"}
+    assert "events to shop.order-paid: 2 event(s), the reference has 1" in report
+    assert "extra   no key: {key: 't1:pay:o-1', amount: '12.50'}" in report
+    assert "table shop" not in report  # the tables are right: only the events are not
+
+
+def test_an_event_written_through_a_second_connection_fails(
+    harness: Harness, mistake: dict[str, str]
+) -> None:
+    # it survives the crash and every failed attempt (five: the retry budget)
+    report = failed(harness, kit_shop.ORDERS, mistake, "event_own_connection")
+    assert failing_scenarios(report) == {
+        "crash_before_commit [per-message]:", "crash_before_commit [batch]:",
+        "retries_exhausted [per-message]:", "retries_exhausted [batch]:"}
+    problem = report.split("FAILED   retries_exhausted [per-message]")[1].split("FAILED")[0]
+    assert ("! events to shop.order-placed: 5 event(s), the clean database (no event) has 0"
+            in problem), problem
+    # the order row's id, a value the database makes, is left out (and not shown)
+    assert problem.count("extra   key 'o-1': {order_id: 'o-1', amount: '12.50'}\n") == 5
+    crash = report.split("FAILED   crash_before_commit [per-message]")[1]
+    assert "events to shop.order-placed: 2 event(s), the reference has 1" in crash

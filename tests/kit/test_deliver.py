@@ -49,6 +49,32 @@ def test_a_delivery_succeeds_once_and_its_duplicates_replay_the_stored_result(
     assert harness.dead_letters == []
 
 
+def test_a_delivery_says_which_events_it_emitted(kafka_idem_harness: Make) -> None:
+    harness = kafka_idem_harness(payments.app)
+    first = harness.deliver(payments.TOPIC, charge(), headers={"traceparent": TRACE})
+    [event] = first.events
+    assert (event.topic, event.key, event.idem_key) == ("payments.charge-completed", b"o-1",
+                                                        KEY)
+    assert event.source == (payments.TOPIC, 0, first.message.offset())
+    assert isinstance(event.decoded, payments.ChargeCompleted)
+    assert (event.decoded.amount, event.decoded.ledger_entry.id) == (Decimal("10.00"), 1)
+    assert event.fields() is not None and event.fields()["ledger_entry.id"] == 1
+    assert event.header("traceparent") == TRACE.encode()  # the trace goes on
+    assert harness.events("payments.charge-completed") == [event]
+    again = harness.redeliver(first.message)
+    conflict = harness.deliver(payments.TOPIC, charge("99.00"))
+    rejected = harness.deliver(payments.TOPIC, charge("-1.00", order="o-2"))
+    assert (again.outcome, conflict.outcome, rejected.outcome) == (
+        "replayed", "conflict", "dead_lettered")
+    assert again.events == conflict.events == rejected.events == ()
+    assert harness.events() == [event]
+    harness.reset()
+    assert harness.events() == []
+
+
+TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
 def test_a_payload_and_the_bytes_a_producer_sends_are_one_message(
     kafka_idem_harness: Make,
 ) -> None:

@@ -1,6 +1,7 @@
 """The examples in consumers/ checked with the test kit, through its pytest fixture
-(``kafka_idem_harness``, the plugin's): payments (local mode, bulk handler), orders_json
-(JSON payloads), gateway (leased mode, reconcile, a real HTTP gateway as the remote)."""
+(``kafka_idem_harness``, the plugin's): payments (local mode, bulk handler, an event
+per charge), orders_json (JSON payloads), gateway (leased mode, reconcile, a real HTTP
+gateway as the remote)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ def test_payments_local_and_bulk_pass_every_scenario(kafka_idem_harness: Make) -
     assert "payments.ledger.id (default nextval('payments.ledger_id_seq'::regclass))" \
         in report.left_out
     assert {r.path for r in report.results} == {"per-message", "batch"}
+    # its ChargeCompleted is compared in every scenario, less the ledger entry's id and
+    # time, which the database makes (a crashed attempt used up ledger id 1)
+    assert "events: 1 to payments.charge-completed" in report.reference
+    made = "(a value the database makes: payments.ledger."
+    assert [x for x in report.left_out if x.startswith("event ")] == [
+        f"event payments.charge-completed field ledger_entry.created_at {made}created_at)",
+        f"event payments.charge-completed field ledger_entry.id {made}id)"]
     batch = report.result("batch")
     assert "(the bulk handler ran 1 time(s))" in batch.story[0], batch.story
     assert batch.story[0].startswith("5 messages in one batch: succeeded, succeeded, "

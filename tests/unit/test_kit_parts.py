@@ -1,6 +1,6 @@
 """The test kit's parts that need no database: the stub message, the fake remote
-service, dead letters captured by the framework's own DLQ code, and the payloads the
-scenario matrix derives (a conflict, other keys)."""
+service, dead letters captured by the framework's own DLQ code, the payloads the
+scenario matrix derives (a conflict, other keys), and how emitted events are compared."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from kafka_idem.dlq import REQUIRED_HEADERS, DeadLetter
 from kafka_idem.metrics import Metrics
 from kafka_idem.store import Store
 from kafka_idem.testing import FakeMessage, FakeService
+from kafka_idem.testing.events import Compared, EmittedEvent, compare_events, made_fields
 from kafka_idem.testing.letters import LetterBox
 from kafka_idem.testing.plugin import _frozen
 from kafka_idem.testing.values import conflicting, other_keys
@@ -120,3 +121,44 @@ def test_options_are_keyed_by_value_and_objects_by_identity() -> None:
     marker = object()
     assert _frozen({"b": [1, 2], "a": {"x"}}) == _frozen({"a": {"x"}, "b": [1, 2]})
     assert _frozen({"setup": marker}) == (("setup", ("id", id(marker))),)
+
+
+def _event(decoded: Any, *, key: bytes | None = b"o-1",
+           headers: tuple[tuple[str, bytes], ...] = ()) -> EmittedEvent:
+    return EmittedEvent(topic="shop.placed", key=key, value=b"...", headers=headers,
+                        decoded=decoded, idem_key="t1:o-1", source=("shop.orders", 0, 0))
+
+
+def test_an_event_is_compared_field_by_field_without_its_trace_context() -> None:
+    at = dt.datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=dt.UTC)
+    event = _event({"order": {"id": 1, "at": at}, "items": [{"sku": "a"}]},
+                   headers=(("traceparent", b"00-aa"), ("tenant", b"t1")))
+    assert event.fields() == {"order.id": 1, "order.at": at, "items[0].sku": "a"}
+    assert event.header("tenant") == b"t1"
+    again = _event(event.decoded, headers=(("traceparent", b"00-bb"), ("tenant", b"t1")))
+    how = Compared()
+    assert compare_events([event], [again], how, what="the reference") == []
+    [problem] = compare_events([event], [again, again], how, what="the reference")
+    assert problem.splitlines() == [
+        "events to shop.placed: 2 event(s), the reference has 1",
+        "  extra   key 'o-1': {order.id: 1, order.at: 2026-01-02T03:04:05.123456+00:00, "
+        "items[0].sku: 'a'}; headers {tenant: 't1'}"]
+    other = _event({"order": {"id": 2, "at": at}, "items": [{"sku": "a"}]},
+                   headers=(("tenant", b"t1"),))
+    assert compare_events([event], [other], Compared({"shop.placed": frozenset(
+        {"order.id"})}), what="x") == []
+
+
+def test_a_field_is_the_databases_only_when_both_values_are_one_columns() -> None:
+    t1 = dt.datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=dt.UTC)
+    t2 = t1 + dt.timedelta(seconds=1)
+    first = [_event({"row": 1, "at": t1.replace(microsecond=123000), "n": 7, "id": "x1"})]
+    second = [_event({"row": 1001, "at": t2, "n": 8, "id": "x2"})]
+    made = {"shop.orders.id": [1], "shop.orders.created_at": [t1]}
+    moved = {"shop.orders.id": [1001], "shop.orders.created_at": [t2]}
+    # n and id differ but come from no column: a counter, a random id, compared
+    assert made_fields(first, made, second, moved) == {
+        "shop.placed": {"row": "shop.orders.id", "at": "shop.orders.created_at"}}
+    swapped = {"shop.orders.id": [t2], "shop.orders.created_at": [1001]}
+    assert made_fields(first, made, second, swapped) == {}  # not the same column
+    assert made_fields(first, made, second + second, moved) == {}  # not the same events

@@ -56,5 +56,22 @@ def test_a_missing_schemas_folder_is_said_to_be_missing(tmp_path: Path) -> None:
         f"schemas folder '{tmp_path / 'nope'}' does not exist: set KAFKA_IDEM_SCHEMAS_DIR to "
         "the folder of the .avsc files (setting=schemas_dir)")
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match="'.*file' is not a folder"):
+    with pytest.raises(ConfigError, match=r"'.*file' is not a folder"):
         AvroCodec.from_dir(tmp_path / "file")
+
+
+def test_a_module_that_fails_on_import_is_named_with_its_line(tmp_path: Path) -> None:
+    name = f"user_app_{uuid.uuid4().hex[:8]}"
+    path = tmp_path / f"{name}.py"
+    path.write_text("from kafka_idem import App\n\napp = App('shop')\n\n\n"
+                    "@app.handler(topic='t', key='{id}')\ndef handle(msg, ctx):\n    pass\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(click.BadParameter) as caught:
+            load_app(f"{name}:app")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(name, None)
+    assert caught.value.message == (
+        f"importing {name!r} failed at {path}:6: TypeError: App.handler() missing 1 required "
+        "keyword-only argument: 'hash_fields'")

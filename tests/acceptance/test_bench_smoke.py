@@ -1,0 +1,56 @@
+"""``python -m bench`` as a subprocess at the tiniest sizes, on a few rows (raw, the
+batch path, the leased path, the outbox relay, the gateway at concurrency 1), against
+the shared services: it exits 0 and every row's exactly-once check passed.
+
+The figures mean nothing at these sizes and nothing asserts on them: the test exists
+because the bench is code too (a bench-only bug once broke every framework row and
+no test saw it). The results go to ``tmp_path``; the bench's folder is left as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ADMIN_DSN, BOOTSTRAP, ROOT
+
+ROWS = ("raw", "batch", "leased", "relay", "gateway")
+# the latency phase leaves its first second out: two seconds leave it something
+SIZES = ("--messages", "40", "--slow-messages", "20", "--gateway-messages", "40",
+         "--latency-seconds", "2", "--timeout", "120")
+
+
+def _files(folder: Path) -> dict[str, float]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime for p in folder.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
+def test_the_bench_runs_its_rows_exactly_once(tmp_path: Path) -> None:
+    results = tmp_path / "results.json"
+    env = {**os.environ, "KAFKA_IDEM_BOOTSTRAP_SERVERS": BOOTSTRAP,
+           "KAFKA_IDEM_DATABASE_URL": ADMIN_DSN, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    before = _files(ROOT / "bench")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--paths", ",".join(ROWS), *SIZES,
+         "--results", str(results)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    said = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, said
+    assert _files(ROOT / "bench") == before, "the bench wrote into its folder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    run = json.loads(results.read_text())
+    paths = {p["path"]: p for p in run["paths"]}
+    assert sorted(paths) == sorted(ROWS), said
+    for name, row in paths.items():
+        throughput = row["throughput"]
+        assert throughput["ok"], f"{name}: {throughput.get('check')}"
+        assert row["messages"] >= 1 and row["msgs_per_s"] > 0, (name, row["msgs_per_s"])
+        latency = row["latency"]
+        if name != "relay":  # the relay row has no latency run
+            assert latency["ok"], f"{name} latency: {latency.get('check')}"
+    assert paths["batch"]["throughput"]["check"].startswith("ok: 40 ledger rows / 40 keys")
+    assert paths["leased"]["throughput"]["check"].startswith("ok: 20 ledger rows / 20 keys")
+    assert "0 outbox rows twice" in paths["relay"]["throughput"]["check"]
