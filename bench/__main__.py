@@ -50,9 +50,16 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import pgbench, procstat
-from bench.effects import TABLE
+from bench.effects import TABLE, ledger_state
 from bench.gateway import ACCOUNTS, GATEWAY_PATHS, GatewayProcess, ideal
-from bench.workload import PARTITIONS, Plan, create_topic, end_offsets, produce_backlog
+from bench.workload import (
+    PARTITIONS,
+    Plan,
+    create_topic,
+    end_offsets,
+    produce_backlog,
+    tenants_of,
+)
 from consumers import gateway as gateway_example
 from consumers import payments
 from kafka_idem.migrate import migrate
@@ -70,6 +77,8 @@ PATHS: dict[str, tuple[str, str, str, bool, str]] = {
     "batch": ("kafka_idem batch (bulk handler)", "framework", "local", True, "main"),
     "batch_nobulk": ("kafka_idem batch (per-message handler)", "framework", "local", False,
                      "main"),
+    "batch_m2": ("kafka_idem batch, two members in one group (bulk handler)", "framework",
+                 "local", True, "main"),
     "batch_json": ("kafka_idem batch, JSON payloads (bulk handler)", "framework", "local", True,
                    "json"),
     "dup90": ("kafka_idem batch, 90% duplicates", "framework", "local", True, "dup"),
@@ -84,10 +93,13 @@ PATHS: dict[str, tuple[str, str, str, bool, str]] = {
     "gateway_async": ("kafka_idem leased, gateway 50 ms, async def, concurrency=64", "gateway",
                       "leased", False, "gw"),
 }
-ALL = ["raw", "pgbench", "naive", "leased", "batch", "batch_json", "batch_nobulk", "dup90",
+ALL = ["raw", "pgbench", "naive", "leased", "batch", "batch_m2", "batch_json", "batch_nobulk",
+       "dup90",
        "batch_emit", "relay", "rss", "gateway", "gateway_c64", "gateway_async"]
 ONE_PARTITION = ("gw", "gw1")  # the gateway rows: one partition, key-ordered inside it
-BATCH_FAMILY = ("batch", "batch_json", "batch_nobulk", "dup90", "batch_emit")
+BATCH_FAMILY = ("batch", "batch_m2", "batch_json", "batch_nobulk", "dup90", "batch_emit")
+# paths drained by several members of one group at once (the throughput phase only)
+MEMBERS = {"batch_m2": 2}
 EMITTING = ("batch_emit", "relay")  # the paths whose payments app has its events
 EMIT_LATENCY_RATE = 1000.0  # msgs/s of batch_emit's latency run (the outbox target's rate)
 FORMATS = {"json": "json"}  # topic key -> payload format (the others: the app's, Avro)
@@ -156,22 +168,87 @@ def machine(dsn: str) -> dict[str, Any]:
 
 
 def run_worker(spec: dict[str, Any], work: Path) -> dict[str, Any]:
-    name = f"{spec['path']}-{spec['phase']}"
-    spec_file, out_file = work / f"{name}.spec.json", work / f"{name}.out.json"
-    spec_file.write_text(json.dumps(spec))
     load_before = os.getloadavg()
-    try:
-        # the worker's app (and its paced producer) decode/encode in the path's format
-        fmt = FORMATS.get(PATHS.get(spec["path"], PATHS["batch"])[4])
-        env = {**os.environ, **({"PAYMENTS_FORMAT": fmt} if fmt else {}),
-               "PAYMENTS_EVENTS": "on" if spec["path"] in EMITTING else "off"}
-        subprocess.run([sys.executable, "-m", "bench.worker", str(spec_file), str(out_file)],
-                       timeout=spec["timeout"] + 180, check=False, env=env)
-        out: dict[str, Any] = json.loads(out_file.read_text())
-    except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
-        out = {"ok": False, "check": f"worker failed: {exc}"}
+    proc, out_file = _start_worker(spec, work)
+    out = _worker_result(proc, out_file, spec["timeout"])
     out["loadavg_before"] = load_before
     return out
+
+
+def _start_worker(spec: dict[str, Any], work: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    name = f"{spec['path']}-{spec['phase']}" + (f"-m{spec['member']}" if "member" in spec else "")
+    spec_file, out_file = work / f"{name}.spec.json", work / f"{name}.out.json"
+    spec_file.write_text(json.dumps(spec))
+    # the worker's app (and its paced producer) decode/encode in the path's format
+    fmt = FORMATS.get(PATHS.get(spec["path"], PATHS["batch"])[4])
+    env = {**os.environ, **({"PAYMENTS_FORMAT": fmt} if fmt else {}),
+           "PAYMENTS_EVENTS": "on" if spec["path"] in EMITTING else "off"}
+    cmd = [sys.executable, "-m", "bench.worker", str(spec_file), str(out_file)]
+    return subprocess.Popen(cmd, env=env), out_file
+
+
+def _worker_result(proc: subprocess.Popen[bytes], out_file: Path, timeout: float
+                   ) -> dict[str, Any]:
+    try:
+        proc.wait(timeout=timeout + 180)
+        out: dict[str, Any] = json.loads(out_file.read_text())
+    except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
+        proc.kill()
+        out = {"ok": False, "check": f"worker failed: {exc}"}
+    return out
+
+
+def run_members(s: Any, spec: dict[str, Any], work: Path, n: int) -> dict[str, Any]:
+    """``n`` workers of one group draining one topic at once. The group's clock runs from
+    the first member's first batch to the last member's last commit; consumer CPU is
+    the members' sum, PostgreSQL's and the broker's that of the longest member window
+    (they cover the same span); the effects are checked once, by member 0, after the
+    group's committed offsets reached the end (the ledger mark taken before any start)."""
+    load_before = os.getloadavg()
+    mark, before = ledger_state(s.dsn, tenants_of(Plan.from_json(spec["plan"]).tag))
+    barrier = work / f"{spec['path']}-{spec['phase']}-start"
+    # The members' joins take a rebalance each, a heartbeat (3 s by default) apart:
+    # frequent heartbeats keep that out of most of the group's clock.
+    shared = {**spec, "members": n, "mark": mark, "barrier": str(barrier),
+              "kafka": {"heartbeat.interval.ms": 250},
+              "before": [[t, c, str(b)] for (t, c), b in before.items()]}
+    started = [_start_worker({**shared, "member": i}, work) for i in range(n)]
+    # Each member imports and connects at its own pace: they subscribe together.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all(
+            Path(f"{barrier}.ready{i}").exists() for i in range(n)):
+        if any(proc.poll() is not None for proc, _ in started):
+            break
+        time.sleep(0.01)
+    barrier.with_suffix(".go").touch()
+    outs = [_worker_result(proc, out_file, spec["timeout"]) for proc, out_file in started]
+    out = _merge_members(outs)
+    out["loadavg_before"] = load_before
+    return out
+
+
+def _merge_members(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    first, *_ = outs
+    if not all(o.get("ok") and o.get("first_batch_at") for o in outs):
+        bad = [f"member {i}: {o.get('check')}" for i, o in enumerate(outs) if not o.get("ok")]
+        return {**first, "ok": False, "check": "; ".join(bad) or "a member fetched nothing",
+                "members": outs}
+    begin = min(o["first_batch_at"] for o in outs)
+    end = max(o["last_commit_at"] for o in outs)
+    longest = max(outs, key=lambda o: o["cpu"]["wall"])
+    cpu = dict(longest["cpu"])
+    cpu["consumer"] = sum(o["cpu"]["consumer"] for o in outs)
+    cpu["wall"] = end - begin
+    cpu["other"] = max(cpu["machine_busy"] - cpu["consumer"] - (cpu.get("postgres") or 0)
+                       - (cpu.get("postgres_other_databases") or 0) - (cpu.get("broker") or 0),
+                       0.0)
+    spread = max(o["first_batch_at"] for o in outs) - begin
+    return {**first, "seconds": end - begin, "cpu": cpu,
+            "peak_rss_mb": max(o.get("peak_rss_mb") or 0 for o in outs),
+            "effects_recorded": sum(o.get("effects_recorded") or 0 for o in outs),
+            "check": f"{first.get('check')}; {len(outs)} members, effects per member "
+                     f"{[o.get('effects_recorded') for o in outs]}, first batches "
+                     f"{spread:.2f}s apart", "members": outs}
 
 
 # --- output -----------------------------------------------------------------------------------
@@ -610,8 +687,10 @@ def main(argv: list[str] | None = None) -> int:
             m = Measured(path, label)
             console.print(f"measuring {label} ...")
             gw_cpu = gateway.cpu_seconds() if gateway is not None else 0.0
-            m.throughput = run_worker(spec(path, "throughput", topics[topic_key], plan,
-                                           ends=ends[topic_key], round_trips=True), work)
+            tspec = spec(path, "throughput", topics[topic_key], plan, ends=ends[topic_key],
+                         round_trips=path not in MEMBERS)
+            m.throughput = (run_members(s, tspec, work, MEMBERS[path]) if path in MEMBERS
+                            else run_worker(tspec, work))
             m.throughput["messages"] = plan.n
             if path in GATEWAY_PATHS and gateway is not None:
                 # the remote system's CPU (in "other"), over the whole worker run
@@ -620,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
                 m.throughput["check"] = (f"{m.throughput.get('check', '')}; gateway "
                                          f"{m.throughput['gateway_cpu_ms_per_msg']} ms CPU/msg")
             console.print(f"  {m.rate:,.0f} msgs/s; {m.throughput.get('check')}")
-            if m.rate and path != "relay":
+            if m.rate and path != "relay" and path not in MEMBERS:
                 rate = max(m.rate * args.latency_fraction, 1.0)
                 if path == "batch_emit":  # the outbox target is at 1,000 events/s
                     rate = min(EMIT_LATENCY_RATE, m.rate)

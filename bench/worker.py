@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
@@ -232,7 +233,7 @@ class FrameworkLoop:
             group_id=spec["group"], schema_name=spec["schema"], table=TABLE,
             batch_size=spec["batch_size"], bootstrap_servers=s.bootstrap_servers,
             **({"local_workers": spec["local_workers"]} if spec.get("local_workers") else {}),
-            database_url=s.dsn, kafka=s.kafka,
+            database_url=s.dsn, kafka={**s.kafka, **spec.get("kafka", {})},
         )
         if spec["kind"] == "gateway":
             app = gateway_example.build_app(gateway_url=spec["gateway_url"], timeout=10.0,
@@ -406,6 +407,9 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
     check = spec["kind"] != "raw"
     if spec["kind"] == "gateway":
         mark = bench_gateway.mark(s.dsn)
+    elif "mark" in spec:  # one of several members: the mark was taken before any started
+        mark = int(spec["mark"])
+        before = {(t, c): Decimal(b) for t, c, b in spec["before"]}
     elif check:
         mark, before = ledger_state(s.dsn, tenants_of(plan.tag))
 
@@ -422,6 +426,8 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
             profiler.start()
 
     loop = make_loop(s, spec, rec)
+    if "barrier" in spec:
+        _barrier(spec["barrier"], spec["member"])
     tps = [TopicPartition(spec["topic"], p) for p in ends]
     counting = spec.get("round_trips", False)
     if counting:
@@ -475,6 +481,7 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
                        f"of {ends}"
         return
     out["seconds"] = end - timed.first_batch
+    out["first_batch_at"], out["last_commit_at"] = timed.first_batch, end
     out["join_seconds"] = timed.first_batch - started
     out["cpu"] = window["b"]
     if profiler is not None:
@@ -494,7 +501,9 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
                 stats.sort_stats("tottime").print_stats(40)
                 f.write(stream.getvalue())
         out["profile"] = path
-    if spec["kind"] == "gateway":
+    if spec.get("member", 0) > 0:  # member 0 checks the group's effects
+        out["ok"], out["check"] = True, f"member {spec['member']}: {rec.count} effects"
+    elif spec["kind"] == "gateway":
         out["ok"], out["check"] = bench_gateway.check(s.dsn, spec["schema"], plan, mark,
                                                       spec["gateway_url"])
     elif check:
@@ -513,6 +522,15 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
         out["ok"] = broker == ends and rec.count == total
         out["check"] = (f"{rec.count} consumed, committed = end offsets" if out["ok"]
                         else f"committed {broker} != ends {ends} ({rec.count} consumed)")
+
+
+def _barrier(base: str, member: int) -> None:
+    """One of several members: say it is ready, then wait for the others' go."""
+    with open(f"{base}.ready{member}", "w"):
+        pass
+    go, deadline = f"{base}.go", time.monotonic() + 120
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _secs(v: float | None) -> str:

@@ -3,7 +3,10 @@
 Each round, in the order a message travels:
 
 1. ``consume()`` a batch (rebalance callbacks run in here, on the loop thread) and
-   queue each message on its partition (:mod:`~kafka_idem.consume.partitions`).
+   queue each message on its partition (:mod:`~kafka_idem.consume.partitions`). A
+   batch is what librdkafka holds, up to ``batch_size``; an idle round waits (at
+   most ``batch_max_wait_seconds``) for the first message only, so batches close
+   early when the input pauses (``batch_linger_seconds`` lets them fill).
 2. Harvest the finished units of work (:mod:`~kafka_idem.consume.units`): their
    dead letters are produced and acknowledged first
    (:mod:`~kafka_idem.consume.letters`), then each partition's finished prefix
@@ -205,16 +208,12 @@ class Runner:
             # A partition paused before a revoke can come back paused.
             self.consumer.resume(self.newly_assigned)
             self.newly_assigned = []
-        max_wait = self.settings.batch_max_wait_seconds
         busy = self.units.busy
-        msgs = self.consumer.consume(
-            num_messages=self.settings.batch_size,
-            timeout=0.0 if busy else self.parts.wait_time(time.monotonic(), max_wait),
-        )
+        msgs = self._fetch(busy)
         self._polled_at = time.monotonic()
         if busy and not msgs:
             # Nothing to fetch right now: wait for a unit rather than spin.
-            self.units.wait_any(min(self.parts.wait_time(time.monotonic(), max_wait), 0.05))
+            self.units.wait_any(min(self._wait_time(), 0.05))
         self._ingest(msgs)
         self._harvest()
         now = time.monotonic()
@@ -229,6 +228,43 @@ class Runner:
             self.health.observed(lags)
         self.health.round()
         self.progress.tick(time.monotonic())
+
+    def _fetch(self, busy: bool) -> list[Any]:
+        """This round's messages: what librdkafka already holds, up to ``batch_size``.
+        Only an idle round (nothing held, no work in flight) blocks, and only until the
+        first message, taking what came with it: a batch starts when the input pauses,
+        not when it is full, and under a backlog it is full anyway (while one batch's
+        transaction runs the next accumulates). ``batch_linger_seconds`` lets a batch
+        wait to fill instead."""
+        assert self.consumer is not None
+        size = self.settings.batch_size
+        msgs = self.consumer.consume(num_messages=size, timeout=0.0)
+        if busy:
+            return msgs
+        if not msgs:
+            msgs = self.consumer.consume(num_messages=1, timeout=self._wait_time())
+            if msgs and size > 1:
+                msgs += self.consumer.consume(num_messages=size - 1, timeout=0.0)
+        if msgs and self.settings.batch_linger_seconds > 0:
+            self._linger(msgs)
+        return msgs
+
+    def _linger(self, msgs: list[Any]) -> None:
+        """Let a batch fill for ``batch_linger_seconds`` (not past a backoff's end).
+        Partition-end events come back from consume() too: they do not count."""
+        assert self.consumer is not None
+        size = self.settings.batch_size
+        deadline = time.monotonic() + min(self.settings.batch_linger_seconds, self._wait_time())
+        have = sum(1 for m in msgs if m.error() is None)
+        while have < size and (left := deadline - time.monotonic()) > 0:
+            more = self.consumer.consume(num_messages=size - have, timeout=left)
+            msgs += more
+            have += sum(1 for m in more if m.error() is None)
+
+    def _wait_time(self) -> float:
+        s = self.settings
+        return self.parts.wait_time(time.monotonic(), s.batch_max_wait_seconds,
+                                    s.batch_linger_seconds)
 
     def _ingest(self, msgs: list[Any]) -> None:
         stale = 0

@@ -113,7 +113,14 @@ class Settings(BaseSettings):
     )
     batch_size: int = Field(500, ge=1, le=100_000, description="Messages per consume batch.")
     batch_max_wait_seconds: float = Field(
-        0.1, ge=0, description="Longest wait to fill a batch."
+        0.1, ge=0,
+        description="Longest wait of an idle loop round for the first message of a batch "
+        "(a batch then takes what has arrived, up to batch_size, without waiting to fill).",
+    )
+    batch_linger_seconds: float = Field(
+        0.0, ge=0, le=60,
+        description="After a batch's first message, how long it may wait to fill up to "
+        "batch_size (0: it starts at once with what has arrived).",
     )
     leased_workers: int = Field(
         4, ge=1, le=64,
@@ -236,6 +243,18 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"{value!r} is not a plain SQL identifier: use lower-case letters, digits and "
                 "underscores, starting with a letter or underscore, at most 40 characters"
+            )
+        return value
+
+    @field_validator("batch_linger_seconds")
+    @classmethod
+    def _linger(cls, value: float, info: ValidationInfo) -> float:
+        max_wait = info.data.get("batch_max_wait_seconds")
+        if max_wait is not None and value > max_wait:
+            raise ValueError(
+                f"{value} is longer than batch_max_wait_seconds ({max_wait}), which bounds "
+                "every loop round (how soon a stop or a backoff's end is seen): "
+                "raise KAFKA_IDEM_BATCH_MAX_WAIT_SECONDS too, or linger less"
             )
         return value
 

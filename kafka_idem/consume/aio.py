@@ -8,10 +8,11 @@ it is async: :class:`AsyncLeasedPath` runs it on an ``AsyncConnection``, with th
 same decisions as the sync path (:mod:`~kafka_idem.consume.verdicts`) and the same
 statements (:meth:`Store.complete_async <kafka_idem.store.Store.complete_async>`).
 The claim and the failure record stay the sync path's own code, run on a few
-threads (``to_thread``): a thread hop per message instead of a second copy of the
-claim protocol. Many keys in flight hold one async connection each while their
-handler runs; :class:`AsyncConnections` keeps the idle ones (the dispatcher
-bounds how many are in use, so no pool library is needed).
+threads: a thread hop instead of a second copy of the claim protocol (one hop per
+dispatch round for the new keys it starts, :mod:`~kafka_idem.consume.rounds`).
+Many keys in flight hold one async connection each while their handler runs;
+:class:`AsyncConnections` keeps the idle ones (the dispatcher bounds how many are
+in use, so no pool library is needed).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from psycopg.pq import TransactionStatus
 from kafka_idem.app import App
 from kafka_idem.consume.leased import LeasedPath, around_failure
 from kafka_idem.consume.outcome import Ended, Finished, Message, Prepared, Result
-from kafka_idem.consume.steps import Steps, log
+from kafka_idem.consume.rounds import RoundClaim, answer
+from kafka_idem.consume.steps import Steps, delivery, log
 from kafka_idem.consume.verdicts import last_chance_spent, reconcile_first
 from kafka_idem.errors import (
     FrameworkError,
@@ -133,12 +135,17 @@ class AsyncLeasedPath:
         result: T = await asyncio.wrap_future(self.on_thread(fn))
         return result
 
-    async def run(self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None) -> Result:
+    async def run(
+        self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None,
+        shared: RoundClaim | None = None,
+    ) -> Result:
+        """``shared``: the claim of the keys started with ``msg``'s
+        (:mod:`~kafka_idem.consume.rounds`), sent on a claim thread by the first."""
         steps = self.steps
         handler = steps.handler(msg)
         claim: Claim | None = None
         try:
-            claim = await self._thread(lambda p: p.claim_alone(msg, prep, reentrant))
+            claim = await self._claim(msg, prep, reentrant, shared)
             if claim.outcome is not Outcome.CLAIMED:
                 verdict = steps.not_claimed(handler, msg, prep, claim)
                 verdict.note.write(log)
@@ -151,6 +158,24 @@ class AsyncLeasedPath:
         except (MessageError, FrameworkError, psycopg.Error) as exc:
             return around_failure(steps, exc, msg, prep,
                                   claim.token if claim is not None else reentrant)
+
+    async def _claim(
+        self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None,
+        shared: RoundClaim | None,
+    ) -> Claim:
+        """The round's token for a new key, else the claim alone (on a thread)."""
+        new = True
+        if (reentrant is None and shared is not None
+                and shared.covers(prep.key, delivery(self.steps.handler(msg), msg))):
+            round_claim = shared.future(
+                lambda todo: self.on_thread(lambda p: p.claim_round(todo)))
+            with contextlib.suppress(Exception):  # its error is read (and logged) next
+                await asyncio.wrap_future(round_claim)
+            tokens = answer(round_claim)
+            if tokens is not None and prep.key in tokens:
+                return Claim(Outcome.CLAIMED, prep.key, token=tokens[prep.key], attempts=1)
+            new = tokens is None  # else the key existed: the full claim at once
+        return await self._thread(lambda p: p.claim_alone(msg, prep, reentrant, new=new))
 
     async def _execute(
         self, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,

@@ -25,6 +25,7 @@ from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.leased import LeasedPath
 from kafka_idem.consume.local import LocalPath
 from kafka_idem.consume.outcome import Message, Parts, Prepared, Result, Results
+from kafka_idem.consume.rounds import RoundClaim
 from kafka_idem.consume.steps import Steps, log
 from kafka_idem.errors import FrameworkError, MessageError, StoreUnavailable
 from kafka_idem.lease import LeaseKeeper
@@ -101,9 +102,10 @@ class Processor:
 
     def run_leased(
         self, msg: Message, *, reentrant: uuid.UUID | None = None,
-        prepared: Prepared | None = None,
+        prepared: Prepared | None = None, round: RoundClaim | None = None,
     ) -> Result:
         with self.tracing.unit([msg]) as spans:
             tp = (msg.topic(), msg.partition())
-            res = self.leased_path.run(msg, reentrant=reentrant, prepared=prepared)
+            res = self.leased_path.run(msg, reentrant=reentrant, prepared=prepared,
+                                       round=round)
             return spans.finish({tp: [res]})[tp][0]

@@ -199,7 +199,7 @@ class KeyedState(Committable):
             return self._order[0]
         return self.fetched[0].offset() if self.fetched else None
 
-    def deadline(self, max_wait: float) -> float | None:
+    def deadline(self, linger: float) -> float | None:
         times = list(self._sleeping.values())
         if self.fetched and self.admit_not_before:
             times.append(self.admit_not_before)

@@ -9,12 +9,14 @@ together when the token lost the key to a newer owner.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 
 import psycopg
 
 from kafka_idem.consume.database import Database
 from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
-from kafka_idem.consume.steps import Steps, log
+from kafka_idem.consume.rounds import RoundClaim, Tokens, Wanted, claim_round
+from kafka_idem.consume.steps import Steps, delivery, log
 from kafka_idem.consume.verdicts import where
 from kafka_idem.errors import ConfigError, FrameworkError, MessageError, StaleOwner
 from kafka_idem.lease import LeaseKeeper
@@ -29,11 +31,12 @@ class LeasedPath:
 
     def run(
         self, msg: Message, *, reentrant: uuid.UUID | None = None,
-        prepared: Prepared | None = None,
+        prepared: Prepared | None = None, round: RoundClaim | None = None,
     ) -> Result:
         """``reentrant`` is our own claim of ``msg``'s key from an earlier try that
         was deferred with its lease still live: re-entered, not waited for.
-        ``prepared``: ``msg`` already decoded (key-ordered admission)."""
+        ``prepared``: ``msg`` already decoded (key-ordered admission). ``round``: the
+        claim shared by the keys started with ``msg``'s (:mod:`~kafka_idem.consume.rounds`)."""
         steps = self.steps
         handler = steps.handler(msg)
         prep: Prepared | Result
@@ -56,17 +59,27 @@ class LeasedPath:
         try:
             with self.db.unavailable():
                 conn = self.db.connection()
-                claim = self._claim(conn, msg, prep, reentrant)
+                claim = self._claim(conn, msg, prep, reentrant, round)
                 return self._run_claimed(conn, msg, prep, claim)
         except (MessageError, FrameworkError, psycopg.Error) as exc:
             return self.failed(exc, msg, prep, claim.token if claim is not None else reentrant)
 
     def claim_alone(
-        self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None
+        self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None, *, new: bool = True
     ) -> Claim:
-        """Step 1 alone, committed (an ``async def`` handler's claim, on a thread)."""
+        """Step 1 alone, committed (an ``async def`` handler's claim, on a thread).
+        ``new=False``: the key is known to exist (the full claim at once)."""
         with self.db.unavailable():
-            return self._claim(self.db.connection(), msg, prep, reentrant)
+            conn = self.db.connection()
+            if not new:
+                return self._claim_existing(conn, msg, prep, reentrant)
+            return self._claim(conn, msg, prep, reentrant)
+
+    def claim_round(self, wanted: Sequence[Wanted]) -> Tokens:
+        """A round's keys claimed together on this thread's connection (committed)."""
+        with self.db.unavailable():
+            return claim_round(self.steps.store, self.db.connection(), wanted,
+                               self.steps.settings.lease_seconds)
 
     def failed(
         self, exc: BaseException, msg: Message, prep: Prepared, token: uuid.UUID | None
@@ -74,16 +87,37 @@ class LeasedPath:
         return around_failure(self.steps, exc, msg, prep, token)
 
     def _claim(
+        self, conn: Conn, msg: Message, prep: Prepared, reentrant: uuid.UUID | None,
+        round: RoundClaim | None = None,
+    ) -> Claim:
+        """Claim and commit: a new key in the round's statement or in one round trip
+        of its own, else the full claim."""
+        if reentrant is None:
+            tokens = self._round_tokens(conn, msg, prep, round)
+            if tokens is None:
+                claim = self.steps.claim_new(conn, self.steps.handler(msg), msg, prep)
+                if claim is not None:
+                    return claim
+            elif prep.key in tokens:
+                return Claim(Outcome.CLAIMED, prep.key, token=tokens[prep.key], attempts=1)
+        return self._claim_existing(conn, msg, prep, reentrant)
+
+    def _round_tokens(
+        self, conn: Conn, msg: Message, prep: Prepared, round: RoundClaim | None
+    ) -> Tokens | None:
+        """The tokens of ``msg``'s round, when its key is in one whose claim worked."""
+        if round is None or not round.covers(prep.key, delivery(self.steps.handler(msg), msg)):
+            return None
+        with self.steps.tracing.step(msg, "claim"):
+            return round.tokens(lambda todo: claim_round(
+                self.steps.store, conn, todo, self.steps.settings.lease_seconds))
+
+    def _claim_existing(
         self, conn: Conn, msg: Message, prep: Prepared, reentrant: uuid.UUID | None
     ) -> Claim:
-        """Claim and commit: a new key in one round trip, else the full claim."""
-        handler = self.steps.handler(msg)
-        if reentrant is None:
-            claim = self.steps.claim_new(conn, handler, msg, prep)
-            if claim is not None:
-                return claim
         with conn.transaction():
-            return self.steps.claim(conn, handler, msg, prep, reentrant=reentrant)
+            return self.steps.claim(conn, self.steps.handler(msg), msg, prep,
+                                    reentrant=reentrant)
 
     def _run_claimed(self, conn: Conn, msg: Message, prep: Prepared, claim: Claim) -> Result:
         steps = self.steps

@@ -7,10 +7,12 @@ order, to learn their keys: :meth:`KeyedState.admit
 the handler's ``concurrency`` and the member's ``max_concurrency``, taking one
 message from each partition in turn. A sync handler's job runs on a thread of its
 own (one connection each, :class:`DaemonPool`); an ``async def`` handler's is a
-task on the member's event loop (:mod:`~kafka_idem.consume.aio`).
+task on the member's event loop (:mod:`~kafka_idem.consume.aio`). The new keys of
+the messages a round starts share one claim (:mod:`~kafka_idem.consume.rounds`).
 
 A revoke or a stop waits up to ``drain_seconds`` for the jobs in flight; jobs not
-started yet do not start, and those still running then are abandoned: a task is
+started yet do not start (unless their round's claim, already sent, took their
+key), and those still running then are abandoned: a task is
 cancelled (its transaction rolls back), a thread is left to finish (its
 completion is fenced). Either way the offset stays before them: the next owner
 finds the key ``processing`` under our lease and takes it over when it ends.
@@ -37,6 +39,8 @@ from kafka_idem.consume.keyed import Entry, KeyedState, NotNow
 from kafka_idem.consume.leased import LeasedPath
 from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
 from kafka_idem.consume.partitions import TP, Partitions
+from kafka_idem.consume.rounds import RoundClaim, Wanted
+from kafka_idem.consume.steps import delivery
 from kafka_idem.errors import FrameworkError, MessageError
 from kafka_idem.keys import check_key
 from kafka_idem.lease import LeaseKeeper
@@ -152,17 +156,34 @@ class KeyedUnits:
         free = self.settings.max_concurrency - len(self.in_flight)
         self._turn = (self._turn + 1) % len(states)
         states = states[self._turn:] + states[:self._turn]  # no partition always first
+        picked: list[tuple[TP, KeyedState, Entry]] = []
+        picking: Counter[str] = Counter()  # picked this round, by topic
         started = True
         while free > 0 and started:
             started = False
             for tp, st in states:
                 handler = self.app.handlers[tp[0]]
-                if free <= 0 or self.running[tp[0]] >= handler.concurrency:
+                if free <= 0 or self.running[tp[0]] + picking[tp[0]] >= handler.concurrency:
                     continue
                 for entry in st.take(1, now):
-                    self._start(tp, st, entry)
+                    picked.append((tp, st, entry))
+                    picking[tp[0]] += 1
                     free -= 1
                     started = True
+        shared = self._round([entry for _, _, entry in picked])
+        for tp, st, entry in picked:
+            self._start(tp, st, entry, shared)
+
+    def _round(self, entries: list[Entry]) -> RoundClaim | None:
+        """One claim for the new keys started together (two or more): the decoded
+        messages with no claim of ours yet, one per key."""
+        wanted: dict[str, Wanted] = {}
+        for entry in entries:
+            job = entry.job
+            if isinstance(job, Prepared) and entry.token is None and job.key not in wanted:
+                wanted[job.key] = Wanted(job.key, job.request_hash,
+                                         delivery(self.app.handlers[entry.msg.topic()], entry.msg))
+        return RoundClaim(list(wanted.values())) if len(wanted) > 1 else None
 
     def _admit(self, msg: Message) -> tuple[tuple[str, ...], Any]:
         """A message's lanes (its idempotency key, its ordering key) and its job: the
@@ -190,7 +211,7 @@ class KeyedUnits:
             raise NotNow(str(exc)) from exc
         return lanes, prep
 
-    def _start(self, tp: TP, st: KeyedState, entry: Entry) -> None:
+    def _start(self, tp: TP, st: KeyedState, entry: Entry, shared: RoundClaim | None) -> None:
         handler = self.app.handlers[tp[0]]
         job, msg, token = entry.job, entry.msg, entry.token
         cancel = threading.Event()
@@ -199,9 +220,11 @@ class KeyedUnits:
             future = Future()
             future.set_result(job)
         elif handler.is_async:
-            future = self._event_loop().submit(self._run_async(msg, job, token, cancel))
+            future = self._event_loop().submit(
+                self._run_async(msg, job, token, cancel, shared))
         else:
-            future = self._threads.submit(lambda: self._run_sync(msg, job, token, cancel))
+            future = self._threads.submit(
+                lambda: self._run_sync(msg, job, token, cancel, shared))
         self.running[tp[0]] += 1
         self.notify_when_done(future)
         self.in_flight.append(Job(future, tp, st, entry.offset, cancel))
@@ -211,19 +234,31 @@ class KeyedUnits:
         future.add_done_callback(lambda _f: self.finished.set())
 
     def _run_sync(
-        self, msg: Message, prep: Prepared, token: uuid.UUID | None, cancel: threading.Event
+        self, msg: Message, prep: Prepared, token: uuid.UUID | None, cancel: threading.Event,
+        shared: RoundClaim | None,
     ) -> Result | None:
-        if cancel.is_set() or self.stopping.is_set():
+        if self._not_now(msg, prep, cancel, shared):
             return None
-        return self.processor().run_leased(msg, reentrant=token, prepared=prep)
+        return self.processor().run_leased(msg, reentrant=token, prepared=prep, round=shared)
 
     async def _run_async(
-        self, msg: Message, prep: Prepared, token: uuid.UUID | None, cancel: threading.Event
+        self, msg: Message, prep: Prepared, token: uuid.UUID | None, cancel: threading.Event,
+        shared: RoundClaim | None,
     ) -> Result | None:
-        if cancel.is_set() or self.stopping.is_set():
+        if self._not_now(msg, prep, cancel, shared):
             return None
         assert self._aio is not None
-        return await self._aio.run(msg, prep, token)
+        return await self._aio.run(msg, prep, token, shared)
+
+    def _not_now(
+        self, msg: Message, prep: Prepared, cancel: threading.Event, shared: RoundClaim | None
+    ) -> bool:
+        """The job does not start (its partition is leaving, or the member stopping),
+        unless its round's claim, already sent, covers its key: then it runs."""
+        if not (cancel.is_set() or self.stopping.is_set()):
+            return False
+        return shared is None or shared.withdraw(
+            prep.key, delivery(self.app.handlers[msg.topic()], msg))
 
     # --- results -------------------------------------------------------------------------
 

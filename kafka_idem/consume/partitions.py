@@ -85,7 +85,7 @@ class Committable:
     def first_offset(self) -> int | None:
         raise NotImplementedError
 
-    def deadline(self, max_wait: float) -> float | None:
+    def deadline(self, linger: float) -> float | None:
         """When the loop must look at this partition again (None: nothing to wait for)."""
         raise NotImplementedError
 
@@ -163,10 +163,14 @@ class PartitionState(Committable):
 
     # --- flow control ----------------------------------------------------------
 
-    def deadline(self, max_wait: float) -> float | None:
+    def deadline(self, linger: float) -> float | None:
+        """A backoff's end, or a partly filled batch's ``linger`` from its oldest message.
+        Without either the partition runs at once, or when a unit in flight finishes
+        (which wakes the loop by itself): no time to wake for."""
         if not self.queue or self.busy:
             return None
-        return max(self.not_before, self.since + max_wait)
+        end = max(self.not_before, self.since + linger)
+        return end if end > self.since else None
 
     def waiting(self, now: float) -> bool:
         """Holding messages that may not run yet (a deferral's backoff)."""
@@ -222,10 +226,11 @@ class Partitions:
         return [(tp, st) for tp, st in self._states.items()
                 if isinstance(st, PartitionState) and st.due(now)]
 
-    def wait_time(self, now: float, max_wait: float) -> float:
-        """Until the next backoff ends or a partly filled batch has waited ``max_wait``."""
+    def wait_time(self, now: float, max_wait: float, linger: float = 0.0) -> float:
+        """Until the next backoff ends or a partly filled batch has lingered ``linger``,
+        and never more than ``max_wait``."""
         deadlines = [
-            d for st in self._states.values() if (d := st.deadline(max_wait)) is not None
+            d for st in self._states.values() if (d := st.deadline(linger)) is not None
         ]
         wait_s = max_wait
         if deadlines:

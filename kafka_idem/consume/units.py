@@ -4,10 +4,11 @@ A unit is some partitions' queued prefixes handed to a processor. Leased mode:
 one partition per unit, on a pool of ``leased_workers`` threads (one database
 connection each), so commit waits and remote calls overlap while the loop goes
 on consuming. Local mode: one batch (one database transaction) of all due
-partitions, run in the loop thread (``local_workers = 0``, the default:
-consume() filled the batch, librdkafka prefetches meanwhile); or up to
-``local_workers`` batches over disjoint partitions on threads, each dispatched
-when full or when its oldest message has waited ``batch_max_wait_seconds``.
+partitions, run in the loop thread (``local_workers = 0``, the default: the
+batch is what consume() returned, librdkafka prefetches the next meanwhile); or
+up to ``local_workers`` batches over disjoint partitions on threads, each
+dispatched when a worker is free and the batch is full or its oldest message has
+waited ``batch_linger_seconds`` (0 by default: at once).
 
 A partition is in at most one unit at a time, and a unit stops at the
 partition's first deferred message, so each partition stays in order. Workers
@@ -113,7 +114,8 @@ class Units:
         self._start(Unit(future, {tp: st}, cancel))
 
     def _run_inline(self, local: list[tuple[TP, PartitionState]]) -> None:
-        """In the loop thread, as one batch: consume() has already waited to fill it."""
+        """In the loop thread, as one batch: what consume() returned (it lingered to
+        fill it if ``batch_linger_seconds`` says so)."""
         done: Future[Results] = Future()
         try:
             done.set_result(self._run_local_batch([(tp, st.prefix()) for tp, st in local]))
@@ -127,7 +129,7 @@ class Units:
         )
         # Oldest first, each batch filled up to batch_size from whole partition
         # prefixes; a partly filled batch waits until its oldest message has waited
-        # batch_max_wait (as consume() would have waited to fill it).
+        # batch_linger (as consume() lingers to fill an inline batch).
         local.sort(key=lambda item: item[1].since)
         while local and free > 0:
             taken: list[tuple[TP, PartitionState]] = []
@@ -140,7 +142,7 @@ class Units:
                 taken.append((tp, st))
                 parts.append((tp, msgs))
             oldest = min(st.since for _, st in taken)
-            if room > 0 and now - oldest < self.settings.batch_max_wait_seconds:
+            if room > 0 and now - oldest < self.settings.batch_linger_seconds:
                 return  # the rest are younger still
             batch = self._local_workers().submit(self._run_local_batch, parts)
             self._start(Unit(batch, dict(taken), threading.Event()))

@@ -158,3 +158,27 @@ def test_without_a_tracer_provider_nothing_is_traced_and_headers_stay(
         wait_for(lambda: len(read_topic(f"{topic}.dlq")) == 1, what="the dead letter")
     (letter,) = read_topic(f"{topic}.dlq")
     assert headers(letter)["traceparent"] == parent.decode()  # the original, untouched
+
+
+def test_keys_claimed_together_in_a_round_keep_a_claim_span_each(
+    db: DB, topic: str, group: str, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Key-ordered (``concurrency=4``): the four keys started together share one claim
+    statement, and each message's span still has its claim, handler and completion."""
+    from consumers import payments
+    from tests.integration.test_keyed import keyed_app
+    from tests.integration.test_round_claims import ClaimSpy
+
+    spy = ClaimSpy(monkeypatch)
+    app = keyed_app(db, topic, group, payments.charge, concurrency=4, ordering_key=None)
+    produce_traced(topic, [(o.encode(), encode_charge("t1", o, "1.00"), traceparent(0xD4, i + 1))
+                           for i, o in enumerate(("o1", "o2", "o3", "o4"))])
+    with InProcess(app):
+        wait_for(lambda: caught_up(group, topic), what="the group to catch up")
+    assert max(len(tokens) for _, tokens in spy.rounds) > 1  # (all four, fetched at once)
+    got = process_spans(spans, topic)
+    assert len(got) == 4
+    for span in got:
+        assert children(spans, span) == ["claim", "complete", "handler"]
+        assert attrs(span)["kafka_idem.outcome"] == "succeeded"
+        assert attrs(span)["kafka_idem.attempts"] == 1

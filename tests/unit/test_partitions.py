@@ -137,10 +137,12 @@ def test_a_partition_in_a_unit_is_not_due_and_does_not_shorten_the_wait() -> Non
     assert [tp for tp, _ in parts.due(0.0)] == [TP0]
 
 
-def test_a_partly_filled_batch_waits_at_most_max_wait_from_its_oldest_message() -> None:
+def test_a_partly_filled_batch_waits_at_most_its_linger_from_its_oldest_message() -> None:
     parts = filled(0, now=10.0)
-    assert parts.wait_time(10.1, max_wait=0.5) == pytest.approx(0.4)
-    assert parts.wait_time(11.0, max_wait=0.5) == 0.001  # overdue: poll, do not block
+    assert parts.wait_time(10.1, max_wait=0.5, linger=0.3) == pytest.approx(0.2)
+    assert parts.wait_time(11.0, max_wait=0.5, linger=0.3) == 0.001  # overdue: poll
+    # Without a linger it runs at once (or when a unit finishes): no time to wake for.
+    assert parts.wait_time(10.1, max_wait=0.5) == 0.5
 
 
 def test_a_partition_waiting_on_a_backoff_is_paused_then_resumed_when_due() -> None:

@@ -119,6 +119,16 @@ def test_backoff_cap_below_base_is_refused() -> None:
         load_settings(backoff_base_seconds=10, backoff_cap_seconds=1)
 
 
+def test_a_batch_linger_longer_than_the_batch_wait_is_refused() -> None:
+    assert load_settings().batch_linger_seconds == 0.0  # batches start at once
+    assert load_settings(batch_linger_seconds=0.1).batch_linger_seconds == 0.1
+    named = r"batch_linger_seconds \(KAFKA_IDEM_BATCH_LINGER_SECONDS\)"
+    with pytest.raises(ConfigError, match=named + r".*longer than batch_max_wait_seconds"):
+        load_settings(batch_linger_seconds=0.5, batch_max_wait_seconds=0.2)
+    with pytest.raises(ConfigError, match="KAFKA_IDEM_BATCH_LINGER_SECONDS"):
+        load_settings(batch_linger_seconds=-1)
+
+
 def test_unknown_settings_are_refused() -> None:
     with pytest.raises(ConfigError, match="max_attemps"):
         load_settings(max_attemps=3)
