@@ -557,6 +557,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="paced production per latency run [10; quick 5]")
     parser.add_argument("--latency-fraction", type=float, default=0.5,
                         help="latency runs produce at this fraction of the path's max [0.5]")
+    parser.add_argument("--latency-rate", type=float, default=None,
+                        help="latency runs produce at this many msgs/s instead (at most the "
+                        "path's max): every row's tail at one rate")
     parser.add_argument("--pgbench-seconds", type=float, help="per pgbench run [10; quick 3]")
     parser.add_argument("--pgbench-clients", default="1,4", help="pgbench -c values [1,4]")
     parser.add_argument("--gateway-messages", type=int,
@@ -701,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"  {m.rate:,.0f} msgs/s; {m.throughput.get('check')}")
             if m.rate and path != "relay" and path not in MEMBERS:
                 rate = max(m.rate * args.latency_fraction, 1.0)
+                if args.latency_rate:  # one rate for every row, so their tails compare
+                    rate = min(args.latency_rate, m.rate)
                 if path == "batch_emit":  # the outbox target is at 1,000 events/s
                     rate = min(EMIT_LATENCY_RATE, m.rate)
                 n = max(int(rate * args.latency_seconds), 1)
