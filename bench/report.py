@@ -101,6 +101,7 @@ def phases_table(d: dict[str, Any]) -> list[str]:
         ("batch._run_handlers", "↳ handlers + completion"),
         ("commit", "↳ COMMIT and the rest"),
         ("runner._apply", "_apply (offsets, metrics)"),
+        ("runner._ingest", "_ingest (queue; with workers, decode ahead)"),
     ]
     have = [p for p in d["paths"] if (p["throughput"].get("phases") or {}).get("batch.run_batch")]
     if not have:

@@ -317,10 +317,12 @@ class FrameworkLoop:
                 "runner._commit_pending", self.runner._commit_pending)
             self.runner._apply = rec.timed(  # type: ignore[method-assign]
                 "runner._apply", self.runner._apply)
+            self.runner._ingest = rec.timed(  # type: ignore[method-assign]
+                "runner._ingest", self.runner._ingest)
             original_local = profiled(Processor.run_local)
 
-            def run_local(proc: Processor, parts: Any) -> Any:
-                out = original_local(proc, parts)
+            def run_local(proc: Processor, parts: Any, ahead: Any = None) -> Any:
+                out = original_local(proc, parts, ahead)
                 done = []
                 for tp, msgs in parts:
                     for msg, res in zip(msgs, out.get(tp, []), strict=False):

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 from kafka_idem.consume.database import Database
 from kafka_idem.consume.outcome import (
     TP,
+    Ahead,
     Ended,
     Finished,
     Message,
@@ -114,14 +115,15 @@ class BatchPath:
         self.db = db
         self.order = ClaimOrder()
 
-    def run(self, parts: Parts) -> Results:
+    def run(self, parts: Parts, ahead: Ahead | None = None) -> Results:
         """Process ``parts`` optimistically; raise :class:`Fallback` (rolled back) when
         it can't. Its decisions are logged once, after its commit: never for an attempt
-        that falls back (the per-message path then logs its own)."""
+        that falls back (the per-message path then logs its own). What ``ahead`` holds is
+        not decoded again."""
         conn = self.db.connection()
         order = self.order
         try:
-            items = self._prepare(parts)
+            items = self._prepare(parts, ahead)
             answered = self._replays(conn, items) if order.read_first else 0
             claimed, later = self._claim(conn, items, read_existing=not order.read_first)
             order.observe(answered + later, sum(1 for i in items if i.prep is not None))
@@ -140,14 +142,14 @@ class BatchPath:
             out[item.tp].append(item.result)
         return out
 
-    def _prepare(self, parts: Parts) -> list[_Item]:
+    def _prepare(self, parts: Parts, ahead: Ahead | None) -> list[_Item]:
         steps = self.steps
         items = []
         for tp, msgs in parts:
             for msg in msgs:
                 handler = steps.handler(msg)
                 try:
-                    items.append(_Item(tp, msg, handler, steps.prepare(handler, msg)))
+                    items.append(_Item(tp, msg, handler, steps.prepared(handler, msg, ahead)))
                 except MessageError as exc:
                     result = steps.undecodable(handler, msg, exc).result  # logged after commit
                     items.append(_Item(tp, msg, handler, None, result))
@@ -406,7 +408,7 @@ def claim_order(owner: HasBatchPath) -> ClaimOrder:
     return owner.batch_path.order
 
 
-def run_batch(owner: HasBatchPath, parts: Parts) -> Results:
+def run_batch(owner: HasBatchPath, parts: Parts, ahead: Ahead | None = None) -> Results:
     """Run ``parts`` on ``owner``'s batch path only (a case it leaves to the
     per-message path raises :class:`Fallback`)."""
-    return owner.batch_path.run(parts)
+    return owner.batch_path.run(parts, ahead)

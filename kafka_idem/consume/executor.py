@@ -24,7 +24,7 @@ from kafka_idem.consume.database import Database
 from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.leased import LeasedPath
 from kafka_idem.consume.local import LocalPath
-from kafka_idem.consume.outcome import Message, Parts, Prepared, Result, Results
+from kafka_idem.consume.outcome import Ahead, Message, Parts, Prepared, Result, Results
 from kafka_idem.consume.rounds import RoundClaim
 from kafka_idem.consume.steps import Steps, log
 from kafka_idem.errors import FrameworkError, MessageError, StoreUnavailable
@@ -71,17 +71,19 @@ class Processor:
         """Decode, validate, build key and hash; raise a MessageError when impossible."""
         return self.steps.prepare(handler, msg)
 
-    def run_local(self, parts: Parts) -> Results:
+    def run_local(self, parts: Parts, ahead: Ahead | None = None) -> Results:
         """The batch path when it applies, else (or on fallback) the per-message path;
-        a span per message when tracing is on (:mod:`kafka_idem.tracing`)."""
+        a span per message when tracing is on (:mod:`kafka_idem.tracing`). The batch
+        path takes what ``ahead`` decoded; a fallback decodes afresh, so a model a
+        rolled-back handler changed is never used again."""
         with self.tracing.unit([m for _, msgs in parts for m in msgs]) as spans:
-            return spans.finish(self._run_local(parts))
+            return spans.finish(self._run_local(parts, ahead))
 
-    def _run_local(self, parts: Parts) -> Results:
+    def _run_local(self, parts: Parts, ahead: Ahead | None) -> Results:
         handlers = {self.app.handlers[tp[0]] for tp, _ in parts}
         if self.settings.batch_path and all(h.batch for h in handlers):
             try:
-                return self.batch_path.run(parts)
+                return self.batch_path.run(parts, ahead)
             except Fallback as exc:
                 log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
             except (FrameworkError, MessageError, psycopg.Error) as exc:

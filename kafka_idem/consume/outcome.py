@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kafka_idem.dlq import DeadLetter
+from kafka_idem.errors import MessageError
 
 TP = tuple[str, int]
 
@@ -107,3 +108,9 @@ class Prepared:
     model: Any  # the handler's pydantic model
     key: str
     request_hash: str
+
+
+Ahead = Mapping[TP, Mapping[int, Prepared | MessageError]]
+"""Messages the loop thread decoded as it queued them (``local_workers > 0``): per
+partition, by offset, the prepared form or why the message cannot be decoded. A
+message missing here is decoded where it runs."""

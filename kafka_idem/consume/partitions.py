@@ -100,9 +100,15 @@ class PartitionState(Committable):
     """One partition's queue of unfinished messages and the decisions that hang on it,
     run as prefixes: one unit at a time, in offset order."""
 
-    def __init__(self, *, jitter: Callable[[float, float], float] = random.uniform) -> None:
+    def __init__(
+        self, *, jitter: Callable[[float, float], float] = random.uniform,
+        prepare: Callable[[Any], object | None] | None = None,
+    ) -> None:
         super().__init__(jitter=jitter)
         self.queue: deque[Any] = deque()
+        # offset -> what ``prepare`` made of a queued message, until a unit takes it
+        self.ahead: dict[int, Any] = {}
+        self._prepare = prepare
         self.not_before = 0.0  # deferred: not run again before this (monotonic) time
         self.tokens: dict[int, Any] = {}  # offset -> our live claim token
         self.last_queued = -1
@@ -118,6 +124,8 @@ class PartitionState(Committable):
             self.since = now
         self.queue.append(msg)
         self.last_queued = msg.offset()
+        if self._prepare is not None and (got := self._prepare(msg)) is not None:
+            self.ahead[msg.offset()] = got
 
     # --- run -----------------------------------------------------------------
 
@@ -128,6 +136,12 @@ class PartitionState(Committable):
         """The first ``n`` queued messages (all without ``n``); they stay queued until
         their results apply."""
         return list(self.queue if n is None else itertools.islice(self.queue, n))
+
+    def take_prepared(self, msgs: Sequence[Any]) -> dict[int, Any]:
+        """What ``prepare`` made of ``msgs``, by offset, taken out: one unit uses it once
+        (a message run again is decoded again, as every attempt of it is)."""
+        ahead = self.ahead
+        return {o: ahead.pop(o) for m in msgs if (o := m.offset()) in ahead} if ahead else {}
 
     def first_offset(self) -> int | None:
         return self.queue[0].offset() if self.queue else None
@@ -199,10 +213,12 @@ class Partitions:
     def __init__(
         self, *, jitter: Callable[[float, float], float] = random.uniform,
         make: Callable[[str, Callable[[float, float], float]], Committable | None] | None = None,
+        prepare: Callable[[Any], object | None] | None = None,
     ) -> None:
         self._states: dict[TP, Committable] = {}
         self._jitter = jitter
         self._make = make
+        self.prepare = prepare  # decode ahead as messages are queued (None: never)
 
     def get(self, tp: TP) -> Committable | None:
         return self._states.get(tp)
@@ -218,7 +234,9 @@ class Partitions:
         st = self._states.get(tp)
         if st is None:
             made = self._make(tp[0], self._jitter) if self._make is not None else None
-            st = self._states[tp] = PartitionState(jitter=self._jitter) if made is None else made
+            st = self._states[tp] = (
+                PartitionState(jitter=self._jitter, prepare=self.prepare)
+                if made is None else made)
         st.add(msg, now)
 
     def due(self, now: float) -> list[tuple[TP, PartitionState]]:

@@ -24,6 +24,7 @@ from kafka_idem.app import App, Context, Done, Handler
 from kafka_idem.consume.database import Database
 from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.outcome import (
+    Ahead,
     Deferred,
     Ended,
     Finished,
@@ -113,6 +114,29 @@ class Steps:
         except (ValueError, TypeError, ArithmeticError) as exc:  # NaN, infinity, naive datetime
             raise InvalidPayload(f"the request hash cannot be computed: {exc}") from exc
         return Prepared(model, key, digest)
+
+    def prepare_ahead(self, handler: Handler[Any], msg: Message) -> Prepared | MessageError | None:
+        """:meth:`prepare` in the loop thread as the message is queued, so a batch worker
+        need not decode it (``local_workers > 0``). ``None`` (decoded again where it
+        runs, as without this) for anything but a result or a message's own fault: a
+        framework error there is retried or held, never charged."""
+        try:
+            return self.prepare(handler, msg)
+        except MessageError as exc:
+            return exc
+        except Exception:
+            return None
+
+    def prepared(self, handler: Handler[Any], msg: Message, ahead: Ahead | None) -> Prepared:
+        """:meth:`prepare`, or what the loop thread made of ``msg`` ahead (raised again
+        when it is why the message cannot be decoded)."""
+        got = None if ahead is None else ahead.get(
+            (msg.topic(), msg.partition()), {}).get(msg.offset())
+        if got is None:
+            return self.prepare(handler, msg)
+        if isinstance(got, MessageError):
+            raise got
+        return got
 
     def prepare_or_reject(self, handler: Handler[Any], msg: Message) -> Prepared | Result:
         """:meth:`prepare`, or for a message that can never be processed, its dead-letter

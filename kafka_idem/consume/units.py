@@ -8,7 +8,10 @@ partitions, run in the loop thread (``local_workers = 0``, the default: the
 batch is what consume() returned, librdkafka prefetches the next meanwhile); or
 up to ``local_workers`` batches over disjoint partitions on threads, each
 dispatched when a worker is free and the batch is full or its oldest message has
-waited ``batch_linger_seconds`` (0 by default: at once).
+waited ``batch_linger_seconds`` (0 by default: at once). With workers, the loop
+thread decodes a batch handler's messages as it queues them (``prepare``), so it
+decodes batch N+1 while a worker waits for the database on batch N; the worker's
+batch path uses that form (its fallback decodes afresh).
 
 A partition is in at most one unit at a time, and a unit stops at the
 partition's first deferred message, so each partition stays in order. Workers
@@ -29,8 +32,10 @@ from kafka_idem.consume import log
 from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.ordered import KeyedResults, KeyedUnits
-from kafka_idem.consume.outcome import Deferred, Result
+from kafka_idem.consume.outcome import Ahead, Deferred, Prepared, Result
 from kafka_idem.consume.partitions import TP, Partitions, PartitionState
+from kafka_idem.consume.steps import Steps
+from kafka_idem.errors import MessageError
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.metrics import Metrics
 from kafka_idem.store import Store
@@ -76,6 +81,19 @@ class Units:
         self.hold = ConfigHold(metrics)  # one rate limit for all of the member's threads
         self.keyed = KeyedUnits(app, parts, store=store, metrics=metrics, leases=leases,
                                 stopping=stopping, hold=self.hold)
+        self._ahead_steps: Steps | None = None
+        if self.settings.local_workers > 0 and self.settings.batch_path:
+            parts.prepare = self._prepare_ahead
+
+    def _prepare_ahead(self, msg: Any) -> Prepared | MessageError | None:
+        """Decode a batch handler's message in the loop thread as it is queued, so that
+        it overlaps a worker's wait for the database (``local_workers > 0``)."""
+        handler = self.app.handlers.get(msg.topic())
+        if handler is None or handler.mode != "local" or not handler.batch:
+            return None
+        if self._ahead_steps is None:
+            self._ahead_steps = self._worker_processor().steps  # never connects
+        return self._ahead_steps.prepare_ahead(handler, msg)
 
     @property
     def busy(self) -> bool:
@@ -144,7 +162,9 @@ class Units:
             oldest = min(st.since for _, st in taken)
             if room > 0 and now - oldest < self.settings.batch_linger_seconds:
                 return  # the rest are younger still
-            batch = self._local_workers().submit(self._run_local_batch, parts)
+            ahead = {tp: st.take_prepared(msgs)
+                     for (tp, st), (_, msgs) in zip(taken, parts, strict=True)}
+            batch = self._local_workers().submit(self._run_local_batch, parts, ahead)
             self._start(Unit(batch, dict(taken), threading.Event()))
             free -= 1
 
@@ -240,9 +260,11 @@ class Units:
                 self._processors.append(proc)
         return proc
 
-    def _run_local_batch(self, parts: list[tuple[TP, list[Any]]]) -> Results:
+    def _run_local_batch(
+        self, parts: list[tuple[TP, list[Any]]], ahead: Ahead | None = None
+    ) -> Results:
         """Local-mode partitions in one database transaction (on a batch worker)."""
-        return self._worker_processor().run_local(parts)
+        return self._worker_processor().run_local(parts, ahead)
 
     def _run_leased_partition(
         self, tp: TP, msgs: list[Any], tokens: dict[int, Any], cancel: threading.Event
