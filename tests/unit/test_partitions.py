@@ -8,11 +8,12 @@ a partition is due again, what to pause and resume, what a revoke forgets).
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 
 from kafka_idem.consume.outcome import Deferred, Finished
-from kafka_idem.consume.partitions import Partitions
+from kafka_idem.consume.partitions import Partitions, PartitionState
 from kafka_idem.testing import FakeMessage
 
 T = "orders"
@@ -212,3 +213,21 @@ def test_a_partition_held_on_a_configuration_error_waits_longer_each_time_up_to_
     assert delays == [1, 2, 4, 8, 16, 32, 60, 60, 60]
     parts.apply({TP0: [Finished("succeeded")]}, now=now)
     assert parts.get(TP0).framework_failures == 0  # type: ignore[union-attr]
+
+
+def test_what_is_prepared_ahead_is_made_once_per_queued_message_and_taken_once() -> None:
+    made: list[int] = []
+
+    def prepare(m: Any) -> object | None:
+        made.append(m.offset())
+        return None if m.offset() == 7 else f"prepared {m.offset()}"
+
+    parts = Partitions(jitter=upper, prepare=prepare)
+    for o in (5, 6, 7, 6):  # 6 again: a re-fetch, not queued, not prepared again
+        parts.add(msg(T, 0, o), 0.0)
+    assert made == [5, 6, 7]
+    st = parts.get(TP0)
+    assert isinstance(st, PartitionState)
+    assert st.take_prepared(st.prefix(2)) == {5: "prepared 5", 6: "prepared 6"}
+    assert st.take_prepared(st.prefix()) == {}  # taken: a second attempt decodes again
+    assert st.ahead == {}
