@@ -5,7 +5,6 @@ events in the outbox and the remotes' effects against the reference's."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +16,7 @@ from kafka_idem.testing.harness import Harness
 from kafka_idem.testing.message import FakeMessage
 from kafka_idem.testing.report import ScenarioResult
 from kafka_idem.testing.sandbox import Delivered, Path, Sandbox
-from kafka_idem.testing.tables import State, Table, compare, show_value
+from kafka_idem.testing.tables import State, Table, compare, freeze, show_value
 
 Sig = tuple[str, str | None]
 
@@ -44,15 +43,6 @@ def told(d: Delivered) -> str:
     extra = f" after {steps}" if steps else ""
     rec = f"; record {d.status}, attempts {d.attempts}" if d.record else "; no record"
     return f"{show(sig(d))}{extra}{rec}"
-
-
-def freeze(effect: Any) -> Any:
-    """A remote effect as a hashable value (JSON text when it is not hashable)."""
-    try:
-        hash(effect)
-        return effect
-    except TypeError:
-        return json.dumps(effect, sort_keys=True, default=str)
 
 
 Effects = dict[str, Counter[Any]]

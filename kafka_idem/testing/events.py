@@ -30,7 +30,7 @@ from psycopg import sql
 
 from kafka_idem.app import App
 from kafka_idem.store import Conn
-from kafka_idem.testing.tables import State, Table, show_value, snapshot
+from kafka_idem.testing.tables import State, Table, freeze, show_value, snapshot
 from kafka_idem.tracing import TRACE_HEADERS
 
 MADE = "a value the database makes"
@@ -194,7 +194,7 @@ class Compared:
         if fields is None:
             return (e.topic, e.key, e.value, headers)
         gone = self.left_out.get(e.topic, frozenset())
-        kept = tuple(sorted((k, _hashable(v)) for k, v in fields.items() if k not in gone))
+        kept = tuple(sorted((k, freeze(v)) for k, v in fields.items() if k not in gone))
         return (e.topic, e.key, kept, headers)
 
     def show(self, e: EmittedEvent) -> str:
@@ -211,13 +211,6 @@ class Compared:
                                     if k not in gone) + "}"
         return f"{key}: {value}{extra}"
 
-
-def _hashable(value: Any) -> Any:
-    try:
-        hash(value)
-        return value
-    except TypeError:
-        return repr(value)
 
 
 def _text(raw: bytes) -> str | bytes:

@@ -288,3 +288,12 @@ def show_value(value: Any) -> str:
 
 def show_row(row: Mapping[str, Any]) -> str:
     return "{" + ", ".join(f"{k}: {show_value(v)}" for k, v in row.items()) + "}"
+
+
+def freeze(effect: Any) -> Any:
+    """A remote effect or a field value, hashable (JSON text when it is not)."""
+    try:
+        hash(effect)
+        return effect
+    except TypeError:
+        return json.dumps(effect, sort_keys=True, default=str)
