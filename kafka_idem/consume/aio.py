@@ -173,7 +173,7 @@ class AsyncLeasedPath:
                 await asyncio.wrap_future(round_claim)
             tokens = answer(round_claim)
             if tokens is not None and prep.key in tokens:
-                return Claim(Outcome.CLAIMED, prep.key, token=tokens[prep.key], attempts=1)
+                return Claim.new_key(prep.key, tokens[prep.key])
             new = tokens is None  # else the key existed: the full claim at once
         return await self._thread(lambda p: p.claim_alone(msg, prep, reentrant, new=new))
 

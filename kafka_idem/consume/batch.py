@@ -205,8 +205,7 @@ class BatchPath:
                 hashes=[_prep(item).request_hash for item in first],
                 deliveries=[delivery(item.handler, item.msg) for item in first],
             )
-            claims = {key: Claim(Outcome.CLAIMED, key, token=token, attempts=1)
-                      for key, token in tokens.items()}
+            claims = {key: Claim.new_key(key, token) for key, token in tokens.items()}
             existing = [k for k in ordered if k not in claims]
             if existing and read_existing:
                 # Every row the insert conflicted with was committed when it did (an

@@ -99,7 +99,7 @@ class LeasedPath:
                 if claim is not None:
                     return claim
             elif prep.key in tokens:
-                return Claim(Outcome.CLAIMED, prep.key, token=tokens[prep.key], attempts=1)
+                return Claim.new_key(prep.key, tokens[prep.key])
         return self._claim_existing(conn, msg, prep, reentrant)
 
     def _round_tokens(

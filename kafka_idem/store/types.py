@@ -53,6 +53,11 @@ class Claim:
     first_failure_at: dt.datetime | None = None
     last_failure_at: dt.datetime | None = None
 
+    @classmethod
+    def new_key(cls, key: str, token: uuid.UUID) -> Claim:
+        """A key that a batch or round claim inserted: ours, at its first attempt."""
+        return cls(Outcome.CLAIMED, key, token=token, attempts=1)
+
 
 @dataclass(frozen=True, slots=True)
 class Failure:
