@@ -156,12 +156,15 @@ class TerminateBeforeCommit(RelayHooks):
     def __init__(self, db: DB) -> None:
         self.db = db
         self.terminated = 0
+        self.lock = threading.Lock()  # the shards' rounds call this concurrently
 
     def before_commit(self, shard: int, ids: Sequence[int]) -> None:
-        if not self.terminated:
-            self.terminated = self.db.value(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND application_name = 'kafka_idem-relay'")
+        with self.lock:
+            if not self.terminated:
+                self.terminated = self.db.value(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() "
+                    "AND application_name = 'kafka_idem-relay'")
 
 
 def test_the_database_connection_terminated_mid_round_loses_and_duplicates_nothing(
