@@ -63,7 +63,8 @@ class UnknownOutcome(HandlerError):
 
 class ResultNotJSON(TypeError):
     """A handler (or its reconciler's ``Done``, or its bulk form) returned a result that
-    cannot be stored as ``result_json``: the handler's own error, retried like one."""
+    cannot be stored as ``result_json``: the handler's own error, a code defect like any
+    ``TypeError`` (permanent unless mapped otherwise)."""
 
 
 class MessageError(KafkaIdemError):
@@ -124,6 +125,11 @@ class IllegalTransition(StoreError):
 
 class StaleOwner(StoreError):
     """The lease was taken over by another owner; this attempt's writes were rolled back."""
+
+
+class InternalError(FrameworkError):
+    """kafka_idem's own code failed around the handler (a bug of kafka_idem, not of the
+    handler or the message); nothing is charged."""
 
 
 class DeadLetterError(FrameworkError):

@@ -124,6 +124,16 @@ Reconciler = Callable[[Any, Any], Done | Awaitable[Done | None] | None]
 BulkHandler = Callable[[list[tuple[Any, Context]], psycopg.Connection[Any]], list[Any]]
 
 
+# Exceptions that say the code is wrong, not the message or the surroundings: running
+# the same code again cannot fix them, so they are permanent by default (dead-lettered
+# at the first attempt; after the fix, ``kafka-idem dlq replay --include-permanent``).
+# Not KeyError, ValueError, LookupError or AssertionError: those can depend on the
+# data or on timing. ``NameError`` covers ``UnboundLocalError``. Opt back per app or
+# handler with ``errors={TypeError: "retryable"}`` (mappings are checked first).
+CODE_DEFECTS: tuple[type[Exception], ...] = (
+    TypeError, AttributeError, NameError, NotImplementedError,
+)
+
 # Default classification of exceptions a handler lets escape (first match wins).
 DEFAULT_ERRORS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (Permanent, "permanent"),
@@ -134,6 +144,7 @@ DEFAULT_ERRORS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (psycopg.errors.IntegrityError, "permanent"),
     (psycopg.errors.DataError, "permanent"),
     (UnicodeError, "permanent"),  # a value that cannot be encoded: psycopg refuses it
+    *((cls, "permanent") for cls in CODE_DEFECTS),
 )
 
 
@@ -322,16 +333,32 @@ class Handler(Generic[M]):
         return fn
 
     def classify(self, exc: BaseException) -> ErrorKind:
-        """Retryable, permanent or unknown outcome. Unmapped exceptions are retryable
-        (up to the retry limit, then exhausted)."""
-        for cls, kind in self.errors:
-            if isinstance(exc, cls):
-                return kind
+        """Retryable, permanent or unknown outcome: the handler's ``errors=``, then the
+        app's, then :data:`DEFAULT_ERRORS` (a code defect, :data:`CODE_DEFECTS`, is
+        permanent), first match wins. Unmapped exceptions are retryable (up to the
+        retry limit, then exhausted)."""
+        rule = self._rule(exc)
+        if rule is not None:
+            return rule[1]
         if is_data_error(exc):
             # The database refused a value the message brought (e.g. an index entry
             # over its size limit): the same message can never succeed.
             return "permanent"
         return "retryable"
+
+    def code_defect(self, exc: BaseException) -> bool:
+        """``exc`` is permanent because it is a code defect (:data:`CODE_DEFECTS`), not
+        because a mapping or its class says so otherwise: its failure says so."""
+        rule = self._rule(exc)
+        return (rule is not None and rule[1] == "permanent"
+                and issubclass(rule[0], CODE_DEFECTS))
+
+    def _rule(self, exc: BaseException) -> tuple[type[BaseException], ErrorKind] | None:
+        """The first mapping ``exc`` matches."""
+        for rule in self.errors:
+            if isinstance(exc, rule[0]):
+                return rule
+        return None
 
 
 def _check_fields(name: str, topic: str, model: Any, known: tuple[str, ...],

@@ -32,7 +32,7 @@ from kafka_idem.app import App
 from kafka_idem.consume.leased import LeasedPath, around_failure
 from kafka_idem.consume.outcome import Ended, Finished, Message, Prepared, Result
 from kafka_idem.consume.rounds import RoundClaim, answer
-from kafka_idem.consume.steps import Steps, delivery, log
+from kafka_idem.consume.steps import Steps, delivery, log, own_code
 from kafka_idem.consume.verdicts import last_chance_spent, reconcile_first
 from kafka_idem.errors import (
     FrameworkError,
@@ -230,11 +230,12 @@ class AsyncLeasedPath:
                 result, how = await self._call(handler, prep, ctx, claim)
                 await pipe.sync()  # the handler's statements answer here
                 completing = True
-                await self.steps.emitter.flush_async(conn, ctx)  # its events, in this tx
-                await self.store.complete_async(
-                    conn, key=prep.key, token=claim.token, result=result, wait=False)
-                if hold is not None:
-                    hold.release()  # before the commit (see LeaseKeeper.hold)
+                with own_code(prep.key):
+                    await self.steps.emitter.flush_async(conn, ctx)  # its events, in this tx
+                    await self.store.complete_async(
+                        conn, key=prep.key, token=claim.token, result=result, wait=False)
+                    if hold is not None:
+                        hold.release()  # before the commit (see LeaseKeeper.hold)
                 await conn.execute("COMMIT", prepare=False)  # with the pipeline's last sync
         except BaseException as exc:
             with contextlib.suppress(psycopg.Error):

@@ -44,16 +44,20 @@ from kafka_idem.consume.verdicts import (
     last_chance_spent,
     not_claimed,
     reconcile_first,
+    text_of,
     undecodable,
 )
 from kafka_idem.errors import (
     FrameworkError,
+    InternalError,
     InvalidPayload,
     MessageError,
+    ResultNotJSON,
     RetryLimitReached,
     StaleOwner,
     TransientStoreError,
 )
+from kafka_idem.handler import CODE_DEFECTS
 from kafka_idem.keys import check_key, hash_payload
 from kafka_idem.lease import Hold
 from kafka_idem.metrics import Metrics
@@ -330,12 +334,13 @@ class Steps:
         result: Any, hold: Hold | None, wait: bool = True,
     ) -> None:
         assert claim.token is not None
-        with self.tracing.step(msg, "complete"):
-            self.emitter.flush(conn, ctx)  # its events, in this transaction
-            self.store.complete(conn, key=prep.key, token=claim.token, result=result,
-                                wait=wait)
-        if hold is not None:
-            hold.release()  # before the commit (see LeaseKeeper.hold)
+        with own_code(prep.key):
+            with self.tracing.step(msg, "complete"):
+                self.emitter.flush(conn, ctx)  # its events, in this transaction
+                self.store.complete(conn, key=prep.key, token=claim.token, result=result,
+                                    wait=wait)
+            if hold is not None:
+                hold.release()  # before the commit (see LeaseKeeper.hold)
 
     def _failed(
         self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
@@ -374,7 +379,8 @@ class Steps:
         error_class, message = error_of(exc, max_)
         f = failing(handler.classify(exc), claim=claim, policy=self.app.retry_policy(handler),
                     limit_reached=isinstance(exc, RetryLimitReached),
-                    reconciler=handler.reconcile is not None)
+                    reconciler=handler.reconcile is not None,
+                    defect=handler.code_defect(exc))
         stored = f.stored_message(message, max_)
         recorded = self.store.fail(conn, key=prep.key, token=claim.token, status=f.status,
                                    kind=f.kind, error_class=error_class, error_message=stored,
@@ -396,6 +402,22 @@ class Steps:
             conn = self.db.connection()
             with conn.transaction():
                 return self.record_failure(conn, handler, msg, prep, claim, exc)
+
+
+@contextmanager
+def own_code(key: str) -> Iterator[None]:
+    """Around kafka_idem's own steps of an attempt (the completion after the handler):
+    a code defect raised there (:data:`~kafka_idem.handler.CODE_DEFECTS`: a
+    ``TypeError`` of kafka_idem, of psycopg or confluent-kafka under it) is no fault of
+    the message, so it leaves as :class:`InternalError`, a framework error (the
+    partition waits, nothing is charged), never as the handler's permanent failure.
+    :class:`ResultNotJSON` stays the handler's: its result cannot be stored."""
+    try:
+        yield
+    except ResultNotJSON:
+        raise
+    except CODE_DEFECTS as exc:
+        raise InternalError(f"{type(exc).__name__}: {text_of(exc)}", key=key) from exc
 
 
 def delivery(handler: Handler[Any], msg: Message) -> Delivery:

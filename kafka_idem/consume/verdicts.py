@@ -178,26 +178,38 @@ class Failing:
     status: Literal["failed", "retryable_failed"]
     kind: str  # permanent | exhausted | retryable | unknown_outcome
     delay: float = 0.0  # until the retry is due (retryable_failed only)
-    reason: str | None = None  # why the key is exhausted
+    reason: str | None = None  # why the key is exhausted, or was not retried
+    defect: bool = False  # permanent as a code defect (handler.CODE_DEFECTS)
 
     @property
     def exhausted(self) -> bool:
         return self.kind == "exhausted"
 
     def stored_message(self, message: str, message_max: int) -> str:
-        """The error message to store: an exhausted key says why, then its last error."""
+        """The error message to store: an exhausted key says why, then its last error;
+        a code defect says it was not retried, then the error."""
         if self.reason is None:
             return message
-        return bounded(f"{self.reason}; last error: {message}", message_max)
+        joint = "; last error: " if self.exhausted else ": "
+        return bounded(f"{self.reason}{joint}{message}", message_max)
+
+
+CODE_DEFECT = "a code defect, not retried"
+"""How a code defect's stored error message (and its dead letter's
+``idem.error.message``) begins."""
 
 
 def failing(
     kind: ErrorKind, *, claim: Claim, policy: RetryPolicy, limit_reached: bool = False,
-    reconciler: bool = False,
+    reconciler: bool = False, defect: bool = False,
 ) -> Failing:
     """``kind`` is the handler's classification of the exception; ``limit_reached``
-    says the attempt was the reconcile-only last chance (``Claim.last_chance``)."""
+    says the attempt was the reconcile-only last chance (``Claim.last_chance``);
+    ``defect`` that ``kind`` is permanent because the exception is a code defect
+    (:meth:`~kafka_idem.handler.Handler.code_defect`)."""
     if kind == "permanent":
+        if defect:
+            return Failing("failed", "permanent", reason=CODE_DEFECT, defect=True)
         return Failing("failed", "permanent")
     decision = (
         Exhausted("retry limit reached")
@@ -225,8 +237,14 @@ def after_failure(
             {"kind": f.kind, "delay": round(f.delay, 3), **fields}, (error_class, message)))
     letter = letters.letter(msg, kind=f.kind, error_class=error_class, message=message,
                             attempts=recorded.attempts, key=key, failure=recorded)
-    note = (letter_note("exhausted", "exhausted", fields, "retries exhausted") if f.exhausted
-            else letter_note(f.kind, "failed", fields, "a permanent failure"))
+    if f.exhausted:
+        note = letter_note("exhausted", "exhausted", fields, "retries exhausted")
+    elif f.defect:
+        note = letter_note(f.kind, "failed", fields, f"{error_class} is a code defect, not "
+                           "retried: fix the code, then re-drive it with `kafka-idem dlq "
+                           "replay --include-permanent`")
+    else:
+        note = letter_note(f.kind, "failed", fields, "a permanent failure")
     return Verdict(Finished(Ended.DEAD_LETTERED, letter, key=key), note)
 
 

@@ -318,12 +318,14 @@ def test_a_result_that_is_not_json_is_dead_lettered_saying_what_to_return(
 
     harness = kafka_idem_harness(app)
     done = harness.deliver("loans", {"branch": "north", "copy_id": "c-1"})
+    # A code defect (ResultNotJSON is a TypeError): dead-lettered at the first attempt.
     assert (done.outcome, done.steps, done.status) == (
-        "dead_lettered", ("retry", "dead_lettered"), "failed")
+        "dead_lettered", ("dead_lettered",), "failed")
     [letter] = done.dead_letters
-    assert letter.kind == "exhausted"
+    assert (letter.kind, letter.idem["idem.attempts"]) == ("permanent", "1")
+    assert letter.idem["idem.error.class"] == "ResultNotJSON"
     assert letter.idem["idem.error.message"] == (
-        "2 attempts reached the limit of 2; last error: the handler's result is not "
+        "a code defect, not retried: the handler's result is not "
         "JSON-serialisable (Object of type set is not JSON serializable): return only dict, "
         "list, str, int, float, bool or None (it is stored in result_json and given back to "
         "every duplicate)")
