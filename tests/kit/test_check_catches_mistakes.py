@@ -44,6 +44,16 @@ def failing_scenarios(report: str) -> set[str]:
             if line.startswith("FAILED ")}
 
 
+def difference(report: str, head: str) -> tuple[str, list[str]]:
+    """The report's difference that begins ``head`` (said once, at the top): its lines,
+    and the scenarios it names."""
+    lines = report.splitlines()
+    [start] = [i for i, line in enumerate(lines)
+               if re.fullmatch(rf"  ! \d+\. {re.escape(head)}", line)]
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("    in "))
+    return "\n".join(lines[start:end]) + "\n", lines[end].split(": ", 1)[1].split(", ")
+
+
 def test_the_handlers_without_a_mistake_pass_every_scenario(harness: Harness) -> None:
     local = harness.check(kit_shop.ORDERS, ORDER)
     leased = harness.check(kit_shop.PAYMENTS, ORDER)
@@ -148,8 +158,16 @@ def test_an_event_with_a_random_id_fails(harness: Harness, mistake: dict[str, st
     assert "FAILED   twice [per-message]" in report
     problem = report.split("FAILED   twice [per-message]")[1]
     assert "! events to shop.order-placed: 1 event(s), the reference has 1" in problem
+    # said once for every scenario it shows in: the reference's id missing, each
+    # scenario's own new one extra
+    block, where = difference(
+        report, "events to shop.order-placed: 1 event(s), the reference has 1")
+    assert "twice [per-message]" in where and len(where) > 1
+    assert re.search(r"missing key 'o-1': \{order_id: 'o-1', amount: '12.50', "
+                     r"event_id: '[0-9a-f]{32}'\}", block), block
     assert re.search(r"extra   key 'o-1': \{order_id: 'o-1', amount: '12.50', "
-                     r"event_id: '[0-9a-f]{32}'\}", problem), problem
+                     r"event_id: <a different value in each scenario: '[0-9a-f]{32}', ", block), \
+        block
     # a field left out by the user (the event topic in ignore=) is not compared
     with Harness(kit_shop.app, database_url=ADMIN_DSN, remotes={"bank": kit_shop.bank},
                  ignore={kit_shop.PLACED: ["event_id"]}) as lenient:
@@ -180,7 +198,34 @@ def test_an_event_written_through_a_second_connection_fails(
     problem = report.split("FAILED   retries_exhausted [per-message]")[1].split("FAILED")[0]
     assert ("! events to shop.order-placed: 5 event(s), the clean database (no event) has 0"
             in problem), problem
+    block, where = difference(
+        report, "events to shop.order-placed: 5 event(s), the clean database (no event) has 0")
+    assert where == ["retries_exhausted [per-message]"]
     # the order row's id, a value the database makes, is left out (and not shown)
-    assert problem.count("extra   key 'o-1': {order_id: 'o-1', amount: '12.50'}\n") == 5
+    assert block.count("extra   key 'o-1': {order_id: 'o-1', amount: '12.50'}\n") == 5
     crash = report.split("FAILED   crash_before_commit [per-message]")[1]
     assert "events to shop.order-placed: 2 event(s), the reference has 1" in crash
+
+
+def test_a_difference_seen_in_several_scenarios_is_said_once_naming_them(
+    harness: Harness, mistake: dict[str, str]
+) -> None:
+    report = failed(harness, kit_shop.ORDERS, mistake, "own_connection")
+    lines = report.splitlines()
+    head = "table shop.orders: 1 row(s) more than the reference"
+    block, where = difference(report, head)
+    assert where == ["crash_before_commit [per-message]", "crash_before_commit [batch]"]
+    assert block.splitlines()[1:] == [
+        "        extra   {key: 't1:order:o-1', order_id: 'o-1', amount: 12.50, invoice: None}"]
+    # the row is shown once; each of the scenarios names the difference in one line
+    assert report.count("extra   {key: 't1:order:o-1', order_id: 'o-1', amount: 12.50, "
+                        "invoice: None}") == 1 + 5 + 6  # and retries_exhausted's own rows
+    number = re.fullmatch(r"  ! (\d+)\. .*", block.splitlines()[0])
+    assert number is not None
+    named = [line for line in lines if line.endswith(f"(difference {number[1]} above)")]
+    assert named == [f"  ! {head}  (difference {number[1]} above)"] * len(where)
+    # what differs comes first, right after the verdict; the context and each scenario after
+    assert lines[0].endswith("4 of 14 scenarios FAILED in " + lines[0].rsplit(" in ", 1)[1])
+    assert lines[1].startswith("  ! 1. table shop.orders: ")
+    assert lines.index("  compared: shop.charges, shop.counters, shop.orders; remotes: bank") \
+        > max(i for i, line in enumerate(lines) if line.startswith("    in "))
