@@ -100,6 +100,34 @@ def test_a_code_defect_is_dead_lettered_at_the_first_attempt_and_the_offset_comm
     assert (permanent, retries) == (4, 0)
 
 
+def test_an_async_handlers_code_defect_is_dead_lettered_at_the_first_attempt(
+    db: DB, topics: Topics, group: str
+) -> None:
+    topic = topics(partitions=1)
+    record_history(db)
+
+    async def defective(msg: payments.ChargeRequested, ctx: Any) -> Any:
+        await ctx.tx.execute("SELECT 1")
+        return msg.amount + "1"  # TypeError
+
+    produce(topic, [(b"o1", encode_charge("t1", "o1", "10.00"))])
+    app = charge_app(db, topic, group, defective, mode="leased",
+                     retry=RetryPolicy(base=0.1, cap=0.1, max_attempts=5))
+    with InProcess(app):
+        wait_for(lambda: caught_up(group, topic), what="the partition to drain")
+    key = "t1:charge:o1"
+    rec = db.record(key)
+    assert rec is not None
+    assert (rec["status"], rec["error_kind"], rec["attempts"], rec["error_class"]) == (
+        "failed", "permanent", 1, "TypeError")
+    assert rec["error_message"].startswith(DEFECT)
+    assert [c["attempts"] for c in claims(db, key)] == [1]
+    (letter,) = dlq_records(topic)
+    assert_dead_letter(letter, _source(topic, 0), kind="permanent", attempts=1, group=group,
+                       key=key, record=rec)
+    assert committed(group, topic) == {0: 1}
+
+
 @pytest.mark.parametrize("mode", ["local", "leased"])
 def test_a_mapping_to_retryable_restores_retries_for_type_errors(
     db: DB, topics: Topics, group: str, mode: str
