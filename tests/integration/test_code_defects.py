@@ -264,3 +264,34 @@ def test_a_bulk_handlers_type_error_falls_back_to_the_per_message_handler(db: DB
     rec = db.record(KEY)
     assert rec is not None and (rec["status"], rec["attempts"]) == ("succeeded", 1)
     assert db.ledger_counts() == {KEY: 1}
+
+
+def test_a_type_error_in_kafka_idems_own_async_completion_is_not_charged(
+    db: DB, topics: Topics, group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    topic = topics(partitions=1)
+    real = Store.complete_async
+    broken: list[str] = []
+
+    async def complete_async(self: Store, *args: Any, **kwargs: Any) -> None:
+        if not broken:
+            broken.append(kwargs["key"])
+            raise TypeError("a defect of kafka_idem's async completion")
+        await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "complete_async", complete_async)
+
+    async def handler(msg: payments.ChargeRequested, ctx: Any) -> Any:
+        await ctx.tx.execute("SELECT 1")
+        return {"order_id": msg.order_id}
+
+    produce(topic, [(b"o1", encode_charge("t1", "o1", "10.00"))])
+    app = charge_app(db, topic, group, handler, mode="leased",
+                     retry=RetryPolicy(base=0.1, cap=0.1, max_attempts=5))
+    with InProcess(app):
+        wait_for(lambda: caught_up(group, topic), what="the partition to drain")
+    assert broken == ["t1:charge:o1"]
+    rec = db.record("t1:charge:o1")
+    assert rec is not None
+    assert (rec["status"], rec["attempts"], rec["error_kind"]) == ("succeeded", 1, None)
+    assert dlq_records(topic) == []
