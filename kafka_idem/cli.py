@@ -32,7 +32,7 @@ from kafka_idem.cli_verify import verify
 from kafka_idem.errors import ConfigError
 from kafka_idem.migrate import migrate as run_migrations
 from kafka_idem.migrate import migrate_app
-from kafka_idem.settings import Settings, load_settings
+from kafka_idem.settings import Settings, load_settings, warn_unknown_variables
 from kafka_idem.store import Store, connect
 
 log = logging.getLogger("kafka_idem.cli")
@@ -113,8 +113,14 @@ def cli(ctx: click.Context, /, log_format: str | None, debug: bool, **overrides:
     if log_format:
         clean["log_format"] = log_format
     ctx.obj = Ctx(clean)
-    s = load_settings(**clean)  # a ConfigError is one line and exit 2 (main)
+    try:
+        s = load_settings(warn_unknown=False, **clean)
+    except ConfigError:  # one line and exit 2 (main), after the misspelt variables
+        logs.configure()
+        warn_unknown_variables()
+        raise
     logs.configure(s.log_format, s.log_level)
+    warn_unknown_variables()  # once logging is set: said in the chosen format
     if ctx.invoked_subcommand != "run" and s.log_level != "DEBUG":
         # The tools print their own results; librdkafka's notices (INFO) are noise there.
         logging.getLogger("kafka_idem.kafka").setLevel(logging.WARNING)
