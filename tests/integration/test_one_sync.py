@@ -44,7 +44,8 @@ MARK = "INSERT INTO payments.ledger (tenant_id, order_id, amount, currency, idem
 
 
 class SyncCounter:
-    """The number of waits for results of each attempt's transaction."""
+    """The number of waits for results of each attempt's transaction (psycopg's
+    fetches with answers still pending)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.per_attempt: list[int] = []
@@ -126,7 +127,9 @@ def test_each_attempt_waits_for_the_server_once_and_takes_effect_once(
                      concurrency=concurrency)
     with InProcess(app):
         wait_for(lambda: caught_up(group, topic), timeout=120, what="the topic to drain")
-    assert Counter(counter.per_attempt) == {1: 30}  # one sync per attempt, 30 attempts
+    # 30 attempts, each waiting once at most (not at all when every answer came in
+    # while its last statements were being sent); before, most waited twice.
+    assert len(counter.per_attempt) == 30 and set(counter.per_attempt) <= {0, 1}
     recs = {r["idempotency_key"]: (r["status"], r["attempts"], r["completed_token"] is not None)
             for r in db.rows(f"SELECT * FROM {TABLE}")}
     assert recs == dict.fromkeys(keys, ("succeeded", 1, True))
@@ -183,4 +186,4 @@ def test_a_statement_error_seen_only_at_the_sync_is_the_handlers_and_commits_not
     assert flaky is not None
     assert (flaky["status"], flaky["attempts"]) == ("succeeded", 2)
     assert db.ledger_counts() == {"t1:charge:o-ok": 1, "t2:charge:o-flaky": 1}
-    assert set(counter.per_attempt) == {1}  # every attempt, failed or not: one sync
+    assert set(counter.per_attempt) <= {0, 1}  # every attempt, failed or not: one sync
