@@ -32,7 +32,7 @@ from kafka_idem.cli_verify import verify
 from kafka_idem.errors import ConfigError
 from kafka_idem.migrate import migrate as run_migrations
 from kafka_idem.migrate import migrate_app
-from kafka_idem.settings import Settings, load_settings
+from kafka_idem.settings import Settings, load_settings, warn_unknown_variables
 from kafka_idem.store import Store, connect
 
 log = logging.getLogger("kafka_idem.cli")
@@ -41,24 +41,25 @@ log = logging.getLogger("kafka_idem.cli")
 HINT = "'MODULE:APP'"
 
 
-def load_app(spec: str) -> App:
-    """Import ``module:attribute`` and return the :class:`App` it names."""
+def load_app(spec: str, *, param_hint: str = HINT) -> App:
+    """Import ``module:attribute`` and return the :class:`App` it names (``param_hint``:
+    what the user typed it as, in the error of a bad one: an option's ``'--app'``)."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise click.BadParameter(f"{spec!r} is not MODULE:APP (e.g. consumers.payments:app)",
-                                 param_hint=HINT)
+                                 param_hint=param_hint)
     if "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise click.BadParameter(f"cannot import {module_name!r}: {exc}",
-                                 param_hint=HINT) from exc
+                                 param_hint=param_hint) from exc
     except ConfigError:
         raise
     except Exception as exc:
         raise click.BadParameter(f"importing {module_name!r} failed{_where(exc)}: "
-                                 f"{type(exc).__name__}: {exc}", param_hint=HINT) from exc
+                                 f"{type(exc).__name__}: {exc}", param_hint=param_hint) from exc
     app = getattr(module, attr, None)
     if isinstance(app, App):
         return app
@@ -67,9 +68,9 @@ def load_app(spec: str) -> App:
              else "it has no App object")
     if not hasattr(module, attr):
         raise click.BadParameter(f"module {module_name!r} has no attribute {attr!r} ({found})",
-                                 param_hint=HINT)
+                                 param_hint=param_hint)
     raise click.BadParameter(f"{spec!r} is a {type(app).__name__}, not a kafka_idem App "
-                             f"({found})", param_hint=HINT)
+                             f"({found})", param_hint=param_hint)
 
 
 def _where(exc: BaseException) -> str:
@@ -113,8 +114,14 @@ def cli(ctx: click.Context, /, log_format: str | None, debug: bool, **overrides:
     if log_format:
         clean["log_format"] = log_format
     ctx.obj = Ctx(clean)
-    s = load_settings(**clean)  # a ConfigError is one line and exit 2 (main)
+    try:
+        s = load_settings(warn_unknown=False, **clean)
+    except ConfigError:  # one line and exit 2 (main), after the misspelt variables
+        logs.configure()
+        warn_unknown_variables()
+        raise
     logs.configure(s.log_format, s.log_level)
+    warn_unknown_variables()  # once logging is set: said in the chosen format
     if ctx.invoked_subcommand != "run" and s.log_level != "DEBUG":
         # The tools print their own results; librdkafka's notices (INFO) are noise there.
         logging.getLogger("kafka_idem.kafka").setLevel(logging.WARNING)
@@ -133,7 +140,7 @@ def migrate(obj: Ctx, app_spec: str | None) -> None:
     An app with such records is refused at start until this ran."""
     from kafka_idem import namespaces
 
-    app = load_app(app_spec) if app_spec else None
+    app = load_app(app_spec, param_hint="'--app'") if app_spec else None
     s = obj.settings(app)
     applied = run_migrations(s.dsn, s.schema_name, s.table)
     names = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "nothing to do"

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import click
 
 from kafka_idem import admin, audit
 from kafka_idem.app import App
-from kafka_idem.cli_errors import ServiceError, warn
+from kafka_idem.cli_errors import ServiceError, as_typed, warn
 from kafka_idem.cli_table import Grid, emit
 from kafka_idem.cli_text import plain, to_json
 from kafka_idem.errors import FrameworkError
@@ -254,8 +255,9 @@ def _rerun_one(obj: _Obj, key: str, reason: str, actor: str | None,
         if rec is None:
             raise admin.Refused(f"no record with this key in namespace {store.ns!r}", key=key)
         topic = dlq_topic or f"{rec['kafka_topic']}{s.dlq_suffix}"
-        letter = (replay.latest_for_key(s, topic, key, store.ns) if rec["status"] == "failed"
-                  else None)
+        with _dlq_typed(s, dlq_topic):
+            letter = (replay.latest_for_key(s, topic, key, store.ns)
+                      if rec["status"] == "failed" else None)
         if rec["status"] == "failed" and letter is None:
             raise admin.Refused(f"no dead-lettered message for this key in {topic}", key=key)
         if letter is not None and letter.truncated is not None:
@@ -282,6 +284,15 @@ def _rerun_one(obj: _Obj, key: str, reason: str, actor: str | None,
                      f"{target} from {topic}[{letter.partition}]@{letter.offset}"))
 
 
+def _dlq_typed(s: Settings, dlq_topic: str | None) -> AbstractContextManager[None]:
+    """A DLQ that does not exist named as the user gave it: --dlq, or by default."""
+    if dlq_topic:
+        return as_typed({"dlq_topic": f"--dlq {dlq_topic}"})
+    return as_typed({"dlq_topic": None}, hints={
+        "dlq_topic": f"the DLQ of a record's topic is that topic + the dlq_suffix setting "
+                     f"{s.dlq_suffix!r}; --dlq TOPIC names a DLQ itself"})
+
+
 def _rerun_bulk(obj: _Obj, reason: str | None, actor: str | None, dlq_topic: str | None, *,
                 kind: str | None, since: Any, until: Any, handler: str | None,
                 namespace: str | None, key_prefix: str | None, limit: int | None,
@@ -300,8 +311,9 @@ def _rerun_bulk(obj: _Obj, reason: str | None, actor: str | None, dlq_topic: str
         if namespace is not None:
             admin.require_namespace(conn, _store(s), namespace)
             conn.rollback()
-        summary = bulk_rerun(s, conn, _store(s), flt, dlq_topic=dlq_topic, actor=who,
-                             reason=reason, dry_run=dry_run, progress=progress)
+        with _dlq_typed(s, dlq_topic):
+            summary = bulk_rerun(s, conn, _store(s), flt, dlq_topic=dlq_topic, actor=who,
+                                 reason=reason, dry_run=dry_run, progress=progress)
     finally:
         conn.close()
     if as_json:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
 
 import click
@@ -22,7 +23,7 @@ import click
 from kafka_idem import audit, replay
 from kafka_idem.app import App
 from kafka_idem.cli_admin import store_connection
-from kafka_idem.cli_errors import warn
+from kafka_idem.cli_errors import as_typed, warn
 from kafka_idem.cli_table import Grid, emit
 from kafka_idem.cli_text import plain, to_json
 from kafka_idem.dlq import ERROR_KINDS
@@ -101,6 +102,22 @@ def _dlq_topic(s: Settings, dlq_topic: str | None, source_topic: str | None) -> 
     return dlq_topic or replay.dlq_topic_for(s, source_topic or "")
 
 
+def _typed(s: Settings, dlq_topic: str | None, source_topic: str | None,
+           **options: str | None) -> AbstractContextManager[None]:
+    """:func:`~kafka_idem.cli_errors.as_typed` for the options the user typed, by the
+    replay parameter each one filled: the DLQ named by --dlq or --topic, and
+    ``options`` (``partition="--partition 3"``...)."""
+    if dlq_topic:
+        return as_typed({"dlq_topic": f"--dlq {dlq_topic}", **options})
+    return as_typed({"dlq_topic": f"--topic {source_topic}", **options}, hints={
+        "dlq_topic": f"the DLQ of --topic SOURCE is SOURCE + the dlq_suffix setting "
+                     f"{s.dlq_suffix!r}; --dlq TOPIC names a DLQ itself"})
+
+
+def _option(name: str, value: object | None) -> str | None:
+    return None if value is None else f"{name} {value}"
+
+
 def _nothing(message: str) -> None:
     """Nothing matched: one ``error:`` line, like every failure, and exit 1."""
     click.echo(plain(f"error: {message}"), err=True)
@@ -147,15 +164,17 @@ def list_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, limit: 
     selection = _selection(opts)
     records: list[replay.DlqRecord] = []
     more = False
-    found = replay.scan(s, topic, selection)
-    try:
-        for rec in found:
-            if len(records) == limit:
-                more = True
-                break
-            records.append(rec)
-    finally:
-        found.close()
+    with _typed(s, dlq_topic, source_topic,
+                         partition=_option("--partition", opts["partition"])):
+        found = replay.scan(s, topic, selection)
+        try:
+            for rec in found:
+                if len(records) == limit:
+                    more = True
+                    break
+                records.append(rec)
+        finally:
+            found.close()
     if not records:
         _nothing(f"no record of {topic} matches")
     records.sort(key=lambda r: (r.partition, r.offset))
@@ -196,10 +215,12 @@ def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: 
     if app_spec:
         from kafka_idem.cli import load_app
 
-        app = load_app(app_spec)
+        app = load_app(app_spec, param_hint="'--app'")
     s = obj.settings(app)
     topic = _dlq_topic(s, dlq_topic, source_topic)
-    rec = replay.read_one(s, topic, partition, offset)
+    with _typed(s, dlq_topic, source_topic,
+                         partition=_option("--partition", partition)):
+        rec = replay.read_one(s, topic, partition, offset)
     if rec is None:
         _nothing(f"no record at {topic}[{partition}]@{offset}")
         return
@@ -295,12 +316,16 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
                       "idempotency_key": rec.idempotency_key, "kind": rec.kind,
                       "target": target, "action": action})
 
-    summary = replay.replay(  # a refusal (no --reason...) is one line, exit 1 (cli_errors)
-        s, None, topic, selection, to_topic=to_topic, dry_run=dry_run, rate=rate,
-        limit=limit, actor=actor or audit.default_actor(), progress=not no_progress,
-        group=group, on_action=on_action if dry_run else None,
-        include_permanent=include_permanent, reason=reason,
-    )
+    typed = _typed(s, dlq_topic, source_topic, partition=_option("--partition", opts["partition"]),
+                   to_topic=_option("--to", to_topic), limit=_option("--limit", limit),
+                   rate=_option("--rate", rate))
+    with typed:
+        summary = replay.replay(  # a refusal (no --reason...): one line, exit 1 (cli_errors)
+            s, None, topic, selection, to_topic=to_topic, dry_run=dry_run, rate=rate,
+            limit=limit, actor=actor or audit.default_actor(), progress=not no_progress,
+            group=group, on_action=on_action if dry_run else None,
+            include_permanent=include_permanent, reason=reason,
+        )
     if as_json:
         _echo_json({**summary.to_json(), **({"would_send_records": would} if dry_run else {})})
     else:

@@ -17,7 +17,8 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import click
@@ -103,6 +104,29 @@ def warn(text: str) -> None:
     click.echo(show(text), err=True)
 
 
+@contextmanager
+def as_typed(options: Mapping[str, str | None],
+             hints: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Say a :class:`ConfigError` about a parameter a command filled from the command
+    line in the user's words: ``options`` maps the parameter (the error's ``setting``,
+    e.g. ``dlq_topic``) to the option as it was typed (``--topic orders``), which then
+    leads the message, instead of a ``(setting=dlq_topic)`` that names nothing the
+    user knows; ``None``: the message says enough (only the parameter's name goes).
+    ``hints`` adds a parenthesis after the message, by parameter."""
+    try:
+        yield
+    except ConfigError as exc:
+        setting = exc.context.get("setting")
+        if not isinstance(setting, str) or setting not in options:
+            raise
+        typed = options[setting]
+        hint = (hints or {}).get(setting)
+        text = (f"{typed}: {exc.message}" if typed else exc.message) + (
+            f" ({hint})" if hint else "")
+        rest = {k: v for k, v in exc.context.items() if k != "setting"}
+        raise ConfigError(text, **rest) from exc
+
+
 def describe(exc: BaseException) -> tuple[int, str]:
     """The exit code and the one-line message for an exception that ended a command."""
     if isinstance(exc, Refused):
@@ -161,4 +185,5 @@ def usage(exc: click.ClickException) -> int:
 
 
 __all__ = ["CHECK_FAILED", "EXIT_CODES", "INTERNAL", "OK", "OPERATIONAL", "STATE", "USAGE",
-           "ServiceError", "add_secrets", "describe", "fail", "show", "start", "usage", "warn"]
+           "ServiceError", "add_secrets", "as_typed", "describe", "fail", "show", "start",
+           "usage", "warn"]

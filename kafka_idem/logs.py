@@ -1,4 +1,5 @@
-"""Structured logs: a stable ``action`` field plus topic/partition/offset/key.
+"""Structured logs: a stable ``action`` field plus topic/partition/offset/key (and, for
+a dead letter, the error's kind, class and bounded message).
 
 Never payloads or secrets. ``log_format="json"`` writes one JSON object a line.
 """
@@ -11,7 +12,11 @@ import re
 import sys
 from typing import Any
 
-FIELDS = ("action", "topic", "partition", "offset", "key", "handler", "attempts", "kind", "delay")
+FIELDS = ("action", "topic", "partition", "offset", "key", "handler", "attempts", "kind", "delay",
+          "error_class", "error_message")
+# Fields the text format leaves out: the line's own text already says them (a dead
+# letter's "dead-lettering (KIND): CLASS: MESSAGE"), and the message is the longest.
+IN_TEXT = ("error_message",)
 
 
 class JsonFormatter(logging.Formatter):
@@ -49,7 +54,8 @@ class TextFormatter(logging.Formatter):
                                             "args": None})
         base = super().format(record)
         extra = " ".join(
-            f"{n}={_escape(str(getattr(record, n)))}" for n in FIELDS if hasattr(record, n)
+            f"{n}={_escape(str(getattr(record, n)))}" for n in FIELDS
+            if hasattr(record, n) and n not in IN_TEXT
         )
         return f"{base} {extra}" if extra else base
 

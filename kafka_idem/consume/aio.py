@@ -50,7 +50,7 @@ from kafka_idem.store import (
     Outcome,
     classify_db_error,
     connect_async,
-    translated,
+    raise_attempt_error,
 )
 
 T = TypeVar("T")
@@ -181,8 +181,8 @@ class AsyncLeasedPath:
         self, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
         hold: Hold | None,
     ) -> Result:
-        """BEGIN, the handler, the fenced completion, COMMIT, in the sync path's two
-        round trips (:meth:`Steps._run_pipelined`); on the handler's error, the failure
+        """BEGIN, the handler, the fenced completion, COMMIT, in the sync path's one
+        round trip (:meth:`Steps._run_pipelined`); on the handler's error, the failure
         is recorded in its own transaction on a thread."""
         assert claim.token is not None
         conn = await self.conns.take()
@@ -225,23 +225,22 @@ class AsyncLeasedPath:
         assert claim.token is not None
         completing = False
         try:
-            async with conn.pipeline() as pipe:
+            async with conn.pipeline():
                 await conn.execute("BEGIN", prepare=False)
                 result, how = await self._call(handler, prep, ctx, claim)
-                await pipe.sync()  # the handler's statements answer here
-                completing = True
+                completing = True  # errors from here on may be any statement's
                 with own_code(prep.key):
                     await self.steps.emitter.flush_async(conn, ctx)  # its events, in this tx
                     await self.store.complete_async(
                         conn, key=prep.key, token=claim.token, result=result, wait=False)
                     if hold is not None:
                         hold.release()  # before the commit (see LeaseKeeper.hold)
-                await conn.execute("COMMIT", prepare=False)  # with the pipeline's last sync
+                await conn.execute("COMMIT", prepare=False)  # with the pipeline's one sync
         except BaseException as exc:
             with contextlib.suppress(psycopg.Error):
                 await conn.rollback()
-            if completing and isinstance(exc, psycopg.Error):
-                raise translated(exc, key=prep.key) from exc
+            if completing:
+                raise_attempt_error(exc, key=prep.key)
             raise
         return how
 

@@ -379,7 +379,7 @@ def _committed(handler: Handler[Any], msg: Message, result: Result) -> Note | No
     """The log line of a decision the batch made, once its commit made it stand.
 
     These are the lines the per-message path writes for the same decisions (a dead
-    letter says "dead-lettering (KIND)"); a success is not logged here."""
+    letter says "dead-lettering (KIND): CLASS: MESSAGE"); a success is not logged here."""
     if not isinstance(result, Finished):
         return None
     if result.outcome is Ended.REPLAYED:
@@ -388,10 +388,9 @@ def _committed(handler: Handler[Any], msg: Message, result: Result) -> Note | No
         return Note(logging.DEBUG, "replayed stored result", "replayed",
                     {"key": result.key, "handler": handler.name, **where(msg)})
     fields = {"key": result.key, "handler": handler.name, **where(msg)}
-    if result.outcome is Ended.CONFLICT:
-        return Note(logging.WARNING, "payload conflict", "conflict", fields)
     if result.letter is not None:
-        return letter_note(result.letter.kind, "dead_lettered", fields)
+        action = "conflict" if result.outcome is Ended.CONFLICT else "dead_lettered"
+        return letter_note(result.letter, action, fields)
     return None
 
 

@@ -69,7 +69,7 @@ from kafka_idem.store import (
     Store,
     classify_db_error,
     describe,
-    translated,
+    raise_attempt_error,
 )
 from kafka_idem.tracing import Tracing
 
@@ -281,7 +281,7 @@ class Steps:
         """The handler and the completion in a transaction of their own (a savepoint of
         the caller's, local mode), rolled back alone on failure."""
         with conn.transaction():
-            result, how = self._handler_step(handler, msg, prep, claim, ctx, None)
+            result, how = self._handler_step(handler, msg, prep, claim, ctx)
             self._complete_step(conn, msg, prep, claim, ctx, result, hold)
         return how
 
@@ -289,29 +289,29 @@ class Steps:
         self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
         ctx: Context, hold: Hold | None,
     ) -> str:
-        """Leased mode, in two round trips: ``BEGIN`` and the handler's statements
-        (one sync after the handler, so its own errors are told apart from the
-        completion's), then the fenced completion and ``COMMIT`` together, on leaving
-        the pipeline. ``BEGIN`` and ``COMMIT`` are sent as statements on the autocommit
-        connection, so they share those syncs (psycopg's own transaction block syncs
-        ``BEGIN`` alone, and once more around it on each side). A stale completion
-        fails on the server (KI002), so the ``COMMIT`` after it cannot commit the
-        handler's writes: it leaves here as :class:`StaleOwner`. Any error rolls the
-        attempt back."""
+        """Leased mode, in one round trip: ``BEGIN``, the handler's statements, its
+        events, the fenced completion and ``COMMIT`` share the pipeline's one sync, on
+        leaving it (a handler that reads a result syncs there too). ``BEGIN`` and
+        ``COMMIT`` are sent as statements on the autocommit connection (psycopg's own
+        transaction block syncs ``BEGIN`` alone, and once more around it on each side).
+        A stale completion fails on the server (KI002), so the ``COMMIT`` after it
+        cannot commit the handler's writes: it leaves here as :class:`StaleOwner`. Any
+        other error of the transaction is the attempt's (:func:`attempt_error`). Any
+        error rolls the attempt back."""
         conn.autocommit = True
         completing = False
         try:
-            with conn.pipeline() as pipe:
+            with conn.pipeline():
                 conn.execute("BEGIN", prepare=False)
-                result, how = self._handler_step(handler, msg, prep, claim, ctx, pipe)
-                completing = True  # errors from here on are the completion's or the commit's
+                result, how = self._handler_step(handler, msg, prep, claim, ctx)
+                completing = True  # errors from here on may be any statement's
                 self._complete_step(conn, msg, prep, claim, ctx, result, hold, wait=False)
-                conn.execute("COMMIT", prepare=False)  # sent with the pipeline's last sync
+                conn.execute("COMMIT", prepare=False)  # sent with the pipeline's one sync
         except BaseException as exc:
             with contextlib.suppress(psycopg.Error):
                 conn.rollback()  # an aborted or open transaction (no-op when none is)
-            if completing and isinstance(exc, psycopg.Error):
-                raise translated(exc, key=prep.key) from exc
+            if completing:
+                raise_attempt_error(exc, key=prep.key)
             raise
         finally:
             if not conn.closed:
@@ -320,14 +320,10 @@ class Steps:
 
     def _handler_step(
         self, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim, ctx: Context,
-        pipe: psycopg.Pipeline | None,
     ) -> tuple[Any, str]:
         self.tracing.note(msg, handler=handler.name, key=prep.key, attempts=claim.attempts)
         with self.tracing.step(msg, "handler"):
-            result, how = self._call(handler, prep, ctx, claim)
-            if pipe is not None:
-                pipe.sync()  # the handler's statements answer here
-        return result, how
+            return self._call(handler, prep, ctx, claim)
 
     def _complete_step(
         self, conn: Conn, msg: Message, prep: Prepared, claim: Claim, ctx: Context,

@@ -37,16 +37,17 @@ class Note:
         log.log(self.level, self.text, *self.args, extra={"action": self.action, **self.fields})
 
 
-def letter_note(kind: str, action: str, fields: Mapping[str, Any],
-                why: object | None = None) -> Note:
+def letter_note(letter: DeadLetter, action: str, fields: Mapping[str, Any]) -> Note:
     """The one log line of a dead letter, on every path and for every kind:
-    ``dead-lettering (KIND)``, with why when there is more to say (``action`` keeps
-    telling the decisions apart: rejected, failed, exhausted, dead_lettered)."""
-    if why is None:
-        return Note(logging.WARNING, "dead-lettering (%s)", action, {"kind": kind, **fields},
-                    (kind,))
-    return Note(logging.WARNING, "dead-lettering (%s): %s", action, {"kind": kind, **fields},
-                (kind, why))
+    ``dead-lettering (KIND): CLASS: MESSAGE``, the error as the letter's
+    ``idem.error.*`` headers carry it (bounded to ``error_message_max``; never the
+    payload). ``kind``, ``error_class`` and ``error_message`` are also fields, next to
+    where the message came from; ``action`` keeps telling the decisions apart:
+    rejected, failed, exhausted, dead_lettered, conflict."""
+    error = {"kind": letter.kind, "error_class": letter.error_class,
+             "error_message": letter.error_message}
+    return Note(logging.WARNING, "dead-lettering (%s): %s: %s", action, {**fields, **error},
+                (letter.kind, letter.error_class, letter.error_message))
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +101,7 @@ def undecodable(
     kind = "undecodable" if isinstance(exc, Undecodable) else "permanent"
     letter = letters.letter(msg, kind=kind, error_class=type(exc).__name__, message=str(exc),
                             attempts=0, key=key)
-    note = letter_note(kind, "rejected", {"handler": letters.handler, "key": key, **where(msg)},
-                       exc)
+    note = letter_note(letter, "rejected", {"handler": letters.handler, "key": key, **where(msg)})
     return Verdict(Finished(Ended.DEAD_LETTERED, letter, key=key), note)
 
 
@@ -134,7 +134,7 @@ def not_claimed(
             attempts=claim.attempts, key=prep.key,
         )
         return Verdict(Finished(Ended.CONFLICT, letter, key=prep.key),
-                       Note(logging.WARNING, "payload conflict", "conflict", fields))
+                       letter_note(letter, "conflict", fields))
     if claim.outcome is Outcome.CLAIMED:
         raise ValueError(f"claim of {prep.key!r} was claimed: run it, there is no verdict")
     # DEAD (already failed) or EXHAUSTED (just moved to failed by the claim)
@@ -145,7 +145,7 @@ def not_claimed(
         failure=claim,
     )
     return Verdict(Finished(Ended.DEAD_LETTERED, letter, key=prep.key),
-                   letter_note(kind, "dead_lettered", fields))
+                   letter_note(letter, "dead_lettered", fields))
 
 
 # --- a handler's exception ---------------------------------------------------------
@@ -237,14 +237,7 @@ def after_failure(
             {"kind": f.kind, "delay": round(f.delay, 3), **fields}, (error_class, message)))
     letter = letters.letter(msg, kind=f.kind, error_class=error_class, message=message,
                             attempts=recorded.attempts, key=key, failure=recorded)
-    if f.exhausted:
-        note = letter_note("exhausted", "exhausted", fields, "retries exhausted")
-    elif f.defect:
-        note = letter_note(f.kind, "failed", fields, f"{error_class} is a code defect, not "
-                           "retried: fix the code, then re-drive it with `kafka-idem dlq "
-                           "replay --include-permanent`")
-    else:
-        note = letter_note(f.kind, "failed", fields, "a permanent failure")
+    note = letter_note(letter, "exhausted" if f.exhausted else "failed", fields)
     return Verdict(Finished(Ended.DEAD_LETTERED, letter, key=key), note)
 
 

@@ -48,7 +48,7 @@ def partitions_of(consumer: Consumer, topic: str, selection: Selection) -> list[
         md = consumer.list_topics(topic, timeout=TIMEOUT)
     meta = md.topics.get(topic)
     if meta is None or meta.error is not None or not meta.partitions:
-        raise ConfigError(f"topic {topic!r} does not exist", setting="dlq")
+        raise ConfigError(f"topic {topic!r} does not exist", setting="dlq_topic")
     parts = sorted(meta.partitions)
     if selection.partition is not None:
         if selection.partition not in parts:

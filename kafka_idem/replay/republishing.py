@@ -51,7 +51,7 @@ def target_of(record: DlqRecord, to_topic: str | None) -> str:
         raise ConfigError(
             f"{record.dlq_topic}[{record.partition}]@{record.offset} has no "
             "idem.original.topic header; choose a target with --to",
-            setting="to",
+            setting="to_topic",
         )
     return target
 

@@ -183,7 +183,7 @@ def replay(
     if limit is not None and limit < 1:
         raise ConfigError("limit must be >= 1", setting="limit")
     if to_topic is not None and to_topic == dlq_topic:
-        raise ConfigError("the target topic cannot be the DLQ topic itself", setting="to")
+        raise ConfigError("the target topic cannot be the DLQ topic itself", setting="to_topic")
     store = store or Store(schema=settings.schema_name, table=settings.table)
     group = group or replay_group(dlq_topic, selection, to_topic, include_permanent,
                                   prefix=settings.name_prefix)
@@ -329,7 +329,7 @@ def _check_topic(consumer: Consumer, topic: str) -> None:
         md = consumer.list_topics(topic, timeout=TIMEOUT)
     meta = md.topics.get(topic)
     if meta is None or meta.error is not None or not meta.partitions:
-        raise ConfigError(f"target topic {topic!r} does not exist", setting="to")
+        raise ConfigError(f"target topic {topic!r} does not exist", setting="to_topic")
 
 
 def _send(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 
@@ -144,3 +144,23 @@ def translated(exc: psycopg.Error | UnicodeEncodeError, **context: Any) -> Kafka
         return rejected(exc, **context)
     summary = (cls.__doc__ or "").strip().splitlines()[0]
     return cls(redact(f"{summary}: {exc}"), **context)
+
+
+def raise_attempt_error(exc: BaseException, **context: Any) -> NoReturn:
+    """Raise what an error of a leased attempt's transaction means once its completion
+    was queued behind the handler's statements, all answering at one sync.
+
+    The framework's own SQLSTATEs (KI002: the lease was lost; KI001) are the
+    completion's: raised translated (:class:`StaleOwner`). Any other database error
+    may be any statement's, the handler's own seen only now, so it goes on raw, to be
+    judged as the handler's error would be (data errors permanent, transient and
+    lost-connection errors never charged). A translated error whose cause is such an
+    error (seen while the completion or its events were being sent) goes on as that
+    cause."""
+    raw = exc
+    if (isinstance(exc, KafkaIdemError) and not isinstance(exc, StaleOwner | IllegalTransition)
+            and isinstance(exc.__cause__, psycopg.Error)):
+        raw = exc.__cause__
+    if isinstance(raw, psycopg.Error) and raw.sqlstate in (STALE_OWNER, ILLEGAL_TRANSITION):
+        raise translated(raw, **context) from raw
+    raise raw

@@ -419,6 +419,50 @@ def test_usage_errors_exit_2(mixed: MixedRun, mixed_db: DB, args: tuple[str, ...
     assert audit_rows(mixed_db) == []
 
 
+NO_DLQ = ("the DLQ of --topic SOURCE is SOURCE + the dlq_suffix setting '.dlq'; "
+          "--dlq TOPIC names a DLQ itself")
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (("dlq", "list", "--topic", "t-nope"),
+     f"error: --topic t-nope: topic 't-nope.dlq' does not exist ({NO_DLQ})"),
+    (("dlq", "show", "--topic", "t-nope", "--partition", "0", "--offset", "0"),
+     f"error: --topic t-nope: topic 't-nope.dlq' does not exist ({NO_DLQ})"),
+    (("dlq", "replay", "--topic", "t-nope", "--dry-run", "--no-progress"),
+     f"error: --topic t-nope: topic 't-nope.dlq' does not exist ({NO_DLQ})"),
+    (("dlq", "list", "--dlq", "t-nope.dlq"),
+     "error: --dlq t-nope.dlq: topic 't-nope.dlq' does not exist"),
+    (("dlq", "replay", "--dlq", "t-nope.dlq", "--dry-run", "--no-progress"),
+     "error: --dlq t-nope.dlq: topic 't-nope.dlq' does not exist"),
+    (("dlq", "list", "--dlq", "{dlq}", "--partition", "7"),
+     "error: --partition 7: topic '{dlq}' has no partition 7 (partitions 0..1)"),
+    (("dlq", "show", "--dlq", "{dlq}", "--partition", "7", "--offset", "0"),
+     "error: --partition 7: topic '{dlq}' has no partition 7 (partitions 0..1)"),
+    (("dlq", "replay", "--dlq", "{dlq}", "--partition", "7", "--dry-run", "--no-progress"),
+     "error: --partition 7: topic '{dlq}' has no partition 7 (partitions 0..1)"),
+    (("dlq", "replay", "--dlq", "{dlq}", "--to", "t-nope", "--no-progress", *REDRIVE),
+     "error: --to t-nope: target topic 't-nope' does not exist"),
+    (("dlq", "replay", "--dlq", "{dlq}", "--to", "{dlq}", "--no-progress", *REDRIVE),
+     "error: --to {dlq}: the target topic cannot be the DLQ topic itself"),
+    (("dlq", "show", "--dlq", "{dlq}", "--partition", "0", "--offset", "0", "--payload",
+      "--app", "no_such_module:app"),
+     "error: Invalid value for '--app': cannot import 'no_such_module': No module named "
+     "'no_such_module'"),
+    (("rerun", "--kind", "permanent", "--dlq", "t-nope.dlq", "--dry-run", "--no-progress"),
+     "error: --dlq t-nope.dlq: topic 't-nope.dlq' does not exist"),
+])
+def test_a_bad_topic_or_partition_is_named_as_the_user_typed_it(
+    mixed: MixedRun, mixed_db: DB, args: tuple[str, ...], line: str
+) -> None:
+    """The one error line names the option given (--topic, --dlq, --partition, --to,
+    --app), never a parameter the user cannot set (``setting=dlq``)."""
+    r = kafka_idem(*(a.format(dlq=mixed.dlq) for a in args), db=mixed_db)
+    assert r.code == 2, (r.out, r.err)
+    assert r.err.strip().splitlines() == [line.format(dlq=mixed.dlq)]
+    assert "setting=" not in r.err
+    assert audit_rows(mixed_db) == []
+
+
 def test_every_dlq_command_has_help() -> None:
     for args in (("dlq",), ("dlq", "list"), ("dlq", "show"), ("dlq", "replay")):
         r = kafka_idem(*args, "--help")

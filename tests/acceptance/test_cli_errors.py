@@ -166,6 +166,42 @@ def test_a_metrics_port_in_use_is_one_line_naming_the_setting(
     assert "KAFKA_IDEM_METRICS_PORT" in line
 
 
+# --- variables that are not settings -------------------------------------------------------
+
+MISSPELT = ("KAFKA_IDEM_BATCH_SIZ is not a setting (did you mean KAFKA_IDEM_BATCH_SIZE?); "
+            "it is ignored")
+
+
+def warnings_of(r: Result) -> list[str]:
+    return [ln for ln in r.err.splitlines() if "is not a setting" in ln]
+
+
+def test_a_misspelt_variable_is_one_warning_before_a_config_error(db: DB) -> None:
+    r = kafka_idem("status", db=db, env={"KAFKA_IDEM_BATCH_SIZ": "5",
+                                         "KAFKA_IDEM_MAX_ATTEMPTS": "0"})
+    assert r.code == 2, (r.out, r.err)
+    (warning, error) = r.err.strip().splitlines()
+    assert warning.endswith(f"WARNING kafka_idem.settings: {MISSPELT} action=config_unknown "
+                            "kind=KAFKA_IDEM_BATCH_SIZ")
+    assert error.startswith("error: invalid setting max_attempts (KAFKA_IDEM_MAX_ATTEMPTS)")
+
+
+def test_a_misspelt_variable_is_said_once_by_run_in_the_log_format_chosen(
+    monkeypatch: pytest.MonkeyPatch, db: DB, topics: Topics, taken_port: int
+) -> None:
+    """``run`` loads the settings twice (the CLI's, then the app's): one warning."""
+    monkeypatch.setenv("PAYMENTS_TOPIC", topics(partitions=1))
+    r = kafka_idem("--log-format", "json", "run", "consumers.payments:app", "--metrics-port",
+                   str(taken_port), "--max-seconds", "30", db=db,
+                   env={"KAFKA_IDEM_BATCH_SIZ": "5", "KAFKA_IDEM_ROOT": "/somewhere"})
+    assert r.code == 3, (r.out, r.err)
+    (warning,) = warnings_of(r)
+    data = json.loads(warning)
+    assert (data["level"], data["message"], data["action"], data["kind"]) == (
+        "WARNING", MISSPELT, "config_unknown", "KAFKA_IDEM_BATCH_SIZ")
+    assert r.err.strip().splitlines()[-1].startswith("error: cannot serve /metrics")
+
+
 # --- reports ---------------------------------------------------------------------------------
 
 

@@ -136,7 +136,7 @@ def test_a_code_defect_fails_at_once_and_its_message_says_so() -> None:
     assert plain.stored_message("card declined", 200) == "card declined"
 
 
-def test_a_code_defects_dead_letter_and_log_line_say_how_to_re_drive() -> None:
+def test_a_code_defects_dead_letter_and_log_line_say_it_was_not_retried() -> None:
     f = Failing("failed", "permanent", reason=CODE_DEFECT, defect=True)
     stored = f.stored_message("bad operand", 64)
     v = after_failure(f, RECORDED, letters=LETTERS, msg=MSG, key=KEY, claim=claimed(1),
@@ -148,5 +148,4 @@ def test_a_code_defects_dead_letter_and_log_line_say_how_to_re_drive() -> None:
     assert headers["idem.error.message"] == f"{CODE_DEFECT}: bad operand".encode()
     assert (v.note.action, v.note.level) == ("failed", logging.WARNING)
     assert v.note.text % v.note.args == (
-        "dead-lettering (permanent): TypeError is a code defect, not retried: fix the "
-        "code, then re-drive it with `kafka-idem dlq replay --include-permanent`")
+        f"dead-lettering (permanent): TypeError: {CODE_DEFECT}: bad operand")

@@ -44,3 +44,19 @@ def test_json_format_keeps_control_characters_as_json_escapes() -> None:
     record = logging.makeLogRecord({"msg": "x", "key": "a\nb", "levelname": "INFO"})
     data = json.loads(logs.JsonFormatter().format(record))
     assert data["key"] == "a\nb"
+
+
+def test_a_dead_letters_error_is_a_json_field_and_said_once_in_text(
+    captured: io.StringIO,
+) -> None:
+    log = logging.getLogger("kafka_idem.test")
+    extra = {"action": "failed", "kind": "permanent", "error_class": "Permanent",
+             "error_message": "card declined", "key": "t1:o1"}
+    log.warning("dead-lettering (%s): %s: %s", "permanent", "Permanent", "card declined",
+                extra=extra)
+    text = captured.getvalue()
+    assert text.count("card declined") == 1 and "error_class=Permanent" in text
+    record = logging.makeLogRecord({"msg": "x", "levelname": "WARNING", **extra})
+    data = json.loads(logs.JsonFormatter().format(record))
+    assert (data["kind"], data["error_class"], data["error_message"]) == (
+        "permanent", "Permanent", "card declined")

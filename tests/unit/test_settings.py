@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kafka_idem import settings as settings_module
 from kafka_idem.errors import ConfigError
 from kafka_idem.settings import Settings, load_settings
 
@@ -358,3 +361,94 @@ def test_an_ignored_option_in_kafka_is_said_once(caplog: pytest.LogCaptureFixtur
         "librdkafka option session.timeout.ms in kafka (KAFKA_IDEM_KAFKA) is ignored: set "
         "session_timeout_ms (KAFKA_IDEM_SESSION_TIMEOUT_MS)",
     ]  # enable.auto.offset.store=false is what it uses anyway: nothing to say
+
+
+# --- variables that are not settings -----------------------------------------------
+
+
+@pytest.fixture
+def unknown_said(monkeypatch: pytest.MonkeyPatch,
+                 caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """A process that has said nothing yet about unknown variables; its warnings."""
+    monkeypatch.setattr(settings_module, "_SAID_UNKNOWN", set())
+    caplog.set_level(logging.WARNING, logger="kafka_idem.settings")
+    return caplog
+
+
+def unknown_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if getattr(r, "action", None) == "config_unknown"]
+
+
+def test_a_misspelt_variable_is_warned_about_naming_the_setting_it_meant(
+    monkeypatch: pytest.MonkeyPatch, unknown_said: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("KAFKA_IDEM_BATCH_SIZ", "50")
+    monkeypatch.setenv("KAFKA_IDEM_DATABSE_URL", f"postgresql://app:{SECRET}@db/app")
+    monkeypatch.setenv("KAFKA_IDEM_WHATEVER_ELSE", "1")
+    s = load_settings()
+    assert s.batch_size == 500  # ignored, as the warning says
+    assert unknown_lines(unknown_said) == [
+        "KAFKA_IDEM_BATCH_SIZ is not a setting (did you mean KAFKA_IDEM_BATCH_SIZE?); "
+        "it is ignored",
+        "KAFKA_IDEM_DATABSE_URL is not a setting (did you mean KAFKA_IDEM_DATABASE_URL?); "
+        "it is ignored",
+        "KAFKA_IDEM_WHATEVER_ELSE is not a setting; it is ignored",
+    ]
+    first = next(r for r in unknown_said.records if getattr(r, "action", None))
+    assert (first.levelno, first.name, getattr(first, "kind", None)) == (
+        logging.WARNING, "kafka_idem.settings", "KAFKA_IDEM_BATCH_SIZ")
+    assert SECRET not in unknown_said.text  # never a value
+
+
+def test_an_unknown_variable_is_said_once_per_process_not_per_app(
+    monkeypatch: pytest.MonkeyPatch, unknown_said: pytest.LogCaptureFixture,
+) -> None:
+    from kafka_idem import App
+
+    monkeypatch.setenv("KAFKA_IDEM_MAX_ATTEMTPS", "3")
+    for name in ("one", "two", "three"):
+        app = App(name)
+        assert app.settings.max_attempts == 5
+        app.configure(batch_size=10)
+        assert app.settings.batch_size == 10
+    load_settings()
+    assert unknown_lines(unknown_said) == [
+        "KAFKA_IDEM_MAX_ATTEMTPS is not a setting (did you mean KAFKA_IDEM_MAX_ATTEMPTS?); "
+        "it is ignored"]
+    monkeypatch.setenv("KAFKA_IDEM_LEASE_SECOND", "3")  # a new one is said, once
+    load_settings()
+    load_settings()
+    assert unknown_lines(unknown_said)[1:] == [
+        "KAFKA_IDEM_LEASE_SECOND is not a setting (did you mean KAFKA_IDEM_LEASE_SECONDS?); "
+        "it is ignored"]
+
+
+def test_settings_and_the_projects_own_variables_are_not_warned_about(
+    monkeypatch: pytest.MonkeyPatch, unknown_said: pytest.LogCaptureFixture,
+) -> None:
+    for name in settings_module.OWN_VARIABLES:
+        monkeypatch.setenv(name, "x")
+    monkeypatch.setenv("KAFKA_IDEM_MAX_ATTEMPTS", "3")
+    monkeypatch.setenv("kafka_idem_batch_size", "7")  # read as a setting: any case
+    monkeypatch.setenv("OTHER_KAFKA_IDEM_THING", "1")  # not the prefix
+    s = load_settings()
+    assert (s.max_attempts, s.batch_size) == (3, 7)
+    assert unknown_lines(unknown_said) == []
+
+
+def test_every_kafka_idem_variable_the_project_reads_is_a_setting_or_its_own() -> None:
+    """OWN_VARIABLES stays complete: the names the scripts and ./dev use, and those
+    read with os.environ in kafka_idem/ and the tests' conftest."""
+    root = Path(__file__).resolve().parents[2]
+    name = re.compile(r"\bKAFKA_IDEM_[A-Z0-9_]*[A-Z0-9]\b")
+    read = re.compile(r"environ(?:\.get)?[\[(]\s*[\"'](KAFKA_IDEM_[A-Z0-9_]+)")
+    used: set[tuple[str, str]] = set()
+    for path in [root / "dev", *sorted((root / "scripts").iterdir())]:
+        if path.is_file():
+            used |= {(path.name, n) for n in name.findall(path.read_text())}
+    for path in [*(root / "kafka_idem").rglob("*.py"), root / "tests" / "conftest.py"]:
+        used |= {(path.name, n) for n in read.findall(path.read_text())}
+    assert ("bootstrap.sh", "KAFKA_IDEM_ROOT") in used and ("audit.py", "KAFKA_IDEM_ACTOR") in used
+    known = {*settings_module.setting_variables(), *settings_module.OWN_VARIABLES}
+    assert sorted(f"{where}: {n}" for where, n in used if n not in known) == []

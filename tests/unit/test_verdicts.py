@@ -102,7 +102,9 @@ def test_a_failed_record_is_dead_lettered_again_with_its_story(outcome: Outcome)
         "exhausted", "Retryable", "no stock", 4)
     assert (letter.first_failure_at, letter.last_failure_at) == (T0, T1)
     assert (v.note.action, v.note.fields["kind"]) == ("dead_lettered", "exhausted")
-    assert v.note.text % v.note.args == "dead-lettering (exhausted)"  # one wording
+    assert v.note.text % v.note.args == "dead-lettering (exhausted): Retryable: no stock"
+    assert {k: v.note.fields[k] for k in ("kind", "error_class", "error_message")} == {
+        "kind": "exhausted", "error_class": "Retryable", "error_message": "no stock"}
 
 
 def test_a_failed_record_without_an_error_kind_is_permanent() -> None:
@@ -130,7 +132,10 @@ def test_a_message_that_cannot_be_processed_is_dead_lettered_without_attempts(
     assert (v.result.letter.kind, v.result.letter.attempts,
             v.result.letter.error_class) == (kind, 0, type(exc).__name__)
     assert (v.note.action, v.note.fields["kind"]) == ("rejected", kind)
-    assert v.note.text % v.note.args == f"dead-lettering ({kind}): {exc}"  # one wording
+    line = f"dead-lettering ({kind}): {type(exc).__name__}: {exc}"  # one wording
+    assert v.note.text % v.note.args == line
+    assert (v.note.fields["error_class"], v.note.fields["error_message"]) == (
+        type(exc).__name__, str(exc))
 
 
 # --- a handler's exception ----------------------------------------------------------------
@@ -226,9 +231,9 @@ def test_a_recorded_retry_defers_the_partition() -> None:
 
 
 @pytest.mark.parametrize(("f", "action", "line"), [
-    (Failing("failed", "permanent"), "failed", "dead-lettering (permanent): a permanent failure"),
+    (Failing("failed", "permanent"), "failed", "dead-lettering (permanent): Permanent: no"),
     (Failing("failed", "exhausted", reason="3 attempts"), "exhausted",
-     "dead-lettering (exhausted): retries exhausted"),
+     "dead-lettering (exhausted): Permanent: no"),
 ])
 def test_a_recorded_failure_is_dead_lettered_with_the_records_count_and_times(
     f: Failing, action: str, line: str
