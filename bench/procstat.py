@@ -213,10 +213,15 @@ class Watch:
         self._thread: threading.Thread | None = None
         self._seen: dict[int, tuple[str, float]] = {}
         self.first: Snapshot | None = None
+        self._threads: dict[int, tuple[str, float]] = {}  # this process's, at the start
+        self._threads_seen: dict[int, tuple[str, float]] = {}
+        self.threads: dict[str, float] = {}  # CPU seconds per kind of thread, at stop
 
     def start(self) -> Watch:
         self.first = snapshot(self.pids)
         self._seen = dict(self.first.postgres or {})
+        self._threads = threads()
+        self._threads_seen = dict(self._threads)
         self._thread = threading.Thread(target=self._poll, name="bench-procstat", daemon=True)
         self._thread.start()
         return self
@@ -224,6 +229,7 @@ class Watch:
     def _poll(self) -> None:
         while not self._stop.wait(self.interval):
             self._seen.update(snapshot(self.pids).postgres or {})
+            self._threads_seen.update(threads())
 
     def stop(self) -> dict[str, float | None]:
         assert self.first is not None
@@ -234,7 +240,53 @@ class Watch:
         self._seen.update(last.postgres or {})
         merged = Snapshot(last.at, last.self_cpu, dict(self._seen) if last.postgres is not None
                           else None, last.broker, last.machine_busy, last.machine_total)
-        return delta(self.first, merged)
+        out = delta(self.first, merged)
+        self.threads = thread_delta(self._threads, self._threads_now())
+        return out
+
+    def _threads_now(self) -> dict[int, tuple[str, float]]:
+        got = threads()
+        self._threads_seen.update(got)
+        return dict(self._threads_seen)
+
+
+def _group(name: str) -> str:
+    """A thread's kind: its name without a trailing number (``kafka-idem-key-12`` ->
+    ``kafka-idem-key``, librdkafka's ``rdk:broker3`` -> ``rdk:broker``)."""
+    return name.rstrip("0123456789").rstrip("-_") or name
+
+
+def threads(pid: int | None = None) -> dict[int, tuple[str, float]]:
+    """This process's threads now: native id -> (kind, CPU seconds). Python threads by
+    their ``threading`` name, the others (librdkafka's) by their kernel name."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: dict[int, tuple[str, float]] = {}
+    me = pid or os.getpid()
+    try:
+        tids = os.listdir(f"/proc/{me}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            text = Path(f"/proc/{me}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        comm = text[text.find("(") + 1 : text.rfind(")")]
+        fields = text[text.rfind(")") + 2 :].split()
+        out[int(tid)] = (_group(names.get(int(tid), comm)), _cpu(fields))
+    return out
+
+
+def thread_delta(a: dict[int, tuple[str, float]],
+                 b: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per kind of thread between two :func:`threads` readings (a thread
+    started in between counts whole; one that ended loses what it ran after the last
+    reading that saw it)."""
+    out: dict[str, float] = {}
+    for tid, (kind, cpu) in b.items():
+        before = a.get(tid, (kind, 0.0))[1]
+        out[kind] = out.get(kind, 0.0) + max(cpu - before, 0.0)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def rss_mb(pid: int | None = None) -> tuple[float, float]:

@@ -486,6 +486,7 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
     out["first_batch_at"], out["last_commit_at"] = timed.first_batch, end
     out["join_seconds"] = timed.first_batch - started
     out["cpu"] = window["b"]
+    out["cpu_threads"] = window["a"].threads  # the consumer's CPU by kind of thread
     if profiler is not None:
         path = spec["profile"]
         with open(path, "w") as f:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -182,6 +183,7 @@ def run(
     topics (app.event_topic) also publishes its outbox here, unless --no-relay."""
     from kafka_idem.runner import Runner
 
+    early = _stop_requests()  # a SIGTERM while the app loads is a clean stop too
     app = load_app(app_spec)
     obj.overrides.update({k: v for k, v in {"metrics_port": metrics_port,
                                              "metrics_addr": metrics_addr,
@@ -205,8 +207,28 @@ def run(
                 "(KAFKA_IDEM_METRICS_PORT) or --metrics-addr (KAFKA_IDEM_METRICS_ADDR)"
             ) from exc
     runner.install_signal_handlers()
+    if early:
+        log.info("stopping before the consumer started (%s)", signal.Signals(early[0]).name,
+                 extra={"action": "stopping", "kind": signal.Signals(early[0]).name})
+        sys.exit(0)
     code = runner.run(max_seconds=max_seconds)
     sys.exit(code)
+
+
+def _stop_requests() -> list[int]:
+    """Catch SIGTERM/SIGINT until the runner installs its own handlers: the signals
+    received meanwhile (the member then stops before it starts, exit 0). A second
+    one stops at once (an app module whose import hangs)."""
+    got: list[int] = []
+
+    def note(signum: int, _frame: object) -> None:
+        if got:
+            raise SystemExit(128 + signum)
+        got.append(signum)
+
+    signal.signal(signal.SIGTERM, note)
+    signal.signal(signal.SIGINT, note)
+    return got
 
 
 @cli.command()

@@ -154,6 +154,7 @@ class Injector:
 
     def _remove(self, f: Fault) -> None:
         victim = self._pick(self.pool.running())
+        victim.wait_started()  # a member just added may still be importing
         self.pool.terminate(victim)
         f.pids = [victim.pid]
         f.detail = f"SIGTERM {victim}; {len(self.pool.alive())} members"

@@ -10,12 +10,14 @@ the faults (:data:`LOG_SIGNS`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -86,6 +88,19 @@ class Member:
 
     def __repr__(self) -> str:
         return f"{self.name}({self.pid})"
+
+    def wait_started(self, timeout: float = 30.0) -> bool:
+        """Wait (bounded) until the member's log says its consumer started: only then
+        does its SIGTERM mean a drain. A process told to stop while still importing
+        Python is not a member yet."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                text = self.log.read_bytes()
+                if b"action=started" in text or b'"action": "started"' in text:
+                    return True
+            time.sleep(0.1)
+        return False
 
 
 class Pool:

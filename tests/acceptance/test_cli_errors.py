@@ -219,3 +219,53 @@ def test_verify_json_and_text_never_show_the_password(url: str, tmp_path: Path) 
     text = path.read_text()
     assert SECRET not in text
     assert "**********" in json.loads(text)["database"]
+
+
+# --- a stop while the member starts ---------------------------------------------------------
+
+
+SLOW_APP = '''
+import pathlib, time
+pathlib.Path({marker!r}).write_text("importing")
+time.sleep({sleep})
+from consumers.payments import app
+'''
+
+
+@pytest.mark.parametrize("signals", [1, 2], ids=["sigterm", "sigterm-twice"])
+def test_a_sigterm_while_the_app_loads_stops_the_member_cleanly(
+    tmp_path: Path, db: DB, signals: int
+) -> None:
+    """A member told to stop while its app module still imports (a rolling deploy
+    cancelling a pod that just started) exits 0 before it starts, saying so; a second
+    SIGTERM stops a hanging import at once (128 + 15)."""
+    import signal
+    import time
+
+    marker = tmp_path / "importing"
+    (tmp_path / "slow_app.py").write_text(
+        SLOW_APP.format(marker=str(marker), sleep=3 if signals == 1 else 60))
+    env = {**os.environ, "KAFKA_IDEM_BOOTSTRAP_SERVERS": BOOTSTRAP,
+           "KAFKA_IDEM_DATABASE_URL": db.dsn,
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    proc = subprocess.Popen([*KAFKA_IDEM, "run", "slow_app:app"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert marker.exists(), proc.communicate(timeout=30)
+        for _ in range(signals):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if signals == 1:
+        assert proc.returncode == 0, err
+        assert "stopping before the consumer started (SIGTERM)" in out + err
+        assert "action=started" not in out + err  # the consumer never started
+    else:
+        assert proc.returncode == 128 + signal.SIGTERM, err
