@@ -25,7 +25,7 @@ Rows = list[dict[str, Any]]
 
 
 class AdminQueries:
-    q: dict[str, sql.Composed]
+    q: dict[str, sql.SQL]
     namespace: str | None
 
     @property

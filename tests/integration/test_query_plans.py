@@ -50,7 +50,7 @@ def _fill(conn: psycopg.Connection[Any], *, processing: int) -> None:
     )
 
 
-def _plan(conn: psycopg.Connection[Any], query: sql.Composed, params: dict[str, Any]) -> str:
+def _plan(conn: psycopg.Connection[Any], query: sql.Composable, params: dict[str, Any]) -> str:
     rows = conn.execute(sql.SQL("EXPLAIN (COSTS OFF) ") + query, params).fetchall()
     return "\n".join(r[0] for r in rows)
 
