@@ -37,22 +37,7 @@ class LeasedPath:
         was deferred with its lease still live: re-entered, not waited for.
         ``prepared``: ``msg`` already decoded (key-ordered admission). ``round``: the
         claim shared by the keys started with ``msg``'s (:mod:`~kafka_idem.consume.rounds`)."""
-        steps = self.steps
-        handler = steps.handler(msg)
-        prep: Prepared | Result
-        if prepared is not None:
-            prep = prepared
-        else:
-            try:
-                prep = steps.prepare_or_reject(handler, msg)
-            except ConfigError as exc:  # held, never charged (consume/held.py)
-                return steps.hold.hold(handler, msg, exc, token=reentrant)
-            except FrameworkError as exc:  # e.g. the registry is down: not the message's fault
-                steps.metrics.framework_errors.labels(type(exc).__name__).inc()
-                log.warning("cannot decode now (%s); will retry", describe(exc),
-                            extra={"action": "deferred", **where(msg)})
-                return Deferred(steps.settings.busy_retry_seconds, Reason.FRAMEWORK,
-                                token=reentrant)
+        prep = prepared if prepared is not None else self.prepare(msg, reentrant)
         if not isinstance(prep, Prepared):
             return prep
         claim: Claim | None = None
@@ -63,6 +48,23 @@ class LeasedPath:
                 return self._run_claimed(conn, msg, prep, claim)
         except (MessageError, FrameworkError, psycopg.Error) as exc:
             return self.failed(exc, msg, prep, claim.token if claim is not None else reentrant)
+
+    def prepare(self, msg: Message, reentrant: uuid.UUID | None = None) -> Prepared | Result:
+        """``msg`` decoded, or what becomes of one that cannot be now: its dead letter
+        (undecodable, invalid), held (a configuration error) or deferred (e.g. the
+        schema registry is down). Shared with the test kit's ``async def`` path."""
+        steps = self.steps
+        handler = steps.handler(msg)
+        try:
+            return steps.prepare_or_reject(handler, msg)
+        except ConfigError as exc:  # held, never charged (consume/held.py)
+            return steps.hold.hold(handler, msg, exc, token=reentrant)
+        except FrameworkError as exc:  # e.g. the registry is down: not the message's fault
+            steps.metrics.framework_errors.labels(type(exc).__name__).inc()
+            log.warning("cannot decode now (%s); will retry", describe(exc),
+                        extra={"action": "deferred", **where(msg)})
+            return Deferred(steps.settings.busy_retry_seconds, Reason.FRAMEWORK,
+                            token=reentrant)
 
     def claim_alone(
         self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None, *, new: bool = True
