@@ -40,7 +40,7 @@ class Call:
 
     kind: Kind
     handler: str
-    tx: psycopg.Connection[Any]
+    tx: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]  # the handler's (ctx.tx)
     keys: tuple[str, ...]
     attempt: int | None  # the context's attempt (None for a bulk call)
 
@@ -110,6 +110,10 @@ class Hooks:
     def _wrap(self, handler: Handler[Any]) -> None:
         fn, bulk, reconcile = handler.fn, handler.bulk, handler.reconcile
 
+        if handler.is_async:  # wrapped as coroutines: the plan follows the await
+            self._wrap_async(handler)
+            return
+
         def run(msg: Any, ctx: Context) -> Any:
             call = Call("handler", handler.name, ctx.tx, (ctx.idempotency_key,), ctx.attempt)
             plan = self._enter(call)
@@ -133,5 +137,26 @@ class Hooks:
                 self._enter(Call("reconcile", handler.name, ctx.tx, (ctx.idempotency_key,),
                                  ctx.attempt))
                 return reconcile(msg, ctx)
+
+            handler.reconcile = run_reconcile
+
+    def _wrap_async(self, handler: Handler[Any]) -> None:
+        """An ``async def`` handler's wrappers (leased: no batch path runs a bulk form):
+        the plan runs after the user's coroutine returned, on the processor's loop."""
+        fn, reconcile = handler.fn, handler.reconcile
+
+        async def run(msg: Any, ctx: Context) -> Any:
+            call = Call("handler", handler.name, ctx.tx, (ctx.idempotency_key,), ctx.attempt)
+            plan = self._enter(call)
+            result = await fn(msg, ctx)
+            self._after(plan, call)
+            return result
+
+        handler.fn = run
+        if reconcile is not None:
+            async def run_reconcile(msg: Any, ctx: Context) -> Any:
+                self._enter(Call("reconcile", handler.name, ctx.tx, (ctx.idempotency_key,),
+                                 ctx.attempt))
+                return await reconcile(msg, ctx)  # type: ignore[misc]
 
             handler.reconcile = run_reconcile

@@ -17,6 +17,7 @@ from kafka_idem.store import Conn, Store, connect
 from kafka_idem.testing.events import EmittedEvent, mark, read_events
 from kafka_idem.testing.letters import CapturedLetter, LetterBox
 from kafka_idem.testing.message import FakeMessage
+from kafka_idem.testing.processor import KitProcessor
 from kafka_idem.testing.tables import State, Table, snapshot
 
 Path = Literal["batch", "per-message", "leased"]
@@ -77,20 +78,21 @@ class Sandbox:
         s = self.app.settings
         self.store = Store(schema=s.schema_name, table=s.table, namespace=self.app.namespace)
         self.letters = LetterBox(header_limit=s.error_message_max)
-        self._procs: list[Processor] = []
-        self._main: Processor | None = None
+        self._procs: list[KitProcessor] = []
+        self._main: KitProcessor | None = None
         self._kit = kit
 
     @property
-    def main(self) -> Processor:
+    def main(self) -> KitProcessor:
         """The processor :meth:`Harness.deliver` uses (one consumer process)."""
         if self._main is None:
             self._main = self.processor()
         return self._main
 
-    def processor(self) -> Processor:
-        """A new processor: a process of its own, with its own connection."""
-        proc = Processor(self.app, store=self.store, metrics=Metrics())
+    def processor(self) -> KitProcessor:
+        """A new processor: a process of its own, with its own connection (and, for
+        ``async def`` handlers, its own event loop and async connection)."""
+        proc = KitProcessor(self.app, store=self.store, metrics=Metrics())
         self._procs.append(proc)
         return proc
 
@@ -123,7 +125,8 @@ class Sandbox:
 
     def run(self, proc: Processor, msg: FakeMessage, path: Path,
             reentrant: Any = None) -> Result:
-        """One try of ``msg`` on ``path`` (what one unit of work of the runner does)."""
+        """One try of ``msg`` on ``path`` (what one unit of work of the runner does); an
+        ``async def`` handler's on the async leased path (:class:`KitProcessor`)."""
         tp: TP = (msg.topic(), msg.partition())
         if path == "leased":
             result = proc.run_leased(msg, reentrant=reentrant)
@@ -172,6 +175,7 @@ class Sandbox:
             events=() if since is None else tuple(self.events(after=since)))
 
     def close(self) -> None:
+        """Close every processor: its connections, async ones included, and its loop."""
         for proc in self._procs:
             proc.close()
         self._procs.clear()

@@ -143,8 +143,10 @@ def concurrent(case: Case, path: Path, out: ScenarioResult) -> None:
     n = case.harness.concurrency
     with case.harness.scratch(**settings_for(path)) as sb:
         procs = [sb.processor() for _ in range(n)]
-        pids = [p.connection().info.backend_pid for p in procs]  # connected before the race
-        done = {pid: threading.Event() for pid in pids}
+        # each process's server pids (its sync connection, its async one), connected
+        # before the race
+        backends = [p.backends() for p in procs]
+        done = [threading.Event() for _ in procs]
         barrier = threading.Barrier(n, timeout=WAIT)
         firsts: dict[int, Result | BaseException] = {}
         raced = threading.Event()
@@ -153,31 +155,32 @@ def concurrent(case: Case, path: Path, out: ScenarioResult) -> None:
             """The one that claimed it holds the key until every other one waits on it
             (a lock in local mode) or has finished its try (busy, leased)."""
             mine = call.tx.info.backend_pid
-            others = [p for p in pids if p != mine]
+            others = [i for i, pids in enumerate(backends) if mine not in pids]
+            theirs = sorted(pid for i in others for pid in backends[i])
             deadline = time.monotonic() + WAIT / 3
             with sb.connect() as conn:
                 while time.monotonic() < deadline:
                     rows = conn.execute(
                         "SELECT pid FROM unnest(%s::int[]) AS pid"
-                        " WHERE %s = ANY(pg_blocking_pids(pid))", (others, mine)).fetchall()
+                        " WHERE %s = ANY(pg_blocking_pids(pid))", (theirs, mine)).fetchall()
                     blocked = {r[0] for r in rows}
-                    if all(p in blocked or done[p].is_set() for p in others):
+                    if all(backends[i] & blocked or done[i].is_set() for i in others):
                         raced.set()
                         return
                     threading.Event().wait(0.002)
 
-        def race(proc: Any, pid: int) -> None:
+        def race(proc: Any, i: int) -> None:
             try:
                 barrier.wait()
-                firsts[pid] = sb.run(proc, case.msg, path)
+                firsts[i] = sb.run(proc, case.msg, path)
             except BaseException as exc:
-                firsts[pid] = exc
+                firsts[i] = exc
             finally:
-                done[pid].set()
+                done[i].set()
 
         with case.harness.hooks.using(Plan(after=hold, times=1)):
-            threads = [threading.Thread(target=race, args=(p, pid), daemon=True)
-                       for p, pid in zip(procs, pids, strict=True)]
+            threads = [threading.Thread(target=race, args=(p, i), daemon=True)
+                       for i, p in enumerate(procs)]
             for t in threads:
                 t.start()
             for t in threads:
@@ -193,8 +196,8 @@ def concurrent(case: Case, path: Path, out: ScenarioResult) -> None:
                  + ("" if raced.is_set() or not case.succeeded else
                     " (the others did not arrive while the first held the key)"))
         finals = []
-        for proc, pid in zip(procs, pids, strict=True):
-            res = firsts[pid]
+        for i, proc in enumerate(procs):
+            res = firsts[i]
             assert not isinstance(res, BaseException)
             if isinstance(res, Finished):
                 finals.append(sig(sb.delivered(proc, case.msg, [res], sb.letters.send(
@@ -274,7 +277,7 @@ def unknown_outcome(case: Case, path: Path, out: ScenarioResult) -> None:
 def lease_takeover(case: Case, path: Path, out: ScenarioResult) -> None:
     with case.harness.scratch(**settings_for(path)) as sb:
         owner, other = sb.processor(), sb.processor()
-        other_pid = other.connection().info.backend_pid
+        other_pids = other.backends()
         arrived = threading.Event()  # the other owner took the key over (it runs user code)
         results: list[Result | BaseException] = []
         threads: list[threading.Thread] = []
@@ -298,7 +301,7 @@ def lease_takeover(case: Case, path: Path, out: ScenarioResult) -> None:
                 out.wrong("the second owner did not take the key over in time")
 
         def entered(call: Call) -> None:
-            if call.tx.info.backend_pid == other_pid:
+            if call.tx.info.backend_pid in other_pids:
                 arrived.set()
 
         with case.harness.hooks.using(Plan(after=take_over, times=1, entered=entered)):
