@@ -214,7 +214,7 @@ def check(
         left_out=[f"{t.name}.{c} ({why})" for t in tables for c, why in t.left_out]
         + [f"the stored result{f'[{k!r}]' if k else ''} ({DRIFTING})"
            for k in sorted(case.result_drift)] + events_left_out,
-        remotes=list(harness.remotes))
+        remotes=list(harness.remotes), reference_outcome=show(case.first))
     with no_wait():
         rows = ", ".join(f"{len(r.rows)} row(s) in {name}" for name, r in case.ref.state.items())
         report.reference.append(f"delivered once on the {paths[0]} path: {told(d)}; {rows}")

@@ -192,10 +192,20 @@ class CheckReport:
     reference: list[str] = field(default_factory=list)
     results: list[ScenarioResult] = field(default_factory=list)
     seconds: float = 0.0
+    reference_outcome: str = "succeeded"  # the reference delivery's (``dead_lettered (...)``)
 
     @property
     def passed(self) -> bool:
+        """Every scenario agrees with the reference (which may itself have failed: see
+        :attr:`reference_succeeded`)."""
         return all(r.passed for r in self.results)
+
+    @property
+    def reference_succeeded(self) -> bool:
+        """The reference delivery succeeded: else the scenarios were compared with a
+        failure (a handler that raises, or returns what is not JSON, agrees with itself),
+        and the headline says so."""
+        return self.reference_outcome == "succeeded"
 
     @property
     def failed(self) -> list[ScenarioResult]:
@@ -212,6 +222,9 @@ class CheckReport:
         ran = [r for r in self.results if not r.skipped or r.problems]
         verdict = (f"{len(self.failed)} of {len(ran)} scenarios FAILED" if self.failed
                    else f"all {len(ran)} scenarios passed")
+        if not self.reference_succeeded:  # not "all passed", as if all were well
+            verdict = (f"the reference delivery did not succeed ({self.reference_outcome}); "
+                       + (verdict if self.failed else f"{len(ran)} scenarios agree with it"))
         out = [f"kafka_idem check of handler {self.handler!r} (topic {self.topic}, "
                f"{self.mode} mode): {verdict} in {self.seconds:.1f}s"]
         # What differs, then where: each distinct difference once, with its scenarios.

@@ -95,3 +95,23 @@ def test_the_most_widespread_difference_comes_first() -> None:
                          scenario("crash_before_commit", "batch", EXTRA_ROW)])
     assert [d.scenarios for d in found] == [
         ["twice [batch]", "crash_before_commit [batch]"], ["once [batch]"]]
+
+
+def test_a_reference_that_did_not_succeed_is_said_in_the_headline() -> None:
+    ok = report(scenario("twice", "leased"), scenario("concurrent", "leased"))
+    assert ok.reference_succeeded
+    assert str(ok).splitlines()[0].startswith(
+        "kafka_idem check of handler 'place' (topic shop.orders, local mode): "
+        "all 2 scenarios passed in ")
+    agreed = report(scenario("twice", "leased"), scenario("concurrent", "leased"))
+    agreed.reference_outcome = "dead_lettered (permanent)"
+    assert agreed.passed and not agreed.reference_succeeded
+    assert str(agreed).splitlines()[0].startswith(
+        "kafka_idem check of handler 'place' (topic shop.orders, local mode): the reference "
+        "delivery did not succeed (dead_lettered (permanent)); 2 scenarios agree with it in ")
+    differ = report(scenario("twice", "leased", "the second delivery: succeeded"),
+                    scenario("concurrent", "leased"))
+    differ.reference_outcome = "dead_lettered (exhausted)"
+    assert str(differ).splitlines()[0].startswith(
+        "kafka_idem check of handler 'place' (topic shop.orders, local mode): the reference "
+        "delivery did not succeed (dead_lettered (exhausted)); 1 of 2 scenarios FAILED in ")
