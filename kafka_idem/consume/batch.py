@@ -105,6 +105,7 @@ class _Item:
     prep: Prepared | None
     result: Result | None = None
     ctx: Context | None = None  # the handler's context: its emitted events
+    note: Note | None = None  # the line of the verdict that decided it, once committed
 
 
 class BatchPath:
@@ -136,7 +137,7 @@ class BatchPath:
         out: Results = {tp: [] for tp, _ in parts}
         for item in items:
             assert item.result is not None
-            note = _committed(item.handler, item.msg, item.result)
+            note = item.note or _committed(item.handler, item.msg, item.result)
             if note is not None:
                 note.write(log)
             out[item.tp].append(item.result)
@@ -151,8 +152,9 @@ class BatchPath:
                 try:
                     items.append(_Item(tp, msg, handler, steps.prepared(handler, msg, ahead)))
                 except MessageError as exc:
-                    result = steps.undecodable(handler, msg, exc).result  # logged after commit
-                    items.append(_Item(tp, msg, handler, None, result))
+                    verdict = steps.undecodable(handler, msg, exc)  # logged after commit
+                    items.append(_Item(tp, msg, handler, None, verdict.result,
+                                       note=verdict.note))
         return items
 
     def _replays(self, conn: Conn, items: list[_Item]) -> int:
@@ -242,8 +244,8 @@ class BatchPath:
                     # retrying an invalid request): falling back for them would put the
                     # whole batch on the slower per-message path.
                     claim = self.steps.store.dead(conn, rec, delivery(item.handler, item.msg))
-                    item.result = self.steps.not_claimed(
-                        item.handler, item.msg, _prep(item), claim).result
+                    verdict = self.steps.not_claimed(item.handler, item.msg, _prep(item), claim)
+                    item.result, item.note = verdict.result, verdict.note
                 else:
                     raise Fallback("a key needs the per-message protocol")
                 if rec["status"] == "succeeded":
@@ -335,9 +337,10 @@ class BatchPath:
             if isinstance(value, BaseException):
                 if handler.classify(value) != "permanent":
                     raise Fallback("a bulk item failed transiently")
-                # The verdict's note is dropped: the batch logs its results after commit.
-                results[prep.key] = self.steps.record_failure(
-                    conn, handler, item.msg, prep, claims[prep.key], value).result
+                # The verdict's note is written once the batch's commit made it stand.
+                verdict = self.steps.record_failure(
+                    conn, handler, item.msg, prep, claims[prep.key], value)
+                results[prep.key], item.note = verdict.result, verdict.note
             else:
                 results[prep.key] = value
         return results
@@ -376,10 +379,10 @@ def _undecided(items: list[_Item]) -> dict[str, list[_Item]]:
 
 
 def _committed(handler: Handler[Any], msg: Message, result: Result) -> Note | None:
-    """The log line of a decision the batch made, once its commit made it stand.
-
-    These are the lines the per-message path writes for the same decisions (a dead
-    letter says "dead-lettering (KIND): CLASS: MESSAGE"); a success is not logged here."""
+    """The log line of a decision the batch made without a verdict of its own (a
+    replay, a conflict), once its commit made it stand; the others write their
+    verdict's line, the one the per-message path writes for the same decision. A
+    success is not logged here."""
     if not isinstance(result, Finished):
         return None
     if result.outcome is Ended.REPLAYED:

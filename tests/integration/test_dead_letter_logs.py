@@ -119,3 +119,29 @@ def test_a_long_error_is_logged_as_bounded_as_the_dead_letter_carries_it(
     assert message.endswith("...") and len(message.encode()) <= app.settings.error_message_max
     assert r.error_message == message  # type: ignore[attr-defined]
     assert r.getMessage() == f"dead-lettering (permanent): Permanent: {message}"
+
+
+def test_the_batch_paths_own_decisions_log_the_per_message_paths_actions(
+    db: DB, topics: Topics, group: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch that decides everything itself (no handler raised, so no fallback):
+    undecodable bytes are ``rejected`` and a re-send of a key that already failed is
+    ``dead_lettered``, as the per-message path says them (log filters and alerts
+    on ``action`` see one vocabulary, whichever path ran)."""
+    caplog.set_level(logging.INFO, logger="kafka_idem")
+    topic = topics(partitions=1)
+    app = charge_app(db, topic, group, decide, mode="local", batch_path=True)
+    produce(topic, [(b"o1", encode_charge("t1", "o1", "10.00"))])  # 0: fails permanently
+    with InProcess(app):
+        wait_for(lambda: caught_up(group, topic), what="the first failure")
+        caplog.clear()
+        produce(topic, [(b"junk", JUNK),                                # 1: undecodable
+                        (b"o1", encode_charge("t1", "o1", "10.00")),    # 2: failed before
+                        (b"o5", encode_charge("t1", "o5", "5.00"))])    # 3: succeeds
+        wait_for(lambda: caught_up(group, topic), what="the batch")
+    lines = letter_lines(caplog)
+    assert sorted(lines) == [1, 2]
+    assert (lines[1].action, lines[1].kind) == ("rejected", "undecodable")  # type: ignore[attr-defined]
+    assert (lines[2].action, lines[2].kind, lines[2].key) == (  # type: ignore[attr-defined]
+        "dead_lettered", "permanent", "t1:charge:o1")
+    assert db.ledger_counts() == {"t1:charge:o5": 1}
