@@ -21,6 +21,7 @@ JSON-able; it is stored and replayed, exactly, on every duplicate.
 from __future__ import annotations
 
 import copy
+import difflib
 import inspect
 import threading
 from collections.abc import Callable, Mapping
@@ -75,6 +76,7 @@ class App:
         **overrides: Any,
     ) -> None:
         self.name = name
+        _check_setting_names(name, overrides)
         self._settings = settings
         self._overrides = {"group_id": group_id, **overrides}
         self.errors = tuple((errors or {}).items())
@@ -445,6 +447,21 @@ class _Validated:
 
     def encode(self, payload: Any) -> bytes:
         return self.codec.encode(payload)
+
+
+def _check_setting_names(app: str, overrides: Mapping[str, Any]) -> None:
+    """Every keyword ``App(...)`` got names a setting: a misspelt one is refused at
+    once, naming the setting it probably meant (its value is checked when the settings
+    are first read, with the environment's)."""
+    known = list(Settings.model_fields)
+    for name in overrides:
+        if name in Settings.model_fields:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}=?)" if close else ""
+        raise ConfigError(f"App({app!r}) got {name}=, which is not a setting{hint}; the "
+                          "settings are the README's configuration table, lower-case",
+                          setting=name)
 
 
 __all__ = ["App", "AsyncContext", "Context", "Done", "Handler", "StaleOwner"]

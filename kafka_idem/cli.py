@@ -54,7 +54,11 @@ def load_app(spec: str, *, param_hint: str = HINT) -> App:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise click.BadParameter(f"cannot import {module_name!r}: {exc}",
+        hint = ""
+        if module_name.endswith(".py"):  # a file name typed for a module name
+            hint = (f" (MODULE is a module name, as for python -m: "
+                    f"{module_name[:-3].replace(os.sep, '.')}:{attr})")
+        raise click.BadParameter(f"cannot import {module_name!r}: {exc}{hint}",
                                  param_hint=param_hint) from exc
     except ConfigError:
         raise
@@ -70,7 +74,9 @@ def load_app(spec: str, *, param_hint: str = HINT) -> App:
     if not hasattr(module, attr):
         raise click.BadParameter(f"module {module_name!r} has no attribute {attr!r} ({found})",
                                  param_hint=param_hint)
-    raise click.BadParameter(f"{spec!r} is a {type(app).__name__}, not a kafka_idem App "
+    kind = type(app).__name__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    raise click.BadParameter(f"{spec!r} is {article} {kind}, not a kafka_idem App "
                              f"({found})", param_hint=param_hint)
 
 

@@ -66,6 +66,9 @@ def _selection_options(fn: F) -> F:
     options = [
         click.option("--key", help="Only this idempotency key."),
         click.option("--kind", type=click.Choice(ERROR_KINDS), help="Only this error kind."),
+        click.option("--error-class", metavar="NAME",
+                     help="Only records whose idem.error.class is NAME (e.g. TypeError: "
+                     "the code defects a fix addressed)."),
         click.option("--handler", help="Only records of this handler."),
         click.option("--namespace", help="Only records of this namespace (records written "
                      "before namespaces have none: they match)."),
@@ -89,7 +92,8 @@ def _selection(opts: dict[str, Any]) -> replay.Selection:
             and opts["from_offset"] > opts["to_offset"]):
         raise click.BadParameter("--from-offset must be <= --to-offset")
     return replay.Selection(
-        key=opts["key"], kind=opts["kind"], handler=opts["handler"],
+        key=opts["key"], kind=opts["kind"], error_class=opts["error_class"],
+        handler=opts["handler"],
         namespace=opts["namespace"], since=opts["since"],
         until=opts["until"], partition=opts["partition"], from_offset=opts["from_offset"],
         to_offset=opts["to_offset"],
@@ -142,8 +146,8 @@ def dlq() -> None:
     """Dead-letter topics: list and show records, replay them after a fix.
 
     The DLQ is named with --dlq TOPIC, or --topic SOURCE for SOURCE's default DLQ.
-    Filters (all optional, all must match): --key, --kind, --handler, --namespace,
-    --since/--until
+    Filters (all optional, all must match): --key, --kind, --error-class, --handler,
+    --namespace, --since/--until
     (on the last failure time), --partition, --from-offset/--to-offset (DLQ positions).
     Exit codes: 0 ok, 1 nothing matched, 2 usage error, 3 Kafka or the database failed.
     """

@@ -197,6 +197,7 @@ class Selection:
 
     key: str | None = None
     kind: str | None = None
+    error_class: str | None = None  # idem.error.class, e.g. TypeError (a code defect)
     handler: str | None = None
     namespace: str | None = None  # a record from before namespaces (none) matches any
     since: dt.datetime | None = None
@@ -220,6 +221,8 @@ class Selection:
         if self.key is not None and rec.idempotency_key != self.key:
             return False
         if self.kind is not None and rec.kind != self.kind:
+            return False
+        if self.error_class is not None and rec.error_class != self.error_class:
             return False
         if self.handler is not None and rec.handler != self.handler:
             return False

@@ -62,6 +62,8 @@ def _busiest(run: MixedRun) -> int:
 
 FILTERS: dict[str, Filter] = {
     "kind": (lambda run: ["--kind", "permanent"], lambda run, m: kind(m) == "permanent"),
+    "error-class": (lambda run: ["--error-class", "Undecodable"],
+                    lambda run, m: headers_of(m)["idem.error.class"] == "Undecodable"),
     "key": (lambda run: ["--key", "t1:charge:o6"], lambda run, m: m.key() == b"o6"),
     "handler": (lambda run: ["--handler", "refund"], lambda run, m: m.key() == b"r1"),
     "since": (lambda run: ["--since", run.between.isoformat()],

@@ -20,6 +20,7 @@ from kafka_idem import App
 app = App("shop")
 admin_app = App("shop-admin")
 helper = len
+count = 3
 '''
 
 
@@ -47,6 +48,16 @@ def test_an_attribute_that_is_not_an_app_says_what_it_is(module: str) -> None:
     assert caught.value.message.startswith(
         f"'{module}:helper' is a builtin_function_or_method, not a kafka_idem App (its App ")
     assert load_app(f"{module}:app").name == "shop"
+    with pytest.raises(click.BadParameter) as caught:
+        load_app(f"{module}:count")
+    assert caught.value.message.startswith(f"'{module}:count' is an int, not a kafka_idem App")
+
+
+def test_a_file_name_typed_for_the_module_says_to_use_the_module_name(module: str) -> None:
+    with pytest.raises(click.BadParameter) as caught:
+        load_app(f"{module}.py:app")
+    assert caught.value.message.endswith(
+        f"(MODULE is a module name, as for python -m: {module}:app)")
 
 
 def test_a_missing_schemas_folder_is_said_to_be_missing(tmp_path: Path) -> None:

@@ -452,3 +452,17 @@ def test_every_kafka_idem_variable_the_project_reads_is_a_setting_or_its_own() -
     assert ("bootstrap.sh", "KAFKA_IDEM_ROOT") in used and ("audit.py", "KAFKA_IDEM_ACTOR") in used
     known = {*settings_module.setting_variables(), *settings_module.OWN_VARIABLES}
     assert sorted(f"{where}: {n}" for where, n in used if n not in known) == []
+
+
+def test_a_misspelt_app_keyword_is_refused_at_once_naming_the_setting_it_meant() -> None:
+    from kafka_idem import App
+
+    with pytest.raises(ConfigError) as e:
+        App("typo", batch_siz=3)
+    text = str(e.value)
+    assert "App('typo') got batch_siz=, which is not a setting (did you mean batch_size=?)" \
+        in text
+    assert e.value.context == {"setting": "batch_siz"}
+    with pytest.raises(ConfigError, match=r"got colour=, which is not a setting;"):
+        App("typo", colour="blue")  # nothing close: no guess
+    assert App("fine", batch_size=3).settings.batch_size == 3  # real ones still work
