@@ -29,7 +29,7 @@ import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from kafka_idem.app import App
-from kafka_idem.errors import ConfigError, FrameworkError
+from kafka_idem.errors import ConfigError, FrameworkError, StoreError
 from kafka_idem.health import Health
 from kafka_idem.metrics import Metrics
 from kafka_idem.outbox.shard import Episode, ShardWorker, backoff
@@ -145,7 +145,8 @@ class Relay:
                     self._wait(listener, stop)
                     self._listen.ended()
                     attempt = 0
-                except psycopg.Error as exc:  # the workers poll on their own meanwhile
+                except (psycopg.Error, StoreError) as exc:  # the database down or gone:
+                    # waited out (the workers poll on their own meanwhile)
                     self._listen.failed("database", exc)
                     listener = None
                     attempt += 1
@@ -188,8 +189,12 @@ class Relay:
 
     def _listener(self) -> psycopg.Connection[Any]:
         conn = connect(self.settings.dsn, application_name="kafka_idem-relay")
-        conn.autocommit = True
-        conn.execute(f"LISTEN {CHANNEL}")
+        try:
+            conn.autocommit = True
+            conn.execute(f"LISTEN {CHANNEL}")
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _wait(self, listener: psycopg.Connection[Any], stop: threading.Event) -> None:

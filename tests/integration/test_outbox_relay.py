@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import psycopg
 import pytest
@@ -243,3 +244,32 @@ def test_bytes_pass_through_and_none_is_a_tombstone(db: DB, topics: Topics, grou
     with RelayThread(app):
         got = wait_published(db, events, 2)
     assert [(m.key(), m.value()) for m in got] == [(b"k1", b"\x00raw"), (b"k1", None)]
+
+
+def test_the_database_unreachable_while_the_listener_reconnects_is_waited_out(
+    db: DB, topics: Topics, group: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The notifications' connection cannot be opened for a while (the database is
+    down: ``connect`` raises StoreUnavailable, as it does for a refused connection):
+    the relay says so and retries with backoff; it never stops, and once the database
+    answers again everything is published once."""
+    from kafka_idem.errors import StoreUnavailable
+    from kafka_idem.outbox import relay as relay_module
+
+    real, refused = relay_module.connect, []
+
+    def connect(dsn: str, **kwargs: Any) -> Any:
+        if kwargs.get("application_name") == "kafka_idem-relay" and len(refused) < 3:
+            refused.append(dsn)
+            raise StoreUnavailable("The database is unreachable: connection refused")
+        return real(dsn, **kwargs)
+
+    monkeypatch.setattr(relay_module, "connect", connect)
+    app, events = outbox_app(db, topics, group)
+    with psycopg.connect(db.dsn) as conn:
+        write_events(conn, app, events, [(f"k{i}", {"n": i}) for i in range(10)])
+    with RelayThread(app) as relay:
+        wait_published(db, events, 10)
+        assert relay.thread.is_alive() and relay.error is None
+    assert len(refused) == 3
+    assert {k: len(v) for k, v in values_by_key(events).items()} == {f"k{i}": 1 for i in range(10)}
