@@ -66,7 +66,8 @@ def status(obj: _Obj, as_json: bool, long_running: str | None, namespace: str | 
     the records of each namespace by status; the outbox's unpublished events (count and
     age of the oldest) per namespace. Exit 1 for an unknown --namespace."""
     s = obj.settings()
-    threshold = _duration(long_running) if long_running else s.long_running_seconds
+    threshold = (_duration(long_running, '--long-running') if long_running
+                 else s.long_running_seconds)
     store = _store(s)
     conn = store_connection(s)
     try:
@@ -356,7 +357,7 @@ def purge(obj: _Obj, older_than: str, include_failed: bool, batch_size: int,
     Warns when the window is shorter than a source topic's retention. Exit 1 for an
     unknown --namespace."""
     s = obj.settings()
-    seconds = _duration(older_than)
+    seconds = _duration(older_than, "--older-than")
     store = _store(s) if namespace is None else _store(s).scoped(namespace)
     conn = store_connection(s)
     try:
@@ -373,11 +374,11 @@ def purge(obj: _Obj, older_than: str, include_failed: bool, batch_size: int,
     click.echo(plain(f"purged {deleted} records older than {older_than}{scope}"))
 
 
-def _duration(text: str) -> float:
+def _duration(text: str, option: str) -> float:
     try:
         return admin.parse_duration(text)
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from exc
+        raise click.BadParameter(str(exc), param_hint=f"'{option}'") from exc
 
 
 def _warn_retention(s: Settings, topics: list[str], window: float) -> None:

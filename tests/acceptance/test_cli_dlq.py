@@ -452,6 +452,12 @@ NO_DLQ = ("the DLQ of --topic SOURCE is SOURCE + the dlq_suffix setting '.dlq'; 
      "'no_such_module'"),
     (("rerun", "--kind", "permanent", "--dlq", "t-nope.dlq", "--dry-run", "--no-progress"),
      "error: --dlq t-nope.dlq: topic 't-nope.dlq' does not exist"),
+    (("purge", "--older-than", "30x"),
+     "error: Invalid value for '--older-than': '30x' is not a duration like 90s, 15m, 12h, "
+     "30d or 2w"),
+    (("status", "--long-running", "soon"),
+     "error: Invalid value for '--long-running': 'soon' is not a duration like 90s, 15m, "
+     "12h, 30d or 2w"),
 ])
 def test_a_bad_topic_or_partition_is_named_as_the_user_typed_it(
     mixed: MixedRun, mixed_db: DB, args: tuple[str, ...], line: str
