@@ -35,8 +35,9 @@ class _Obj(Protocol):
 
 @click.command()
 @click.option("--scenario", "scenarios", multiple=True, metavar="N[,N...]",
-              help="Run only these scenarios (1-6; 5 = 5a and 5b; repeatable or a comma "
-                   "list). Default: all.")
+              help="Run only these scenarios (1-7; 5 = 5a and 5b; repeatable or a comma "
+                   "list). Default: all. 5b needs the repository's example gateway "
+                   "(consumers/gateway.py, run from a checkout); without it, it is SKIPPED.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the report to this file (JSON).")
 @click.option("--keep", is_flag=True,
@@ -48,7 +49,8 @@ class _Obj(Protocol):
 @click.pass_obj
 def verify(obj: _Obj, scenarios: tuple[str, ...], json_path: Path | None, keep: bool,
            prefix: str | None) -> None:
-    """Run the seven exactly-once scenarios against the configured Kafka and
+    """Run the seven exactly-once scenarios (1-7, scenario 5 in two parts, 5a and 5b)
+    against the configured Kafka and
     PostgreSQL, with real member processes and real signals, and print what each one
     checked, the durable figures it read and PASS/FAIL.
 
