@@ -115,11 +115,12 @@ def run_until_finished(proc: Processor, msg: FakeMessage, mode: str,
     """Process ``msg`` like the runner does (re-entering our own live claim) until decided."""
     deferred: list[Deferred] = []
     token = None
+    tp = (msg.topic(), msg.partition())
     with no_wait():
         for _ in range(limit):
             res: Result
             if mode == "local":
-                res = proc.run_local([((TOPIC, 0), [msg])])[(TOPIC, 0)][0]
+                res = proc.run_local([(tp, [msg])])[tp][0]
             else:
                 res = proc.run_leased(msg, reentrant=token)
             if isinstance(res, Finished):

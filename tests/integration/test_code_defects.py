@@ -12,9 +12,8 @@ import pytest
 
 from consumers import payments
 from consumers.payments import encode_charge
-from kafka_idem import Context, RetryPolicy, UnknownOutcome, no_wait
+from kafka_idem import Context, RetryPolicy, UnknownOutcome
 from kafka_idem.consume.executor import Processor
-from kafka_idem.consume.outcome import Deferred, Finished, Result
 from kafka_idem.metrics import Metrics
 from kafka_idem.store import Store
 from kafka_idem.testing import FakeMessage
@@ -36,6 +35,7 @@ from tests.integration.support import (
     dlq_records,
     record_history,
 )
+from tests.integration.test_classification import run_until_finished
 
 DEFECT = "a code defect, not retried: "
 
@@ -178,23 +178,6 @@ def _processor(db: DB, fn: Any, *, mode: str, **settings: Any) -> tuple[Processo
     return Processor(app, store=store, metrics=Metrics()), store
 
 
-def _run(proc: Processor, mode: str, limit: int = 10) -> tuple[Finished, list[Deferred]]:
-    deferred: list[Deferred] = []
-    token = None
-    with no_wait():
-        for _ in range(limit):
-            res: Result
-            if mode == "local":
-                res = proc.run_local([((TOPIC, 0), [_message()])])[(TOPIC, 0)][0]
-            else:
-                res = proc.run_leased(_message(), reentrant=token)
-            if isinstance(res, Finished):
-                return res, deferred
-            deferred.append(res)
-            token = res.token
-    raise AssertionError(f"not decided after {limit} tries: {deferred}")
-
-
 @pytest.mark.parametrize("mode", ["local", "leased"])
 def test_a_reconciler_with_a_code_defect_is_permanent_too(db: DB, mode: str) -> None:
     calls: list[int] = []
@@ -209,7 +192,7 @@ def test_a_reconciler_with_a_code_defect_is_permanent_too(db: DB, mode: str) -> 
     def ask_bank(msg: payments.ChargeRequested, ctx: Context) -> None:
         return msg.bank_reference  # type: ignore[attr-defined, no-any-return]
 
-    done, deferred = _run(proc, mode)
+    done, deferred = run_until_finished(proc, _message(), mode)
     proc.close()
     assert [d.reason for d in deferred] == ["retry"]  # the unknown outcome, once
     # The handler never ran at attempt 2: the reconciler's defect decided (the local
@@ -237,7 +220,7 @@ def test_a_type_error_in_kafka_idems_own_completion_is_not_charged(db: DB, mode:
         return real(*args, **kwargs)
 
     store.complete = complete  # type: ignore[method-assign]
-    done, deferred = _run(proc, mode)
+    done, deferred = run_until_finished(proc, _message(), mode)
     proc.close()
     assert broken == [1]
     assert [d.reason for d in deferred] == ["framework"]  # the partition waited: not charged
@@ -257,7 +240,7 @@ def test_a_bulk_handlers_type_error_falls_back_to_the_per_message_handler(db: DB
         bulk_calls.append(len(batch))
         raise TypeError("a defect of the bulk form only")
 
-    done, deferred = _run(proc, "local")
+    done, deferred = run_until_finished(proc, _message(), "local")
     proc.close()
     assert bulk_calls == [1]
     assert (done.outcome, deferred) == ("succeeded", [])
