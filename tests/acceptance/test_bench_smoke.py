@@ -1,6 +1,7 @@
 """``python -m bench`` as a subprocess at the tiniest sizes, on a few rows (raw, the
 batch path, the leased path, the outbox relay, the gateway at concurrency 1), against
-the shared services: it exits 0 and every row's exactly-once check passed.
+the shared services: it exits 0 and every row's exactly-once check passed; and
+``python -m bench.floor`` (the gateway rows' work with no framework) the same way.
 
 The figures mean nothing at these sizes and nothing asserts on them: the test exists
 because the bench is code too (a bench-only bug once broke every framework row and
@@ -14,6 +15,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import psycopg
 
 from tests.conftest import ADMIN_DSN, BOOTSTRAP, ROOT
 
@@ -54,3 +57,22 @@ def test_the_bench_runs_its_rows_exactly_once(tmp_path: Path) -> None:
     assert paths["batch"]["throughput"]["check"].startswith("ok: 40 ledger rows / 40 keys")
     assert paths["leased"]["throughput"]["check"].startswith("ok: 20 ledger rows / 20 keys")
     assert "0 outbox rows twice" in paths["relay"]["throughput"]["check"]
+
+
+def test_the_floor_runs_its_work_exactly_once() -> None:
+    """``python -m bench.floor``: both runs (threads, asyncio tasks) charge and record
+    every key once, and its schema is dropped afterwards."""
+    env = {**os.environ, "KAFKA_IDEM_DATABASE_URL": ADMIN_DSN, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.floor", "--messages", "30", "--concurrency", "4"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    said = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, said
+    lines = proc.stdout.splitlines()
+    assert [line.split(",")[1].strip() for line in lines] == [
+        "threads", "asyncio tasks"], said
+    assert all(line.endswith("; ok") for line in lines), said
+    with psycopg.connect(ADMIN_DSN) as conn:
+        left = conn.execute("SELECT count(*) FROM information_schema.schemata"
+                            " WHERE schema_name LIKE 'bench_floor_%'").fetchone()
+    assert left == (0,), "the floor's schema was left behind"
