@@ -228,6 +228,20 @@ def topics_seen(conn: Conn, store: Store) -> list[str]:
     return store.topics_seen(conn)
 
 
+def purge_statuses(include_failed: bool) -> list[str]:
+    return ["succeeded", "failed"] if include_failed else ["succeeded"]
+
+
+def purge_preview(conn: Conn, store: Store, *, older_than: float,
+                  include_failed: bool) -> dict[str, int]:
+    """What :func:`purge` would delete now, by status; changes nothing, audits nothing."""
+    with translate_errors():
+        counts = store.purge_count(conn, statuses=purge_statuses(include_failed),
+                                   older_than=older_than)
+    conn.rollback()
+    return counts
+
+
 def purge(
     conn: Conn,
     store: Store,
@@ -243,7 +257,7 @@ def purge(
     Each batch is its own transaction with its own audit row, so a long purge
     never holds many locks and an interrupted one leaves an exact trail.
     """
-    statuses = ["succeeded", "failed"] if include_failed else ["succeeded"]
+    statuses = purge_statuses(include_failed)
     selection = {"older_than_seconds": older_than, "statuses": statuses,
                  "namespace": store.namespace}
     total = 0

@@ -349,13 +349,16 @@ def _rerun_bulk(obj: _Obj, reason: str | None, actor: str | None, dlq_topic: str
 @click.option("--actor", default=None, help="Who (default: KAFKA_IDEM_ACTOR or the OS user).")
 @click.option("--reason", default=None, help="Why (kept in the audit trail).")
 @click.option("--namespace", help=_NAMESPACE_HELP)
+@click.option("--dry-run", is_flag=True,
+              help="Count what would be deleted, by status; delete and audit nothing.")
 @click.pass_obj
 def purge(obj: _Obj, older_than: str, include_failed: bool, batch_size: int,
-          actor: str | None, reason: str | None, namespace: str | None) -> None:
+          actor: str | None, reason: str | None, namespace: str | None,
+          dry_run: bool) -> None:
     """Retention: delete succeeded (and with --include-failed, failed) records older than
     the window, in audited batches. Never touches processing or retryable_failed records.
-    Warns when the window is shorter than a source topic's retention. Exit 1 for an
-    unknown --namespace."""
+    Warns when the window is shorter than a source topic's retention. --dry-run counts
+    what would go. Exit 1 for an unknown --namespace."""
     s = obj.settings()
     seconds = _duration(older_than, "--older-than")
     store = _store(s) if namespace is None else _store(s).scoped(namespace)
@@ -365,12 +368,22 @@ def purge(obj: _Obj, older_than: str, include_failed: bool, batch_size: int,
             admin.require_namespace(conn, store, namespace)
         _warn_retention(s, admin.topics_seen(conn, store), seconds)
         conn.rollback()
-        deleted = admin.purge(conn, store, older_than=seconds, include_failed=include_failed,
-                              batch_size=batch_size, actor=actor or audit.default_actor(),
-                              reason=reason)
+        if dry_run:
+            counts = admin.purge_preview(conn, store, older_than=seconds,
+                                         include_failed=include_failed)
+        else:
+            deleted = admin.purge(conn, store, older_than=seconds, include_failed=include_failed,
+                                  batch_size=batch_size, actor=actor or audit.default_actor(),
+                                  reason=reason)
     finally:
         conn.close()
     scope = f" in namespace {namespace}" if namespace is not None else ""
+    if dry_run:
+        by = ", ".join(f"{status} {counts.get(status, 0)}"
+                       for status in admin.purge_statuses(include_failed))
+        click.echo(plain(f"dry run: would purge {sum(counts.values())} records older than "
+                         f"{older_than}{scope} ({by}); nothing deleted"))
+        return
     click.echo(plain(f"purged {deleted} records older than {older_than}{scope}"))
 
 

@@ -272,6 +272,14 @@ WHERE ctid IN (
     FOR UPDATE SKIP LOCKED
 );
 
+-- name: purge_count
+-- Retention's dry run: what purge_batch would delete now, by status.
+SELECT status, count(*) AS n FROM {table}
+WHERE status = ANY(%(statuses)s)
+  AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text)
+  AND updated_at < clock_timestamp() - make_interval(secs => %(older_than)s)
+GROUP BY status;
+
 -- name: topics_seen
 SELECT DISTINCT kafka_topic FROM {table}
 WHERE kafka_topic IS NOT NULL AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text);

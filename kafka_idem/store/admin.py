@@ -81,6 +81,13 @@ class AdminQueries:
                 "ns": self.namespace, "statuses": list(statuses), "older_than": older_than,
                 "batch": batch_size}).rowcount
 
+    def purge_count(self, conn: Conn, *, statuses: Sequence[str],
+                    older_than: float) -> dict[str, int]:
+        """What :meth:`purge_batch` would delete now, by status (a dry run)."""
+        rows = self._rows(conn, "purge_count", {
+            "ns": self.namespace, "statuses": list(statuses), "older_than": older_than})
+        return {r["status"]: int(r["n"]) for r in rows}
+
     # --- the audit trail ---------------------------------------------------------
 
     def audit_insert(self, conn: Conn, *, actor: str, action: str, key: str | None,

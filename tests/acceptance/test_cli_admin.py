@@ -237,6 +237,23 @@ def test_purge_deletes_old_terminal_records_in_audited_batches_only(db: DB) -> N
     assert db.status_counts() == {"retryable_failed": 2, "processing": 2}
 
 
+def test_purge_dry_run_counts_what_would_go_and_deletes_and_audits_nothing(db: DB) -> None:
+    _records(db, {"succeeded": 3, "failed": 2, "retryable_failed": 1, "processing": 1})
+    before = db.status_counts()
+    out = kafka_idem(db, "purge", "--older-than", "0s", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert ("dry run: would purge 3 records older than 0s (succeeded 3); nothing deleted"
+            in out.stdout)
+    out = kafka_idem(db, "purge", "--older-than", "0s", "--include-failed", "--dry-run")
+    assert "would purge 5 records older than 0s (succeeded 3, failed 2)" in out.stdout
+    out = kafka_idem(db, "purge", "--older-than", "1h", "--dry-run")
+    assert "would purge 0 records older than 1h (succeeded 0)" in out.stdout
+    assert db.status_counts() == before
+    assert db.rows("SELECT * FROM kafka_idem.admin_audit WHERE action = 'purge'") == []
+    out = kafka_idem(db, "purge", "--older-than", "0s", "--include-failed")
+    assert "purged 5" in out.stdout  # what the dry run said
+
+
 def test_purge_warns_when_the_window_is_shorter_than_topic_retention(db: DB,
                                                                      topics: Topics) -> None:
     topic = topics(partitions=1)
