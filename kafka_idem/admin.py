@@ -61,10 +61,19 @@ class Status:
     # {namespace: (unpublished rows, age of the oldest in seconds)}
     outbox: dict[str, tuple[int, float]] = field(default_factory=dict)
 
+    def outbox_pending(self) -> dict[str, tuple[int, float | None]]:
+        """Unpublished events (count, age of the oldest) of every namespace shown: the
+        one asked for or each that holds records, with 0 and no age when none wait."""
+        known = [self.namespace] if self.namespace is not None else list(self.by_namespace)
+        pending: dict[str, tuple[int, float | None]] = dict.fromkeys(known, (0, None))
+        pending.update(self.outbox)
+        return pending
+
     def to_json(self) -> dict[str, Any]:
         return {
-            "outbox": {ns: {"pending": n, "oldest_age_seconds": round(age, 3)}
-                       for ns, (n, age) in self.outbox.items()},
+            "outbox": {ns: {"pending": n,
+                            "oldest_age_seconds": None if age is None else round(age, 3)}
+                       for ns, (n, age) in self.outbox_pending().items()},
             "namespace": self.namespace,
             "by_status": self.by_status,
             "by_namespace": self.by_namespace,

@@ -99,9 +99,7 @@ def status(obj: _Obj, as_json: bool, long_running: str | None, namespace: str | 
     emit(spaces)
     outbox = Grid(["namespace", "pending", "oldest (s)"], title="outbox: events not published "
                   "yet", right=frozenset({"pending", "oldest (s)"}))
-    known = [namespace] if namespace is not None else list(st.by_namespace)
-    pending: dict[str, tuple[int, float | None]] = {ns: (0, None) for ns in known}
-    pending.update(st.outbox)
+    pending = st.outbox_pending()
     for ns, (n, age) in pending.items():
         outbox.add(admin.shown(ns), n, "-" if age is None else f"{age:.1f}")
     if not pending:
