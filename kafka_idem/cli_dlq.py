@@ -337,7 +337,12 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
     if dry_run and summary.total("rerun") and not (reason or "").strip():
         warn(f"note: re-running these {summary.total('rerun')} failed key(s) needs "
              "--reason TEXT; without it the replay is refused")
-    if summary.matched == 0:
+    if summary.matched == 0 and summary.resumed:
+        # The same replay ran before and went past every record: done, not a mistake.
+        if not as_json:
+            click.echo(plain(f"nothing new to replay: an earlier run of this replay (group "
+                             f"{summary.group}) went past every matching record of {topic}"))
+    elif summary.matched == 0:
         _nothing(f"no record of {topic} matches (from the replay's position; "
                  f"group {summary.group})")
 

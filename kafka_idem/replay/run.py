@@ -117,6 +117,7 @@ class ReplaySummary:
     skipped_truncated: int = 0  # DLQ copies without their value: nothing to send
     limited: bool = False  # stopped by --limit with records left to read
     completed: bool = False
+    resumed: bool = False  # began at the position an earlier run of this replay committed
     run: str = ""
     targets: dict[str, int] = field(default_factory=dict)
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -133,6 +134,7 @@ class ReplaySummary:
             "skipped_truncated": self.skipped_truncated,
             "limited": self.limited,
             "completed": self.completed,
+            "resumed": self.resumed,
             "targets": dict(self.targets),
         }
         for outcome in OUTCOMES:
@@ -239,6 +241,7 @@ def _run(
             _check_topic(consumer, to_topic)
             known.add(to_topic)
         resume = _committed(consumer, dlq_topic, partitions_of(consumer, dlq_topic, selection))
+        summary.resumed = bool(resume)
         starts, ends = bounds(consumer, dlq_topic, selection, resume)
         total = sum(ends[p] - starts[p] for p in starts)
         bucket = TokenBucket(rate) if rate is not None and producer is not None else None
