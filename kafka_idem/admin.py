@@ -244,9 +244,8 @@ def purge_statuses(include_failed: bool) -> list[str]:
 def purge_preview(conn: Conn, store: Store, *, older_than: float,
                   include_failed: bool) -> dict[str, int]:
     """What :func:`purge` would delete now, by status; changes nothing, audits nothing."""
-    with translate_errors():
-        counts = store.purge_count(conn, statuses=purge_statuses(include_failed),
-                                   older_than=older_than)
+    counts = store.purge_count(conn, statuses=purge_statuses(include_failed),
+                               older_than=older_than)  # its errors translated there
     conn.rollback()
     return counts
 
