@@ -50,6 +50,10 @@ class Permanent(HandlerError):
     """Permanent failure (validation, business rule): dead-letter, never retry."""
 
 
+class InvalidEvent(Permanent):
+    """An event a handler emits (``ctx.emit``) does not validate against its topic's model."""
+
+
 class RetryLimitReached(HandlerError):
     """The retry limit is reached (raised by the framework, not by handlers)."""
 

@@ -15,6 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
+from kafka_idem.codec import validation_reasons
 from kafka_idem.consume.outcome import Deferred, Ended, Finished, Message, Prepared, Reason, Result
 from kafka_idem.dlq import DeadLetter, bounded
 from kafka_idem.errors import DataRejected, MessageError, RetryLimitReached, Undecodable
@@ -162,6 +165,12 @@ def text_of(exc: BaseException) -> str:
 def error_of(exc: BaseException, message_max: int) -> tuple[str, str]:
     """The error class and bounded message recorded for ``exc``."""
     error_class = type(exc).__name__
+    if isinstance(exc, ValidationError):
+        # pydantic's text quotes the input values (a payload's, a secret's): a
+        # validation error a handler lets escape is recorded by field paths only
+        text = f"{exc.error_count()} validation error(s) for {exc.title}: " \
+            f"{validation_reasons(exc)}"
+        return error_class, bounded(text, message_max)
     text = text_of(exc) or error_class
     if is_data_error(exc) and not isinstance(exc, MessageError):
         # The database refused a value of the message (in the handler's own SQL): say

@@ -14,8 +14,10 @@ import zlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kafka_idem.codec import Codec
-from kafka_idem.errors import ConfigError
+from pydantic import ValidationError
+
+from kafka_idem.codec import Codec, validation_reasons
+from kafka_idem.errors import ConfigError, InvalidEvent
 from kafka_idem.store import AsyncConn, Conn, Delivery, Event, Store
 from kafka_idem.tracing import current_trace
 
@@ -77,13 +79,24 @@ class Emitter:
         """The event ``ctx``'s handler emits (encoded now: a value its codec refuses
         fails the handler, like any of its errors; ``None`` is a tombstone)."""
         codec = self.codec(topic)
-        data = value if value is None or isinstance(value, bytes) else codec.encode(value)
+        if key is not None and not isinstance(key, str | bytes):
+            raise TypeError(f"ctx.emit({topic!r}): key= must be str, bytes or None, "
+                            f"not {type(key).__name__}")
+        try:
+            data = value if value is None or isinstance(value, bytes) else codec.encode(value)
+        except ValidationError as exc:
+            # pydantic's own text quotes the input values: the reason names paths only
+            raise InvalidEvent(f"ctx.emit({topic!r}): the event does not validate against "
+                               f"{exc.title}: {validation_reasons(exc)}") from None
         raw_key = key.encode() if isinstance(key, str) else key
         pairs: list[tuple[str, bytes]] = []
         for name, v in (headers or {}).items():
             if name.startswith(RESERVED):
                 raise ConfigError(f"ctx.emit: header {name!r}: names starting with "
                                   f"{RESERVED!r} are set by kafka_idem", setting="headers")
+            if not isinstance(v, str | bytes):
+                raise TypeError(f"ctx.emit({topic!r}): header {name!r} must be str or bytes, "
+                                f"not {type(v).__name__}")
             pairs.append((name, v.encode() if isinstance(v, str) else v))
         if not any(n in ("traceparent", "tracestate") for n, _ in pairs):
             pairs.extend(current_trace(ctx.headers))

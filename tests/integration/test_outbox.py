@@ -6,11 +6,13 @@ replay; the batch path's fallback emits once."""
 from __future__ import annotations
 
 import json
+import logging
 from decimal import Decimal
 from typing import Any
 
 import pytest
 from confluent_kafka import Producer
+from pydantic import BaseModel
 
 from consumers import payments
 from consumers.payments import encode_charge
@@ -26,6 +28,7 @@ from tests.integration.outbox_support import (
     outbox_app,
     wait_published,
 )
+from tests.integration.support import dlq_records
 
 
 def charges(*orders: tuple[str, str]) -> list[tuple[bytes, bytes]]:
@@ -190,3 +193,66 @@ def test_an_event_carries_the_source_messages_trace_context_without_a_tracer(
         processed(app, group)
         (event,) = wait_published(db, events, 1)
     assert headers(event)["traceparent"] == parent
+
+
+class Receipt(BaseModel):
+    order_id: str
+    amount: Decimal
+
+
+SECRET = "card-4111-1111-1111-1111"  # a value the handler's event must never show
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_an_event_its_model_rejects_dead_letters_the_message_by_field_paths_never_values(
+    db: DB, topics: Topics, group: str, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    caplog.set_level(logging.INFO, logger="kafka_idem")
+    events = topics(partitions=1, dlq=False, prefix="ev")
+
+    def bad(msg: payments.ChargeRequested, ctx: Context) -> Any:
+        ctx.emit(events, {"order_id": msg.order_id, "amount": SECRET}, key=msg.order_id)
+        return payments.charge(msg, ctx)
+
+    async def bad_async(msg: payments.ChargeRequested, ctx: AsyncContext) -> Any:
+        await ctx.emit(events, {"order_id": msg.order_id, "amount": SECRET}, key=msg.order_id)
+        return await payments.charge_async(msg, ctx)
+
+    fn, mode = (bad, "local") if kind == "sync" else (bad_async, "leased")
+    app, _ = outbox_app(db, topics, group, fn, events=events, mode=mode)
+    app.event_topic(events, model=Receipt)
+    source = app.topics[0]
+    produce(source, charges(("o1", "1.00")))
+    with InProcess(app):
+        wait_for(lambda: dlq_records(source), what="the dead letter")
+    [letter] = dlq_records(source)
+    h = headers(letter)
+    assert h["idem.error.kind"] == "permanent" and h["idem.error.class"] == "InvalidEvent"
+    assert h["idem.error.message"] == (
+        f"ctx.emit({events!r}): the event does not validate against Receipt: "
+        "amount: Input should be a valid decimal")
+    record = db.record("t1:charge:o1")
+    assert record is not None and record["status"] == "failed"
+    assert record["error_class"] == "InvalidEvent" and SECRET not in record["error_message"]
+    assert db.ledger_counts() == {}  # the charge rolled back with the event
+    assert db.rows(f"SELECT count(*) AS n FROM {app.settings.schema_name}.outbox")[0]["n"] == 0
+    assert not any(SECRET in r.getMessage() or SECRET in str(r.__dict__) for r in caplog.records)
+
+
+def test_a_handlers_own_validation_error_is_recorded_by_field_paths_never_values(
+    db: DB, topics: Topics, group: str
+) -> None:
+    def bad(msg: payments.ChargeRequested, ctx: Context) -> Any:
+        Receipt(order_id=msg.order_id, amount=SECRET)  # type: ignore[arg-type]
+        return payments.charge(msg, ctx)
+
+    app, _ = outbox_app(db, topics, group, bad)
+    source = app.topics[0]
+    produce(source, charges(("o1", "1.00")))
+    with InProcess(app):
+        wait_for(lambda: dlq_records(source), what="the dead letter")
+    [letter] = dlq_records(source)
+    h = headers(letter)
+    assert h["idem.error.class"] == "ValidationError"
+    assert h["idem.error.message"] == (
+        "1 validation error(s) for Receipt: amount: Input should be a valid decimal")

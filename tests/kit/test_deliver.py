@@ -331,3 +331,26 @@ def test_a_result_that_is_not_json_is_dead_lettered_saying_what_to_return(
         "every duplicate)")
     assert not [r for r in caplog.records if r.exc_info], "no stack trace in the log"
     assert harness.rows("library.loans") == []
+
+
+@pytest.mark.parametrize(("emit", "why"), [
+    ({"key": 5}, "ctx.emit('shop.events'): key= must be str, bytes or None, not int"),
+    ({"headers": {"x-n": 1}},
+     "ctx.emit('shop.events'): header 'x-n' must be str or bytes, not int"),
+])
+def test_an_emit_with_a_bad_key_or_header_names_ctx_emit_and_leaves_no_effect(
+    kafka_idem_harness: Make, emit: dict[str, Any], why: str
+) -> None:
+    app = App("shop", namespace=f"shop-{uuid.uuid4().hex[:6]}")
+    app.event_topic("shop.events", format="json")
+
+    @app.handler(topic="shop.orders", key="{order_id}", hash_fields=("order_id",))
+    def order(msg: dict[str, Any], ctx: Context) -> None:
+        ctx.emit("shop.events", {"order_id": msg["order_id"]}, **emit)
+
+    harness = kafka_idem_harness(app)
+    got = harness.deliver("shop.orders", {"order_id": "o-1"})
+    [letter] = got.dead_letters
+    assert got.outcome == "dead_lettered" and got.status == "failed"
+    assert letter.kind == "permanent" and got.events == ()
+    assert letter.idem["idem.error.message"].endswith(why)
