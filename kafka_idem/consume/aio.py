@@ -75,6 +75,14 @@ class EventLoop:
             self.loop.close()
 
 
+async def settle(timeout: float) -> None:
+    """Wait up to ``timeout`` for the loop's other tasks to end (cancelled ones
+    rolling back and releasing their leases) before the loop stops."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=timeout)
+
+
 class AsyncConnections:
     """Idle async connections, reused; one in use per handler running. In autocommit:
     :class:`AsyncLeasedPath` sends ``BEGIN`` and ``COMMIT`` itself, pipelined with the
@@ -158,6 +166,28 @@ class AsyncLeasedPath:
         except (MessageError, FrameworkError, psycopg.Error) as exc:
             return around_failure(steps, exc, msg, prep,
                                   claim.token if claim is not None else reentrant)
+        except asyncio.CancelledError:
+            # Abandoned by a stop or a revoke (its transaction rolled back, its lease
+            # no longer renewed): end the lease now, so the next owner need not wait
+            # it out. Best effort: not released, it ends on its own as before.
+            if claim is not None and claim.outcome is Outcome.CLAIMED and claim.token:
+                await self._release(claim.key, claim.token)
+            raise
+
+    async def _release(self, key: str, token: uuid.UUID) -> None:
+        try:
+            conn = await self.conns.take()
+            try:
+                released = await self.store.release_lease_async(conn, key=key, token=token)
+            finally:
+                await self.conns.give_back(conn)
+        except Exception as exc:
+            log.info("the lease of abandoned key %r was not released (%s); it ends on its "
+                     "own", key, type(exc).__name__, extra={"action": "abandoned", "key": key})
+            return
+        if released:
+            log.info("released the lease of abandoned key %r: the next owner may take it "
+                     "over now", key, extra={"action": "abandoned", "key": key})
 
     async def _claim(
         self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None,

@@ -13,9 +13,10 @@ the messages a round starts share one claim (:mod:`~kafka_idem.consume.rounds`).
 A revoke or a stop waits up to ``drain_seconds`` for the jobs in flight; jobs not
 started yet do not start (unless their round's claim, already sent, took their
 key), and those still running then are abandoned: a task is
-cancelled (its transaction rolls back), a thread is left to finish (its
-completion is fenced). Either way the offset stays before them: the next owner
-finds the key ``processing`` under our lease and takes it over when it ends.
+cancelled (its transaction rolls back, then it ends its lease at once), a thread
+is left to finish (its completion is fenced; its lease runs out on its own).
+Either way the offset stays before them: the next owner finds the key
+``processing`` under our lease and takes it over when it ends.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, TypeVar
 
 from kafka_idem.app import App
 from kafka_idem.consume import log
-from kafka_idem.consume.aio import AsyncConnections, AsyncLeasedPath, EventLoop
+from kafka_idem.consume.aio import AsyncConnections, AsyncLeasedPath, EventLoop, settle
 from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.keyed import Entry, KeyedState, NotNow
@@ -48,6 +49,7 @@ from kafka_idem.metrics import Metrics
 from kafka_idem.store import Store, describe
 
 T = TypeVar("T")
+SETTLE_SECONDS = 2.0  # at a stop, for cancelled tasks to roll back and release their leases
 KeyedResults = dict[tuple[TP, int], list[Result]]
 
 
@@ -317,7 +319,8 @@ class KeyedUnits:
         if stuck:
             log.warning(
                 "abandoned %d messages still running after drain_seconds=%s: %s; their "
-                "offsets are not committed and their leases end on their own",
+                "offsets are not committed; their leases end on their own (an async def "
+                "handler's once its cancelled task has rolled back)",
                 len(stuck), self.settings.drain_seconds,
                 ", ".join(f"{j.tp[0]}[{j.tp[1]}]@{j.offset}" for j in stuck),
                 extra={"action": "abandoned"},
@@ -360,6 +363,8 @@ class KeyedUnits:
         """Stop the event loop and the threads; close the connections, except those of
         threads whose abandoned handler may still use them (they go with the process)."""
         if self._loop is not None and self._conns is not None:
+            with contextlib.suppress(Exception):
+                self._loop.submit(settle(SETTLE_SECONDS)).result(SETTLE_SECONDS + 1.0)
             with contextlib.suppress(Exception):
                 self._loop.submit(self._conns.close()).result(5.0)
             self._loop.stop(5.0)

@@ -98,6 +98,19 @@ WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token
   AND status = 'processing'
 RETURNING idempotency_key;
 
+-- name: release_lease
+-- An attempt of ours that was abandoned and has ended (an async def handler's task
+-- cancelled by a stop or a revoke, its transaction rolled back): its lease ends now,
+-- so the next owner takes the key over at once rather than when the lease would
+-- have run out. processing -> processing (a lease change); the attempt stays
+-- charged (the handler ran, and may have called out).
+UPDATE {table}
+SET lease_until = clock_timestamp(),
+    updated_at = clock_timestamp()
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s
+  AND status = 'processing' AND lease_until > clock_timestamp()
+RETURNING idempotency_key;
+
 -- name: expire_leases
 -- The test kit's clock (kafka_idem.testing), never run by a consumer: time passes
 -- beyond every live lease of the namespace, as if the owners had stalled that long.

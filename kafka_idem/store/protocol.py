@@ -329,6 +329,15 @@ class Store(OutboxQueries):
             ).fetchone()
         return row is not None
 
+    async def release_lease_async(self, conn: AsyncConn, *, key: str,
+                                  token: uuid.UUID) -> bool:
+        """End our lease on ``key`` now (fenced by ``token``): an abandoned attempt that
+        has ended. False when the lease was not ours any more (or already over)."""
+        with translate_errors(key=key):
+            cur = await conn.execute(self.q["release_lease"],
+                                     {"ns": self.ns, "key": key, "token": token})
+            return await cur.fetchone() is not None
+
     def expire_leases(self, conn: Conn, *, key: str | None = None) -> list[str]:
         """The test kit's clock: every live lease of this namespace (or only ``key``'s)
         ends now, as if its owner had stalled past it; returns the keys. The next claim

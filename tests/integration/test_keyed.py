@@ -308,6 +308,50 @@ def test_a_stop_abandons_work_still_running_after_drain_seconds_and_the_next_own
     assert db.ledger_counts() == {f"t1:charge:{o}": 1 for o in orders}
 
 
+def test_a_stop_ends_the_lease_of_an_abandoned_async_task_and_the_next_owner_takes_it_at_once(
+    db: DB, topic: str, group: str
+) -> None:
+    """An ``async def`` handler still running after ``drain_seconds`` is cancelled:
+    its transaction rolls back, and its lease (300 s here) is ended before the member
+    stops, so the next owner takes the key over at once (attempt 2), not after it."""
+    started: list[int] = []
+
+    async def charge(msg: payments.ChargeRequested, ctx: AsyncContext) -> Any:
+        started.append(ctx.attempt)
+        if msg.order_id == "stuck" and ctx.attempt == 1:
+            await ctx.tx.execute("SELECT 1")  # in the attempt's transaction
+            await asyncio.sleep(600)  # cancelled by the stop
+        await ctx.tx.execute(
+            "INSERT INTO payments.ledger (tenant_id, order_id, amount, currency,"
+            " idempotency_key) VALUES (%s, %s, %s, %s, %s)",
+            (msg.tenant_id, msg.order_id, msg.amount, msg.currency, ctx.idempotency_key))
+        return {"attempt": ctx.attempt}
+
+    produce(topic, [(o.encode(), encode_charge("t1", o, "1.00")) for o in ("a", "stuck")])
+    settings = {"drain_seconds": 0.5, "lease_seconds": 300.0}
+    key = "t1:charge:stuck"
+    with InProcess(keyed_app(db, topic, group, charge, concurrency=4, ordering_key=None,
+                             **settings)):
+        wait_for(lambda: db.status_counts() == {"succeeded": 1, "processing": 1},
+                 timeout=60, what="a done, stuck running")
+    [rec] = db.rows("SELECT status, attempts, owner_token, lease_until <= now() AS over"
+                    " FROM kafka_idem.task_idempotency WHERE idempotency_key = %s", (key,))
+    assert (rec["status"], rec["attempts"], rec["over"]) == ("processing", 1, True)
+    assert committed(group, topic) == {0: 1}  # nothing past the abandoned message
+    assert db.ledger_counts() == {"t1:charge:a": 1}  # its effect rolled back
+    # The next owner: with the lease still 300 s long, only its release lets this end.
+    with InProcess(keyed_app(db, topic, group, charge, concurrency=4, ordering_key=None,
+                             **settings)):
+        wait_for(lambda: caught_up(group, topic), timeout=60, what="the takeover")
+    record = db.record(key)
+    assert record is not None
+    assert (record["status"], record["attempts"], record["result_json"]) == (
+        "succeeded", 2, {"attempt": 2})
+    assert record["completed_token"] != rec["owner_token"]
+    assert db.ledger_counts() == {"t1:charge:a": 1, key: 1}
+    assert started.count(1) == 2 and started.count(2) == 1
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_many_partitions_and_a_small_member_limit_still_process_everything_once(
     db: DB, topics: Topics, group: str, mode: str
