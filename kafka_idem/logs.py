@@ -55,7 +55,7 @@ class TextFormatter(logging.Formatter):
         base = super().format(record)
         extra = " ".join(
             f"{n}={_escape(str(getattr(record, n)))}" for n in FIELDS
-            if hasattr(record, n) and n not in IN_TEXT
+            if getattr(record, n, None) is not None and n not in IN_TEXT  # no key=None
         )
         return f"{base} {extra}" if extra else base
 

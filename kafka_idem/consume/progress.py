@@ -4,7 +4,7 @@ A first run must not look idle: the first messages a member finishes are reporte
 once, then at most one line per interval, and nothing while there is nothing new::
 
     processed 3 message(s): inventory.reserve: dead_lettered 1, succeeded 2
-    processed 0 message(s): 2 retries scheduled (inventory.reserve: 2)
+    no message finished: 2 retries scheduled (inventory.reserve: 2)
     processed 5210 message(s) in the last 10.0 s: inventory.reserve: replayed 210, succeeded 5000
 
 Each outcome counted is the ``outcome`` label of ``kafka_idem_messages_total``
@@ -59,11 +59,11 @@ class Progress:
             per = ", ".join(f"{topic}: {k}" for topic, k in retries.items())
             detail = "; ".join(filter(None, [
                 detail, f"{n} {'retry' if n == 1 else 'retries'} scheduled ({per})"]))
+        done = "no message finished" if total == 0 else f"processed {total} message(s)"
         if self._last == -math.inf:  # the first line: at once, as the first outcome came
-            self.log.info("processed %d message(s): %s", total, detail,
-                          extra={"action": "progress"})
+            self.log.info("%s: %s", done, detail, extra={"action": "progress"})
         else:
-            self.log.info("processed %d message(s) in the last %.1f s: %s", total,
-                          now - self._last, detail, extra={"action": "progress"})
+            self.log.info("%s in the last %.1f s: %s", done, now - self._last, detail,
+                          extra={"action": "progress"})
         self._counts.clear()
         self._last = now

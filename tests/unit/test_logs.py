@@ -60,3 +60,12 @@ def test_a_dead_letters_error_is_a_json_field_and_said_once_in_text(
     data = json.loads(logs.JsonFormatter().format(record))
     assert (data["kind"], data["error_class"], data["error_message"]) == (
         "permanent", "Permanent", "card declined")
+
+
+def test_a_field_without_a_value_is_left_out_of_a_text_line(captured: io.StringIO) -> None:
+    log = logging.getLogger("kafka_idem.test")
+    log.warning("dead-lettering (undecodable)", extra={"action": "rejected", "key": None,
+                                                       "topic": "t", "offset": 0})
+    text = captured.getvalue()
+    assert text.rstrip().endswith("dead-lettering (undecodable) action=rejected topic=t offset=0")
+    assert "key=" not in text

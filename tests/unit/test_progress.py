@@ -70,7 +70,7 @@ def test_retries_alone_are_not_messages_processed(
 ) -> None:
     progress.add(Counter({(T, "retried"): 1}))
     progress.tick(0.0)
-    assert lines(caplog) == [f"processed 0 message(s): 1 retry scheduled ({T}: 1)"]
+    assert lines(caplog) == [f"no message finished: 1 retry scheduled ({T}: 1)"]
 
 
 def test_an_interval_of_zero_switches_the_line_off(caplog: pytest.LogCaptureFixture) -> None:
