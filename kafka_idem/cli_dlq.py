@@ -203,8 +203,8 @@ LIST_COLUMNS = ["partition", "offset", "last failure (UTC)", "kind", "class", "k
 @click.option("--partition", type=click.IntRange(min=0), required=True, help="DLQ partition.")
 @click.option("--offset", type=click.IntRange(min=0), required=True, help="DLQ offset.")
 @click.option("--payload", is_flag=True, help="Also show the value: decoded as JSON by the "
-              "handler's codec with --app (else JSON text as it is), base64 when it does not "
-              "decode.")
+              "handler's codec with --app (else JSON text as it is); when it does not "
+              "decode, its text if it is UTF-8, else base64.")
 @click.option("--app", "app_spec", metavar="MODULE:APP",
               help="The app whose handler of the record's original topic decodes --payload.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -252,7 +252,9 @@ def _echo_payload(shown: dict[str, Any]) -> None:
         return
     why = f"does not decode: {shown['error']}" if shown.get("error") else "not decoded"
     click.echo(plain(f"payload {why}"))
-    if shown.get("base64") is not None:
+    if shown.get("text") is not None:
+        click.echo(plain(f"raw text: {shown['text']}"))
+    elif shown.get("base64") is not None:
         click.echo(f"raw bytes (base64): {shown['base64']}")
 
 

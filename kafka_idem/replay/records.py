@@ -140,7 +140,8 @@ class DlqRecord:
 def payload_view(rec: DlqRecord, app: App | None = None) -> dict[str, Any]:
     """The record's value for ``dlq show --payload``, JSON-able: decoded by the handler
     of its original topic in ``app`` (as the consumer decoded it: the model as JSON),
-    else parsed as JSON text when it is some, else its raw bytes in base64 with why."""
+    else parsed as JSON text when it is some, else its raw bytes in base64 (and as
+    text when they are UTF-8) with why."""
     if rec.value is None:
         return {"decoded_by": None, "error": "the record has no value", "base64": None}
     handler = app.handlers.get(rec.original_topic or "") if app is not None else None
@@ -161,7 +162,11 @@ def payload_view(rec: DlqRecord, app: App | None = None) -> dict[str, Any]:
             error = ("not JSON text; give --app MODULE:APP to decode it with its handler"
                      if app is None else f"app {app.name!r} has no handler of topic "
                      f"{rec.original_topic!r}")
-    return {"decoded_by": None, "error": error,
+    try:  # a broken JSON document is still text: shown as such, not only as base64
+        text: str | None = rec.value.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    return {"decoded_by": None, "error": error, "text": text,
             "base64": base64.b64encode(rec.value).decode("ascii")}
 
 

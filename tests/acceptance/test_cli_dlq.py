@@ -224,6 +224,13 @@ def test_show_payload_decodes_with_the_handlers_codec_or_gives_the_raw_bytes(
     raw = show(b"o6")  # no --app: Avro is not JSON text
     assert "payload does not decode: not JSON text; give --app MODULE:APP" in raw.out
     assert "raw bytes (base64): " in raw.out
+    text_junk = show(b"g2")  # not JSON, but text: shown as it is (control characters escaped)
+    assert "payload does not decode: not JSON text" in text_junk.out
+    assert "raw text: garbage, second wave" in text_junk.out
+    assert "base64" not in text_junk.out
+    assert show(b"g2", "--json").json()["payload"]["text"] == "garbage, second wave"
+    assert bad["text"] == junk.decode("utf-8")  # a NUL is UTF-8 too
+    assert "raw text: \\x00not avro at all" in show(b"g1").out
     usage = kafka_idem("dlq", "show", "--topic", mixed.charges, "--partition", "0", "--offset",
                        "0", "--app", "consumers.payments:app", db=mixed_db, env=app)
     assert usage.code == 2 and "--payload" in usage.err
