@@ -50,7 +50,7 @@ from kafka_idem.consume import log
 from kafka_idem.consume.gauges import LAG_EVERY_SECONDS, Lag, sample_store
 from kafka_idem.consume.keyed import KeyedState
 from kafka_idem.consume.letters import send_letters
-from kafka_idem.consume.offsets import Offsets
+from kafka_idem.consume.offsets import Offsets, say_where_they_start
 from kafka_idem.consume.ordered import KeyedResults
 from kafka_idem.consume.outcome import Result
 from kafka_idem.consume.partitions import TP, Partitions
@@ -91,6 +91,7 @@ class Runner:
         self.newly_assigned: list[TopicPartition] = []
         self.assigned: set[TP] = set()  # as the rebalance callbacks last left it
         self.consumer: Consumer | None = None
+        self._start_at = ("", "latest")  # group id and auto.offset.reset, set by start()
         self.producer: Producer | None = None
         self.dlq: DeadLetterer | None = None
         self._fatal: FrameworkError | None = None
@@ -132,6 +133,7 @@ class Runner:
         conf["error_cb"] = self._on_error
         conf["on_commit"] = self._on_commit
         conf["enable.partition.eof"] = True  # the lag of an idle partition (/readyz)
+        self._start_at = (str(conf["group.id"]), str(conf.get("auto.offset.reset", "latest")))
         self.consumer = Consumer(conf)
         self.producer = Producer({**s.producer_config(), "error_cb": self._on_error})
         self.dlq = DeadLetterer(self.producer, header_limit=s.error_message_max)
@@ -332,9 +334,11 @@ class Runner:
 
     # --- rebalance callbacks (run inside consume(); short and total) -----------
 
-    def _on_assign(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
+    def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         if partitions:
             log.info("assigned %s", _names(partitions), extra={"action": "assigned"})
+            group, reset = self._start_at
+            say_where_they_start(consumer, partitions, group=group, reset=reset)
         elif not self.assigned:  # a spare member: more members than partitions
             log.info("no partitions assigned (the group has more members than partitions, "
                      "or none of its topics exists yet)", extra={"action": "assigned"})

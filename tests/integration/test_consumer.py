@@ -216,3 +216,28 @@ def test_undecodable_and_invalid_messages_do_not_stall_the_partition(
     rec = db.record("t1:charge:o1")
     assert rec is not None and rec["status"] == "failed" and rec["error_kind"] == "permanent"
     assert uuid  # keep import for type use
+
+
+def test_a_group_without_committed_offsets_says_where_it_starts_once(
+    db: DB, topics: Topics, group: str, caplog: Any
+) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="kafka_idem")
+    topic = topics(partitions=1)
+    produce(topic, messages(intents(4)))
+    app = build_app(topic=topic, **app_settings(db, group_id=group))
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if getattr(r, "action", None) == "start_offset"]
+
+    with InProcess(app):
+        wait_for(lambda: caught_up(group, topic), what="the group to catch up")
+    assert said() == [f"group {group} has no committed offset on {topic}[0]: "
+                      "starting at the earliest offset (auto.offset.reset=earliest)"]
+    caplog.clear()
+    with InProcess(build_app(topic=topic, **app_settings(db, group_id=group))):
+        wait_for(lambda: any(getattr(r, "action", None) == "assigned" for r in caplog.records),
+                 what="the assignment")
+    assert said() == []  # committed now: it resumes there, nothing to say
