@@ -203,7 +203,7 @@ LIST_COLUMNS = ["partition", "offset", "last failure (UTC)", "kind", "class", "k
 @click.option("--partition", type=click.IntRange(min=0), required=True, help="DLQ partition.")
 @click.option("--offset", type=click.IntRange(min=0), required=True, help="DLQ offset.")
 @click.option("--payload", is_flag=True, help="Also show the value: decoded as JSON by the "
-              "handler's codec with --app (else JSON text as it is); when it does not "
+              "handler's codec with --app (else JSON text, parsed); when it does not "
               "decode, its text if it is UTF-8, else base64.")
 @click.option("--app", "app_spec", metavar="MODULE:APP",
               help="The app whose handler of the record's original topic decodes --payload.")

@@ -190,7 +190,9 @@ def as_python(adapter: TypeAdapter[Any], payload: Any) -> Any:
     values (dicts, Decimals, datetimes) for a binary encoder."""
     if isinstance(payload, Mapping):
         return dict(payload)
-    return adapter.dump_python(payload)
+    # another model's instance (or a str) would dump with pydantic's warnings, which
+    # quote the value: validated first, it is refused with field paths instead
+    return adapter.dump_python(adapter.validate_python(payload))
 
 
 def sniff(data: bytes) -> str:
@@ -238,9 +240,9 @@ class JsonCodec:
                 f"json: payload does not validate: {validation_reasons(exc)}") from exc
 
     def encode(self, payload: Any) -> bytes:
-        value = payload if not isinstance(payload, Mapping) else \
-            self.adapter.validate_python(payload)
-        return self.adapter.dump_json(value)
+        # every value is validated (an instance of the model passes as it is): another
+        # model's instance or a str is refused, never written as something else
+        return self.adapter.dump_json(self.adapter.validate_python(payload))
 
 
 # --- Avro ---------------------------------------------------------------------

@@ -318,7 +318,7 @@ class KeyedUnits:
             self._abandoned += 1
         if stuck:
             log.warning(
-                "abandoned %d messages still running after drain_seconds=%s: %s; their "
+                "abandoned %d message(s) still running after drain_seconds=%s: %s; their "
                 "offsets are not committed; their leases end on their own (an async def "
                 "handler's once its cancelled task has rolled back)",
                 len(stuck), self.settings.drain_seconds,

@@ -89,8 +89,14 @@ class Emitter:
             raise InvalidEvent(f"ctx.emit({topic!r}): the event does not validate against "
                                f"{exc.title}: {validation_reasons(exc)}") from None
         raw_key = key.encode() if isinstance(key, str) else key
+        if headers is not None and not isinstance(headers, Mapping):
+            raise TypeError(f"ctx.emit({topic!r}): headers= must be a mapping of str to "
+                            f"str or bytes, not {type(headers).__name__}")
         pairs: list[tuple[str, bytes]] = []
         for name, v in (headers or {}).items():
+            if not isinstance(name, str):
+                raise TypeError(f"ctx.emit({topic!r}): header names must be str, "
+                                f"not {type(name).__name__}")
             if name.startswith(RESERVED):
                 raise ConfigError(f"ctx.emit: header {name!r}: names starting with "
                                   f"{RESERVED!r} are set by kafka_idem", setting="headers")

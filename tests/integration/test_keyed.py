@@ -433,7 +433,7 @@ def test_sigterm_stops_a_member_whose_handler_hangs_within_drain_seconds_and_los
     except subprocess.TimeoutExpired:
         pytest.fail("the member did not stop on SIGTERM while its handler hung")
     assert code == 0, members.logs()
-    assert "abandoned 1 messages" in members.logs()
+    assert "abandoned 1 message(s)" in members.logs()
     assert committed(group, topic) == {0: 2}  # not past the hung message
     members.start("tests.apps.variants:app", env, group=group)
     wait_for(lambda: caught_up(group, topic), timeout=90, what="the next member to finish")

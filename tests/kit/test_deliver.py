@@ -337,6 +337,9 @@ def test_a_result_that_is_not_json_is_dead_lettered_saying_what_to_return(
     ({"key": 5}, "ctx.emit('shop.events'): key= must be str, bytes or None, not int"),
     ({"headers": {"x-n": 1}},
      "ctx.emit('shop.events'): header 'x-n' must be str or bytes, not int"),
+    ({"headers": {1: "v"}}, "ctx.emit('shop.events'): header names must be str, not int"),
+    ({"headers": [("h", "v")]},
+     "ctx.emit('shop.events'): headers= must be a mapping of str to str or bytes, not list"),
 ])
 def test_an_emit_with_a_bad_key_or_header_names_ctx_emit_and_leaves_no_effect(
     kafka_idem_harness: Make, emit: dict[str, Any], why: str
@@ -354,3 +357,33 @@ def test_an_emit_with_a_bad_key_or_header_names_ctx_emit_and_leaves_no_effect(
     assert got.outcome == "dead_lettered" and got.status == "failed"
     assert letter.kind == "permanent" and got.events == ()
     assert letter.idem["idem.error.message"].endswith(why)
+
+
+class Shelved(BaseModel):
+    order_id: str
+    shelves: list[str]
+
+
+class Other(BaseModel):
+    order_id: str
+
+
+@pytest.mark.parametrize("value", [Other(order_id="o-1"), '{"order_id": "o-1"}'],
+                         ids=["another-model", "a-str"])
+def test_an_event_that_is_not_its_topics_model_is_refused_never_sent_as_something_else(
+    kafka_idem_harness: Make, value: Any, recwarn: pytest.WarningsRecorder
+) -> None:
+    app = App("shop", namespace=f"shop-{uuid.uuid4().hex[:6]}")
+    app.event_topic("shop.shelved", model=Shelved)
+
+    @app.handler(topic="shop.orders", key="{order_id}", hash_fields=("order_id",))
+    def order(msg: dict[str, Any], ctx: Context) -> None:
+        ctx.emit("shop.shelved", value)
+
+    got = kafka_idem_harness(app).deliver("shop.orders", {"order_id": "o-1"})
+    [letter] = got.dead_letters
+    assert (got.outcome, got.events, letter.idem["idem.error.class"]) == (
+        "dead_lettered", (), "InvalidEvent")
+    assert letter.idem["idem.error.message"].startswith(
+        "ctx.emit('shop.shelved'): the event does not validate against Shelved: ")
+    assert not [w for w in recwarn if "o-1" in str(w.message)]  # pydantic's, quoting it
