@@ -6,6 +6,7 @@ Never payloads or secrets. ``log_format="json"`` writes one JSON object a line.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import re
@@ -22,7 +23,9 @@ IN_TEXT = ("error_message",)
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         data: dict[str, Any] = {
-            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            # ISO 8601 in UTC with milliseconds: ordered and comparable across hosts
+            "ts": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(
+                timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),

@@ -69,3 +69,13 @@ def test_a_field_without_a_value_is_left_out_of_a_text_line(captured: io.StringI
     text = captured.getvalue()
     assert text.rstrip().endswith("dead-lettering (undecodable) action=rejected topic=t offset=0")
     assert "key=" not in text
+
+
+def test_a_json_line_has_a_utc_timestamp_with_milliseconds() -> None:
+    import datetime as dt
+
+    record = logging.LogRecord("kafka_idem.t", logging.INFO, __file__, 1, "hi", None, None)
+    record.created = 1_700_000_000.25
+    data = json.loads(logs.JsonFormatter().format(record))
+    assert data["ts"] == "2023-11-14T22:13:20.250+00:00"
+    assert dt.datetime.fromisoformat(data["ts"]).timestamp() == record.created
