@@ -203,6 +203,16 @@ class Receipt(BaseModel):
 SECRET = "card-4111-1111-1111-1111"  # a value the handler's event must never show
 
 
+def one_dead_letter(app: Any) -> dict[str, str]:
+    """One charge through ``app``: the headers of its one dead letter."""
+    source = app.topics[0]
+    produce(source, charges(("o1", "1.00")))
+    with InProcess(app):
+        wait_for(lambda: dlq_records(source), what="the dead letter")
+    [letter] = dlq_records(source)
+    return headers(letter)
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_an_event_its_model_rejects_dead_letters_the_message_by_field_paths_never_values(
     db: DB, topics: Topics, group: str, caplog: pytest.LogCaptureFixture, kind: str
@@ -221,12 +231,7 @@ def test_an_event_its_model_rejects_dead_letters_the_message_by_field_paths_neve
     fn, mode = (bad, "local") if kind == "sync" else (bad_async, "leased")
     app, _ = outbox_app(db, topics, group, fn, events=events, mode=mode)
     app.event_topic(events, model=Receipt)
-    source = app.topics[0]
-    produce(source, charges(("o1", "1.00")))
-    with InProcess(app):
-        wait_for(lambda: dlq_records(source), what="the dead letter")
-    [letter] = dlq_records(source)
-    h = headers(letter)
+    h = one_dead_letter(app)
     assert h["idem.error.kind"] == "permanent" and h["idem.error.class"] == "InvalidEvent"
     assert h["idem.error.message"] == (
         f"ctx.emit({events!r}): the event does not validate against Receipt: "
@@ -247,12 +252,7 @@ def test_a_handlers_own_validation_error_is_recorded_by_field_paths_never_values
         return payments.charge(msg, ctx)
 
     app, _ = outbox_app(db, topics, group, bad)
-    source = app.topics[0]
-    produce(source, charges(("o1", "1.00")))
-    with InProcess(app):
-        wait_for(lambda: dlq_records(source), what="the dead letter")
-    [letter] = dlq_records(source)
-    h = headers(letter)
+    h = one_dead_letter(app)
     assert h["idem.error.class"] == "ValidationError"
     assert h["idem.error.message"] == (
         "1 validation error(s) for Receipt: amount: Input should be a valid decimal")
