@@ -363,8 +363,9 @@ class KeyedUnits:
         """Stop the event loop and the threads; close the connections, except those of
         threads whose abandoned handler may still use them (they go with the process)."""
         if self._loop is not None and self._conns is not None:
-            with contextlib.suppress(Exception):
-                self._loop.submit(settle(SETTLE_SECONDS)).result(SETTLE_SECONDS + 1.0)
+            if self._abandoned:  # their cancelled tasks roll back and release first
+                with contextlib.suppress(Exception):
+                    self._loop.submit(settle(SETTLE_SECONDS)).result(SETTLE_SECONDS + 1.0)
             with contextlib.suppress(Exception):
                 self._loop.submit(self._conns.close()).result(5.0)
             self._loop.stop(5.0)

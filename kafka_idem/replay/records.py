@@ -143,7 +143,8 @@ def payload_view(rec: DlqRecord, app: App | None = None) -> dict[str, Any]:
     else parsed as JSON text when it is some, else its raw bytes in base64 (and as
     text when they are UTF-8) with why."""
     if rec.value is None:
-        return {"decoded_by": None, "error": "the record has no value", "base64": None}
+        return {"decoded_by": None, "error": "the record has no value", "text": None,
+                "base64": None}
     handler = app.handlers.get(rec.original_topic or "") if app is not None else None
     error = None
     if handler is not None:
