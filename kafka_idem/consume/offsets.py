@@ -124,7 +124,7 @@ class Offsets:
 
 def say_where_they_start(consumer: object, partitions: Sequence[TopicPartition], *,
                          group: str, reset: str, timeout: float = 2.0) -> None:
-    """One INFO line for the newly assigned partitions the group has never committed
+    """One INFO line for each newly assigned partition the group has never committed
     on: they start where ``auto.offset.reset`` says (a new ``group_id`` on an old topic
     reads it from the start; what another group already processed is answered from
     the store, never applied twice). Best effort: a broker that does not answer in
@@ -136,11 +136,11 @@ def say_where_they_start(consumer: object, partitions: Sequence[TopicPartition],
             [TopicPartition(p.topic, p.partition) for p in partitions], timeout=timeout)
     except (KafkaException, RuntimeError):
         return
-    fresh = [tp for tp in found if tp.error is None and tp.offset < 0]
-    if fresh:
-        where = {"earliest": "the earliest offset", "smallest": "the earliest offset",
-                 "beginning": "the earliest offset"}.get(reset, f"the {reset} offset")
-        log.info("group %s has no committed offset on %s: starting at %s "
-                 "(auto.offset.reset=%s)", group,
-                 ",".join(f"{tp.topic}[{tp.partition}]" for tp in fresh), where, reset,
-                 extra={"action": "start_offset"})
+    where = {"earliest": "the earliest offset", "smallest": "the earliest offset",
+             "beginning": "the earliest offset"}.get(reset, f"the {reset} offset")
+    for tp in found:
+        if tp.error is None and tp.offset < 0:  # one line per partition, with its fields
+            log.info("group %s has no committed offset on %s[%d]: starting at %s "
+                     "(auto.offset.reset=%s)", group, tp.topic, tp.partition, where, reset,
+                     extra={"action": "start_offset", "topic": tp.topic,
+                            "partition": tp.partition})
