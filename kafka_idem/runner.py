@@ -25,6 +25,11 @@ many per partition, one at a time per key. A round that follows a stall of the
 process (e.g. SIGSTOP) longer than half the session timeout starts no key-ordered
 message before the next ``consume()``, which delivers a loss of the partitions
 first (their order across ordering keys depends on owning the partition).
+``async def`` handlers' tasks run on an event loop that this thread runs whenever
+it waits: for a unit to finish (at most 50 ms while busy), for one round of what is
+ready after a round that fetched, and while a revoke or a close drains
+(:class:`~kafka_idem.consume.aio.EventLoop`, ``pumped``; ``event_loop_thread``
+gives it a thread of its own).
 
 A revoke, a loss or a close first waits for the units in flight and applies
 their results, so callbacks never race with processing of the partitions they
@@ -216,6 +221,8 @@ class Runner:
         if busy and not msgs:
             # Nothing to fetch right now: wait for a unit rather than spin.
             self.units.wait_any(min(self._wait_time(), 0.05))
+        elif busy:
+            self.units.keyed.pump()
         self._ingest(msgs)
         self._harvest()
         now = time.monotonic()

@@ -141,6 +141,13 @@ class Settings(BaseSettings):
         "finish; what is still running then is abandoned (its lease and fencing keep it "
         "exactly-once: its offset is not committed, the next owner takes the key over).",
     )
+    event_loop_thread: bool = Field(
+        False, description="Run async def handlers' event loop on a thread of its own instead "
+        "of the consumer's loop thread (which runs it whenever it waits): their tasks then go "
+        "on while the loop thread is busy elsewhere (an inline local-mode batch of another "
+        "topic, a dead letter's acknowledgement), at the cost of two threads contending for "
+        "the GIL (fewer messages/s).",
+    )
     local_workers: int = Field(
         0, ge=0, le=16,
         description="Local-mode batches in flight at once on worker threads, over disjoint "

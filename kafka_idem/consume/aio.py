@@ -7,9 +7,14 @@ the failure record (committed alone). Only the second holds the handler, so only
 it is async: :class:`AsyncLeasedPath` runs it on an ``AsyncConnection``, with the
 same decisions as the sync path (:mod:`~kafka_idem.consume.verdicts`) and the same
 statements (:meth:`Store.complete_async <kafka_idem.store.Store.complete_async>`).
-The claim and the failure record stay the sync path's own code, run on a few
-threads: a thread hop instead of a second copy of the claim protocol (one hop per
-dispatch round for the new keys it starts, :mod:`~kafka_idem.consume.rounds`).
+The claim of a key that already exists (the full claim protocol) and the failure
+record stay the sync path's own code, run on a few threads: a thread hop instead of a
+second copy of those decisions. A new key's claim, alone or in its dispatch round's
+statement (:mod:`~kafka_idem.consume.rounds`), is one statement: with a pumped loop
+(``claims_here``) it runs on the loop's async connections, no hop; on a loop thread of
+its own it goes to the threads too.
+The event loop (:class:`EventLoop`) runs on the member's loop thread while it waits
+(``pumped``), or on a thread of its own (``event_loop_thread``).
 Many keys in flight hold one async connection each while their handler runs;
 :class:`AsyncConnections` keeps the idle ones (the dispatcher bounds how many are
 in use, so no pool library is needed).
@@ -31,7 +36,7 @@ from psycopg.pq import TransactionStatus
 from kafka_idem.app import App
 from kafka_idem.consume.leased import LeasedPath, around_failure
 from kafka_idem.consume.outcome import Ended, Finished, Message, Prepared, Result
-from kafka_idem.consume.rounds import RoundClaim, answer
+from kafka_idem.consume.rounds import RoundClaim, Tokens, Wanted, answer, claim_round_async
 from kafka_idem.consume.steps import Steps, delivery, log, own_code
 from kafka_idem.consume.verdicts import last_chance_spent, reconcile_first
 from kafka_idem.errors import (
@@ -57,18 +62,71 @@ T = TypeVar("T")
 
 
 class EventLoop:
-    """An asyncio loop on a thread of its own; :meth:`submit` from any thread."""
+    """An asyncio loop for the member's ``async def`` handlers; :meth:`submit` from
+    any thread.
 
-    def __init__(self, name: str = "kafka-idem-async") -> None:
+    Threaded (the default): the loop runs on a thread of its own. ``pumped``: no
+    thread; the loop runs on the caller's thread while it waits (:meth:`run_for`),
+    so the member's loop thread and its tasks never compete for the GIL."""
+
+    def __init__(self, name: str = "kafka-idem-async", *, pumped: bool = False) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
+        self.pumped = pumped
+        self._wake: asyncio.Future[None] | None = None
+        self._thread: threading.Thread | None = None
+        if not pumped:
+            self._thread = threading.Thread(target=self.loop.run_forever, name=name,
+                                            daemon=True)
+            self._thread.start()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    @property
+    def pending(self) -> bool:
+        """Pumped: tasks that have not ended (abandoned ones rolling back too)."""
+        return self.pumped and bool(asyncio.all_tasks(self.loop))
+
+    def poke(self) -> None:
+        """From any thread: a pumped :meth:`run_for` checks its condition again."""
+        if self.pumped and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._woken)
+
+    def _woken(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def run_for(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
+        """Pumped: run the loop here for one round of what is ready, then until
+        ``until()`` holds (checked when :meth:`poke` is called) or ``timeout`` ends."""
+        self.loop.run_until_complete(self._run_for(max(timeout, 0.0), until))
+
+    async def _run_for(self, timeout: float, until: Callable[[], bool] | None) -> None:
+        loop = self.loop
+        end = loop.time() + timeout
+        await asyncio.sleep(0)
+        while not (until is not None and until()) and (left := end - loop.time()) > 0:
+            self._wake = loop.create_future()
+            timer = loop.call_later(left, self._woken)
+            try:
+                await self._wake
+            finally:
+                timer.cancel()
+                self._wake = None
+
+    def result(self, future: Future[T], timeout: float) -> T:
+        """``future``'s result, running the loop meanwhile when it is pumped."""
+        if self.pumped:
+            future.add_done_callback(lambda _f: self.poke())
+            self.run_for(timeout, until=future.done)
+            return future.result(timeout=0)
+        return future.result(timeout)
+
     def stop(self, timeout: float) -> None:
         """Stop the loop (its tasks were waited for or cancelled by the caller)."""
+        if self._thread is None:
+            self.loop.close()
+            return
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
         if not self._thread.is_alive():
@@ -130,9 +188,10 @@ class AsyncLeasedPath:
     def __init__(
         self, app: App, *, steps: Steps, leases: LeaseKeeper | None,
         on_thread: Callable[[Callable[[LeasedPath], Any]], Future[Any]],
-        conns: AsyncConnections,
+        conns: AsyncConnections, claims_here: bool = False,
     ) -> None:
         self.app = app
+        self.claims_here = claims_here
         self.steps = steps
         self.store = steps.store
         self.leases = leases
@@ -197,15 +256,45 @@ class AsyncLeasedPath:
         new = True
         if (reentrant is None and shared is not None
                 and shared.covers(prep.key, delivery(self.steps.handler(msg), msg))):
-            round_claim = shared.future(
-                lambda todo: self.on_thread(lambda p: p.claim_round(todo)))
+            if self.claims_here:
+                loop = asyncio.get_running_loop()
+                round_claim = shared.future(
+                    lambda todo: asyncio.run_coroutine_threadsafe(self._round(todo), loop))
+            else:
+                round_claim = shared.future(
+                    lambda todo: self.on_thread(lambda p: p.claim_round(todo)))
             with contextlib.suppress(Exception):  # its error is read (and logged) next
                 await asyncio.wrap_future(round_claim)
             tokens = answer(round_claim)
             if tokens is not None and prep.key in tokens:
                 return Claim.new_key(prep.key, tokens[prep.key])
             new = tokens is None  # else the key existed: the full claim at once
+        if new and reentrant is None and self.claims_here:
+            claim = await self._claim_new(msg, prep)
+            if claim is not None:
+                return claim
+            new = False
         return await self._thread(lambda p: p.claim_alone(msg, prep, reentrant, new=new))
+
+    async def _round(self, todo: list[Wanted]) -> Tokens:
+        conn = await self.conns.take()
+        try:
+            return await claim_round_async(self.store, conn, todo,
+                                           self.steps.settings.lease_seconds)
+        finally:
+            await self.conns.give_back(conn)
+
+    async def _claim_new(self, msg: Message, prep: Prepared) -> Claim | None:
+        """A new key claimed and committed in one round trip here, or ``None``."""
+        conn = await self.conns.take()
+        try:
+            with self.steps.tracing.step(msg, "claim"):
+                return await self.store.claim_new_async(
+                    conn, key=prep.key, request_hash=prep.request_hash,
+                    delivery=delivery(self.steps.handler(msg), msg),
+                    lease_seconds=self.steps.settings.lease_seconds)
+        finally:
+            await self.conns.give_back(conn)
 
     async def _execute(
         self, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,

@@ -233,7 +233,30 @@ class KeyedUnits:
 
     def notify_when_done(self, future: Future[Any]) -> None:
         """Set :attr:`finished` when ``future`` ends (at once if it has)."""
-        future.add_done_callback(lambda _f: self.finished.set())
+        future.add_done_callback(self._finished)
+
+    def _finished(self, _future: Future[Any]) -> None:
+        self.finished.set()
+        if self._loop is not None:
+            self._loop.poke()
+
+    @property
+    def pending(self) -> bool:
+        """Tasks on the pumped event loop that have not ended."""
+        return self._loop is not None and self._loop.pending
+
+    def wait_any(self, timeout: float) -> None:
+        """Block until a job finishes or ``timeout`` passes (running a pumped event
+        loop meanwhile)."""
+        if self._loop is not None and self._loop.pumped:
+            self._loop.run_for(timeout, until=self.finished.is_set)
+        else:
+            self.finished.wait(timeout)
+
+    def pump(self) -> None:
+        """One round of what is ready on a pumped event loop."""
+        if self._loop is not None and self._loop.pumped:
+            self._loop.run_for(0.0)
 
     def _run_sync(
         self, msg: Message, prep: Prepared, token: uuid.UUID | None, cancel: threading.Event,
@@ -279,7 +302,12 @@ class KeyedUnits:
         ran from. ``wait_all``: wait up to ``drain_seconds`` first, then abandon what
         still runs of the leaving partitions (all with ``None``)."""
         if wait_all and self.in_flight:
-            wait(self.futures(), timeout=self.settings.drain_seconds)
+            futures = self.futures()
+            if self._loop is not None and self._loop.pumped:
+                self._loop.run_for(self.settings.drain_seconds,
+                                   until=lambda: all(f.done() for f in futures))
+            else:
+                wait(futures, timeout=self.settings.drain_seconds)
             self._abandon(leaving)
         out: KeyedResults = {}
         for job in [j for j in self.in_flight if j.future.done()]:
@@ -350,13 +378,14 @@ class KeyedUnits:
 
     def _event_loop(self) -> EventLoop:
         if self._loop is None:
-            self._loop = EventLoop()
+            self._loop = EventLoop(pumped=not self.settings.event_loop_thread)
             steps = Processor(self.app, store=self.store, metrics=self.metrics,
                               leases=self.leases, hold=self.hold).steps  # no connection
             self._conns = AsyncConnections(
                 self.settings, application_name=f"kafka_idem:{self.app.name}")
             self._aio = AsyncLeasedPath(self.app, steps=steps, leases=self.leases,
-                                        on_thread=self._on_claim_thread, conns=self._conns)
+                                        on_thread=self._on_claim_thread, conns=self._conns,
+                                        claims_here=self._loop.pumped)
         return self._loop
 
     def close(self) -> None:
@@ -365,9 +394,10 @@ class KeyedUnits:
         if self._loop is not None and self._conns is not None:
             if self._abandoned:  # their cancelled tasks roll back and release first
                 with contextlib.suppress(Exception):
-                    self._loop.submit(settle(SETTLE_SECONDS)).result(SETTLE_SECONDS + 1.0)
+                    self._loop.result(self._loop.submit(settle(SETTLE_SECONDS)),
+                                      SETTLE_SECONDS + 1.0)
             with contextlib.suppress(Exception):
-                self._loop.submit(self._conns.close()).result(5.0)
+                self._loop.result(self._loop.submit(self._conns.close()), 5.0)
             self._loop.stop(5.0)
             self._loop = None
         self._threads.stop()

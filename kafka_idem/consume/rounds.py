@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kafka_idem.consume.steps import log
-from kafka_idem.store import Conn, Delivery, Store, describe, translate_errors
+from kafka_idem.store import AsyncConn, Conn, Delivery, Store, describe, translate_errors
 
 Tokens = dict[str, uuid.UUID]
 
@@ -126,3 +126,14 @@ def claim_round(store: Store, conn: Conn, wanted: Sequence[Wanted],
     finally:
         if not conn.closed:
             conn.autocommit = False
+
+
+async def claim_round_async(store: Store, conn: AsyncConn, wanted: Sequence[Wanted],
+                            lease_seconds: float) -> Tokens:
+    """:func:`claim_round` on an autocommit async connection (the event loop's)."""
+    wanted = sorted(wanted, key=lambda w: w.key)
+    with translate_errors():
+        return await store.claim_batch_async(
+            conn, lease_seconds=lease_seconds, keys=[w.key for w in wanted],
+            hashes=[w.request_hash for w in wanted],
+            deliveries=[w.delivery for w in wanted])

@@ -98,7 +98,7 @@ class Units:
     @property
     def busy(self) -> bool:
         """Any work in flight (units or key-ordered jobs)."""
-        return bool(self.in_flight or self.keyed.in_flight)
+        return bool(self.in_flight or self.keyed.in_flight or self.keyed.pending)
 
     # --- dispatch ----------------------------------------------------------------
 
@@ -183,7 +183,7 @@ class Units:
         remove a waiter on every one of them, each round). Cleared before the caller
         harvests: one finishing meanwhile sets it again, and the next call returns at
         once."""
-        self.keyed.finished.wait(timeout)
+        self.keyed.wait_any(timeout)
         self.keyed.finished.clear()
 
     def cancel(self, leaving: set[TP] | None) -> None:

@@ -127,6 +127,18 @@ class Store(OutboxQueries):
             return None
         return Claim(Outcome.CLAIMED, key, token=params["token"], attempts=int(row[0]))
 
+    async def claim_new_async(
+        self, conn: AsyncConn, *, key: str, request_hash: str, delivery: Delivery,
+        lease_seconds: float,
+    ) -> Claim | None:
+        """:meth:`claim_new` on an autocommit async connection: the same statement."""
+        params = self._claim_params(key, request_hash, delivery, lease_seconds)
+        with translate_errors(key=key):
+            row = await (await conn.execute(self.q["claim_insert"], params)).fetchone()
+        if row is None:
+            return None
+        return Claim(Outcome.CLAIMED, key, token=params["token"], attempts=int(row[0]))
+
     def _claim_params(
         self, key: str, request_hash: str, delivery: Delivery, lease_seconds: float
     ) -> dict[str, Any]:
@@ -364,18 +376,34 @@ class Store(OutboxQueries):
         statement; ``{key: owner token}`` for the keys that were new."""
         rows = conn.execute(
             self.q["batch_claim_insert"],
-            {
-                "ns": self.ns,
-                "lease": lease_seconds,
-                "keys": list(keys),
-                "hashes": list(hashes),
-                "handlers": [d.handler for d in deliveries],
-                "topics": [d.topic for d in deliveries],
-                "parts": [d.partition for d in deliveries],
-                "offs": [d.offset for d in deliveries],
-            },
+            self._batch_claim_params(lease_seconds, keys, hashes, deliveries),
         ).fetchall()
         return {key: token for key, token in rows}
+
+    def _batch_claim_params(
+        self, lease_seconds: float, keys: Sequence[str], hashes: Sequence[str],
+        deliveries: Sequence[Delivery],
+    ) -> dict[str, Any]:
+        return {
+            "ns": self.ns,
+            "lease": lease_seconds,
+            "keys": list(keys),
+            "hashes": list(hashes),
+            "handlers": [d.handler for d in deliveries],
+            "topics": [d.topic for d in deliveries],
+            "parts": [d.partition for d in deliveries],
+            "offs": [d.offset for d in deliveries],
+        }
+
+    async def claim_batch_async(
+        self, conn: AsyncConn, *, lease_seconds: float, keys: Sequence[str],
+        hashes: Sequence[str], deliveries: Sequence[Delivery],
+    ) -> dict[str, uuid.UUID]:
+        """:meth:`claim_batch` on an autocommit async connection: the same statement."""
+        cur = await conn.execute(
+            self.q["batch_claim_insert"],
+            self._batch_claim_params(lease_seconds, keys, hashes, deliveries))
+        return {key: token for key, token in await cur.fetchall()}
 
     def lock_batch(self, conn: Conn, keys: Sequence[str]) -> list[dict[str, Any]]:
         """Lock the records of ``keys`` in key order and read what to decide on."""

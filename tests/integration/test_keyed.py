@@ -205,8 +205,9 @@ def test_a_slow_key_blocks_neither_other_keys_nor_lets_the_offset_pass_it(
     assert all(o <= 5 or o == len(tenants) for o in seen)
 
 
+@pytest.mark.parametrize("loop_thread", [False, True], ids=["pumped", "loop_thread"])
 def test_async_handlers_run_keys_together_on_an_async_connection(
-    db: DB, topic: str, group: str
+    db: DB, topic: str, group: str, loop_thread: bool
 ) -> None:
     spans = Spans(db)
 
@@ -226,7 +227,7 @@ def test_async_handlers_run_keys_together_on_an_async_connection(
     # a duplicate (same intent sent again) and an undecodable record
     records += [(b"t0", encode_charge("t0", "o0", "2.50")), (b"x", b"\xff not a record")]
     produce(topic, records)
-    app = keyed_app(db, topic, group, charge, concurrency=16)
+    app = keyed_app(db, topic, group, charge, concurrency=16, event_loop_thread=loop_thread)
     with InProcess(app):
         wait_for(lambda: caught_up(group, topic), timeout=120, what="the topic to drain")
     assert_one_at_a_time_in_offset_order(db)
@@ -308,8 +309,9 @@ def test_a_stop_abandons_work_still_running_after_drain_seconds_and_the_next_own
     assert db.ledger_counts() == {f"t1:charge:{o}": 1 for o in orders}
 
 
+@pytest.mark.parametrize("loop_thread", [False, True], ids=["pumped", "loop_thread"])
 def test_a_stop_ends_the_lease_of_an_abandoned_async_task_and_the_next_owner_takes_it_at_once(
-    db: DB, topic: str, group: str
+    db: DB, topic: str, group: str, loop_thread: bool
 ) -> None:
     """An ``async def`` handler still running after ``drain_seconds`` is cancelled:
     its transaction rolls back, and its lease (300 s here) is ended before the member
@@ -328,7 +330,7 @@ def test_a_stop_ends_the_lease_of_an_abandoned_async_task_and_the_next_owner_tak
         return {"attempt": ctx.attempt}
 
     produce(topic, [(o.encode(), encode_charge("t1", o, "1.00")) for o in ("a", "stuck")])
-    settings = {"drain_seconds": 0.5, "lease_seconds": 300.0}
+    settings = {"drain_seconds": 0.5, "lease_seconds": 300.0, "event_loop_thread": loop_thread}
     key = "t1:charge:stuck"
     with InProcess(keyed_app(db, topic, group, charge, concurrency=4, ordering_key=None,
                              **settings)):

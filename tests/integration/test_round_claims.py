@@ -21,7 +21,7 @@ import pytest
 from consumers import payments
 from consumers.payments import encode_charge
 from kafka_idem import AsyncContext, Context, Retryable, RetryPolicy
-from kafka_idem.consume import leased, ordered
+from kafka_idem.consume import aio, leased, ordered
 from kafka_idem.errors import StoreUnavailable
 from kafka_idem.keys import hash_payload
 from kafka_idem.store import Claim, Delivery, Outcome, Store, connect
@@ -56,9 +56,23 @@ class ClaimSpy:
             assert got is not None
             return got
 
+        batch_async, new_async = Store.claim_batch_async, Store.claim_new_async
+
+        async def claim_batch_async(store: Store, conn: Any, **kw: Any) -> dict[str, uuid.UUID]:
+            tokens = await batch_async(store, conn, **kw)
+            with self._lock:
+                self.rounds.append((list(kw["keys"]), dict(tokens)))
+            return tokens
+
+        async def claim_new_async(store: Store, conn: Any, **kw: Any) -> Claim | None:
+            return self._alone(await new_async(store, conn, **kw))
+
         monkeypatch.setattr(Store, "claim_batch", claim_batch)
         monkeypatch.setattr(Store, "claim_new", claim_new)
         monkeypatch.setattr(Store, "claim", claim)
+        # an async def handler's new keys are claimed on the event loop's connections
+        monkeypatch.setattr(Store, "claim_batch_async", claim_batch_async)
+        monkeypatch.setattr(Store, "claim_new_async", claim_new_async)
 
     def _alone(self, claim: Claim | None) -> Claim | None:
         if claim is not None and claim.outcome is Outcome.CLAIMED and claim.token is not None:
@@ -253,6 +267,15 @@ def test_a_member_gone_after_its_round_claim_leaves_the_keys_to_a_successor_exac
         hang.wait(120)
         raise RuntimeError("the member is gone")
 
+    real_async = aio.claim_round_async  # an async def handler's new keys: on the event loop
+
+    async def claim_then_hang_async(*args: Any) -> Any:
+        tokens = await real_async(*args)  # committed
+        hung.append(tokens)
+        while not hang.is_set():
+            await asyncio.sleep(0.05)
+        raise RuntimeError("the member is gone")
+
     def app_of() -> Any:
         app = keyed_app(db, topic, group, handler_of(spans, seen, use_async=use_async),
                         concurrency=8, drain_seconds=0.5, lease_seconds=2.0)
@@ -271,6 +294,7 @@ def test_a_member_gone_after_its_round_claim_leaves_the_keys_to_a_successor_exac
     produce(topic, [(t.encode(), encode_charge(t, o, "1.00")) for t, o in orders])
     keys = {f"{t}:charge:{o}" for t, o in orders}
     monkeypatch.setattr(leased, "claim_round", claim_then_hang)
+    monkeypatch.setattr(aio, "claim_round_async", claim_then_hang_async)
     try:
         with InProcess(app_of()):
             wait_for(lambda: hung, timeout=60, what="the round's claim")
@@ -281,6 +305,7 @@ def test_a_member_gone_after_its_round_claim_leaves_the_keys_to_a_successor_exac
             key: ("processing", token) for key, token in tokens.items()}
         assert seen == {} and committed(group, topic).get(0, -1001) <= 0
         monkeypatch.setattr(leased, "claim_round", real)
+        monkeypatch.setattr(aio, "claim_round_async", real_async)
         with InProcess(app_of()):
             wait_for(lambda: caught_up(group, topic), timeout=90, what="the successor")
     finally:

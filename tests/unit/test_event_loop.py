@@ -1,0 +1,74 @@
+"""The member's event loop run by the thread that waits on it (``pumped``)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from kafka_idem.consume.aio import EventLoop
+
+
+def test_a_pumped_loop_runs_its_tasks_only_while_the_caller_waits_on_it() -> None:
+    loop = EventLoop(pumped=True)
+    ran: list[str] = []
+
+    async def job() -> str:
+        ran.append("started")
+        await asyncio.sleep(0.01)
+        return "done"
+
+    future = loop.submit(job())
+    time.sleep(0.05)
+    assert ran == [] and not future.done()  # nobody ran the loop
+    assert loop.pending is False  # the task is created by the first round
+    assert loop.result(future, timeout=5.0) == "done"
+    assert ran == ["started"] and not loop.pending
+    loop.stop(1.0)
+    assert loop.loop.is_closed()
+
+
+def test_run_for_returns_when_its_condition_holds_after_a_poke_from_another_thread() -> None:
+    loop = EventLoop(pumped=True)
+    flag = threading.Event()
+
+    def later() -> None:
+        time.sleep(0.05)
+        flag.set()
+        loop.poke()
+
+    threading.Thread(target=later).start()
+    began = time.monotonic()
+    loop.run_for(30.0, until=flag.is_set)
+    assert flag.is_set()
+    assert time.monotonic() - began < 25.0  # the poke ended it, not the timeout
+    loop.stop(1.0)
+
+
+def test_run_for_ends_at_its_timeout_and_keeps_unfinished_tasks_for_the_next_round() -> None:
+    loop = EventLoop(pumped=True)
+    release = asyncio.Event()
+
+    async def waits() -> int:
+        await release.wait()
+        return 7
+
+    future = loop.submit(waits())
+    loop.run_for(0.05, until=future.done)
+    assert not future.done() and loop.pending
+    loop.loop.call_soon_threadsafe(release.set)
+    assert loop.result(future, timeout=5.0) == 7
+    loop.stop(1.0)
+
+
+def test_a_threaded_loop_runs_its_tasks_on_its_own_thread() -> None:
+    loop = EventLoop()
+    names: list[str] = []
+
+    async def job() -> int:
+        names.append(threading.current_thread().name)
+        return 1
+
+    assert loop.result(loop.submit(job()), timeout=5.0) == 1
+    assert names == ["kafka-idem-async"] and not loop.pending
+    loop.stop(5.0)
