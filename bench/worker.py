@@ -290,7 +290,9 @@ class FrameworkLoop:
             loop_prof: list[cProfile.Profile] = []  # the event loop thread's, once
 
             async def run_async(path: AsyncLeasedPath, msg: Any, *args: Any) -> Any:
-                if profiles is not None and rec.profiling and not loop_prof:
+                pumped = self.runner.units.keyed._loop is not None and \
+                    self.runner.units.keyed._loop.pumped  # the loop thread's: pyinstrument's
+                if profiles is not None and rec.profiling and not loop_prof and not pumped:
                     # every coroutine shares the loop's thread: profile all of it
                     loop_prof.append(cProfile.Profile(time.thread_time))
                     profiles.append(loop_prof[0])
