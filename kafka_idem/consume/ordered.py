@@ -56,7 +56,9 @@ KeyedResults = dict[tuple[TP, int], list[Result]]
 class DaemonPool:
     """Up to ``size`` threads running submitted calls. Daemon threads, unlike a
     ``ThreadPoolExecutor``'s, never hold the process at exit: a stopped member does
-    not wait for a handler it abandoned."""
+    not wait for a handler it abandoned. A call never waits behind another while
+    fewer than ``size`` threads run: a thread is started whenever the calls not yet
+    taken outnumber the idle threads."""
 
     def __init__(self, size: int, name: str) -> None:
         self.size = size
@@ -64,19 +66,21 @@ class DaemonPool:
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
             queue.SimpleQueue())
         self._threads: list[threading.Thread] = []
-        self._idle = 0
+        self._idle = 0  # threads waiting for a call (or started and not there yet)
+        self._waiting = 0  # calls submitted and not taken by a thread yet
         self._lock = threading.Lock()
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         future: Future[T] = Future()
-        self._jobs.put((future, fn))
         with self._lock:
-            if self._idle == 0 and len(self._threads) < self.size:
+            self._waiting += 1
+            if self._waiting > self._idle and len(self._threads) < self.size:
                 t = threading.Thread(target=self._work, daemon=True,
                                      name=f"{self.name}-{len(self._threads)}")
                 self._threads.append(t)
                 self._idle += 1
                 t.start()
+        self._jobs.put((future, fn))
         return future
 
     def _work(self) -> None:
@@ -84,6 +88,8 @@ class DaemonPool:
             item = self._jobs.get()
             with self._lock:
                 self._idle -= 1
+                if item is not None:
+                    self._waiting -= 1
             if item is None:
                 return
             future, fn = item
