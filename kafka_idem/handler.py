@@ -232,7 +232,8 @@ class Handler(Generic[M]):
         self.payload_max_bytes: int | None = None
         known = fields_of(model)
         if known is not None:
-            _check_fields(name, topic, model, known, self.key.fields, hash_fields)
+            _check_fields(name, topic, model, known, self.key.fields, hash_fields,
+                          self.ordering.fields if self.ordering is not None else ())
         check = getattr(format, "check_handler", None)
         if callable(check):  # a codec's own checks of the model and fields, now
             try:
@@ -362,11 +363,14 @@ class Handler(Generic[M]):
 
 
 def _check_fields(name: str, topic: str, model: Any, known: tuple[str, ...],
-                  key_fields: Sequence[str], hash_fields: Sequence[str]) -> None:
-    """Every field ``key=`` and ``hash_fields=`` name is one of the model's: else one
-    error naming the handler, each unknown field and the setting that names it."""
+                  key_fields: Sequence[str], hash_fields: Sequence[str],
+                  ordering_fields: Sequence[str] = ()) -> None:
+    """Every field ``key=``, ``hash_fields=`` and ``ordering_key=`` name is one of the
+    model's: else one error naming the handler, each unknown field and the setting
+    that names it."""
     problems, settings = [], []
-    for setting, fields in (("key", key_fields), ("hash_fields", hash_fields)):
+    for setting, fields in (("key", key_fields), ("hash_fields", hash_fields),
+                            ("ordering_key", ordering_fields)):
         unknown = [f for f in dict.fromkeys(fields) if f not in known]
         if unknown:
             settings.append(setting)

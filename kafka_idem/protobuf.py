@@ -152,7 +152,8 @@ class ProtobufCodec:
         not a dead letter per message."""
         known = set(field_names(self.message.DESCRIPTOR))
         needed = required_fields(handler.model) if handler.model is not None else \
-            [*handler.key.fields, *handler.hash_fields]
+            [*handler.key.fields, *handler.hash_fields,
+             *(handler.ordering.fields if handler.ordering is not None else ())]
         missing = [f for f in needed if f not in known]
         if missing:
             what = "required fields of the model" if handler.model is not None else \

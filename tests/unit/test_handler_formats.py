@@ -65,6 +65,21 @@ def test_unknown_key_and_hash_fields_are_each_named_with_their_setting() -> None
         "(setting=key/hash_fields)")
 
 
+@pytest.mark.parametrize("model", [Order, OrderDC, OrderTD])
+def test_an_ordering_key_naming_an_unknown_field_fails_at_registration(model: Any) -> None:
+    """Not at each message, as the ordering key's MissingKeyField dead letter."""
+    with pytest.raises(ConfigError) as caught:
+        register(App("a"), model=model, name="place", mode="leased", concurrency=4,
+                 ordering_key="{tenant_id}:{shop}")
+    assert str(caught.value) == (
+        "handler 'place' (topic 'orders'): ordering_key= names 'shop', but "
+        f"{model.__name__} has no such field (its fields: tenant_id, order_id, amount) "
+        "(setting=ordering_key)")
+    h = register(App("b"), model=model, name="place", mode="leased", concurrency=4,
+                 ordering_key="{tenant_id}")
+    assert h.ordering is not None and h.ordering.fields == ("tenant_id",)
+
+
 def test_a_model_that_is_not_a_model_fails_at_registration_naming_the_handler() -> None:
     with pytest.raises(ConfigError, match="handler 'place': model must be"):
         register(App("a"), model=Decimal, name="place")
