@@ -27,7 +27,13 @@ from confluent_kafka import KafkaException
 
 from kafka_idem.admin import Refused
 from kafka_idem.cli_text import one_line
-from kafka_idem.errors import ConfigError, FrameworkError, StoreError, StoreUnavailable
+from kafka_idem.errors import (
+    BrokerError,
+    ConfigError,
+    FrameworkError,
+    StoreError,
+    StoreUnavailable,
+)
 from kafka_idem.redact import option_secrets, redact, secrets_in
 
 OK = 0
@@ -134,21 +140,35 @@ def describe(exc: BaseException) -> tuple[int, str]:
     if isinstance(exc, ConfigError):
         return USAGE, str(exc)
     if isinstance(exc, StoreUnavailable):
-        return OPERATIONAL, f"database unreachable: {_db_cause(exc)}"
+        return OPERATIONAL, f"database unreachable: {_db_cause(exc)}{DATABASE_HINT}"
     if isinstance(exc, StoreError):
         return OPERATIONAL, f"database error: {_db_cause(exc)}"
     if isinstance(exc, psycopg.OperationalError):
-        return OPERATIONAL, f"database unreachable: {exc}"
+        return OPERATIONAL, f"database unreachable: {exc}{DATABASE_HINT}"
     if isinstance(exc, psycopg.Error):
         return OPERATIONAL, f"database error: {exc}"
     if isinstance(exc, KafkaException):
-        return OPERATIONAL, f"Kafka: {exc}"
+        return OPERATIONAL, f"Kafka: {exc}{broker_hint(str(exc))}"
+    if isinstance(exc, BrokerError):
+        return OPERATIONAL, f"{exc}{broker_hint(str(exc))}"
     if isinstance(exc, FrameworkError | ServiceError):
         return OPERATIONAL, str(exc)
     if isinstance(exc, OSError):
         return OPERATIONAL, str(exc)
     return INTERNAL, (f"internal error: {type(exc).__name__}: {exc} "
                       "(run again with kafka-idem --debug for the traceback)")
+
+
+DATABASE_HINT = " (the database is KAFKA_IDEM_DATABASE_URL, or --database-url)"
+_UNREACHABLE = ("transport failure", "timed out", "all brokers", "connection refused",
+                "did not answer", "_transport", "_all_brokers_down")
+
+
+def broker_hint(text: str) -> str:
+    """Where the command looked for Kafka, when the error says it found nobody there."""
+    if not any(word in text.lower() for word in _UNREACHABLE):
+        return ""
+    return " (the brokers are KAFKA_IDEM_BOOTSTRAP_SERVERS, or --bootstrap-servers)"
 
 
 def _db_cause(exc: StoreError) -> str:

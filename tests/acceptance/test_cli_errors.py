@@ -51,6 +51,7 @@ def test_the_database_down_is_one_line_and_exit_3(args: tuple[str, ...]) -> None
     assert r.code == 3, (r.out, r.err)
     line = one_error_line(r)
     assert line.startswith("error: database unreachable: ") and "Connection refused" in line
+    assert line.endswith("(the database is KAFKA_IDEM_DATABASE_URL, or --database-url)")
     no_secret(r)
 
 

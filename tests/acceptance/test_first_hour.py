@@ -190,6 +190,8 @@ def test_topics_create_exit_codes_follow_the_cli_reference(folder: Folder) -> No
     down = folder.cli("topics", "create", "app:app", KAFKA_IDEM_BOOTSTRAP_SERVERS="127.0.0.1:9")
     assert down.code == 3
     assert down.err.splitlines()[-1].startswith("error: Kafka did not answer a metadata request")
+    assert down.err.splitlines()[-1].endswith(
+        "(the brokers are KAFKA_IDEM_BOOTSTRAP_SERVERS, or --bootstrap-servers)")
 
 
 # --- start-up validation ---------------------------------------------------------------------
