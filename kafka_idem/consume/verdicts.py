@@ -147,8 +147,9 @@ def not_claimed(
         message=claim.error_message or kind, attempts=claim.attempts, key=prep.key,
         failure=claim,
     )
+    action = "exhausted" if claim.outcome is Outcome.EXHAUSTED else "dead_lettered"
     return Verdict(Finished(Ended.DEAD_LETTERED, letter, key=prep.key),
-                   letter_note(letter, "dead_lettered", fields))
+                   letter_note(letter, action, fields))
 
 
 # --- a handler's exception ---------------------------------------------------------

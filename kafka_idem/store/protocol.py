@@ -254,7 +254,8 @@ class Store(OutboxQueries):
     def _exhaust(self, conn: Conn, rec: dict[str, Any], key: str, took_over: bool) -> Claim:
         kind = "exhausted"
         message = rec["error_message"] or (
-            "lease expired on the last attempt (the process died or stalled)" if took_over else None
+            "lease expired on the last attempt (its owner died, stalled, or abandoned it "
+            "at a stop or a revoke)" if took_over else None
         )
         error_class = rec["error_class"] or ("LeaseExpired" if took_over else None)
         row = conn.execute(
