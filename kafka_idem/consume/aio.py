@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -65,9 +66,10 @@ class EventLoop:
     """An asyncio loop for the member's ``async def`` handlers; :meth:`submit` from
     any thread.
 
-    Threaded (the default): the loop runs on a thread of its own. ``pumped``: no
-    thread; the loop runs on the caller's thread while it waits (:meth:`run_for`),
-    so the member's loop thread and its tasks never compete for the GIL."""
+    Threaded (the default here): the loop runs on a thread of its own. ``pumped``
+    (the member's default): no thread; the loop runs on the caller's thread while it
+    waits (:meth:`run_for`), so the member's loop thread and the tasks are not two
+    threads taking turns at the GIL."""
 
     def __init__(self, name: str = "kafka-idem-async", *, pumped: bool = False) -> None:
         self.loop = asyncio.new_event_loop()
@@ -90,7 +92,8 @@ class EventLoop:
     def poke(self) -> None:
         """From any thread: a pumped :meth:`run_for` checks its condition again."""
         if self.pumped and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._woken)
+            with contextlib.suppress(RuntimeError):  # closed meanwhile: nobody waits
+                self.loop.call_soon_threadsafe(self._woken)
 
     def _woken(self) -> None:
         if self._wake is not None and not self._wake.done():
@@ -102,6 +105,9 @@ class EventLoop:
         self.loop.run_until_complete(self._run_for(max(timeout, 0.0), until))
 
     async def _run_for(self, timeout: float, until: Callable[[], bool] | None) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            _PUMPS.add(task)  # not one of the member's tasks: settle() does not wait for it
         loop = self.loop
         end = loop.time() + timeout
         await asyncio.sleep(0)
@@ -133,10 +139,13 @@ class EventLoop:
             self.loop.close()
 
 
+_PUMPS: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()  # EventLoop.run_for's tasks
+
+
 async def settle(timeout: float) -> None:
     """Wait up to ``timeout`` for the loop's other tasks to end (cancelled ones
     rolling back and releasing their leases) before the loop stops."""
-    others = asyncio.all_tasks() - {asyncio.current_task()}
+    others = asyncio.all_tasks() - {asyncio.current_task()} - set(_PUMPS)
     if others:
         await asyncio.wait(others, timeout=timeout)
 

@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 
-from kafka_idem.consume.aio import EventLoop
+from kafka_idem.consume.aio import EventLoop, settle
 
 
 def test_a_pumped_loop_runs_its_tasks_only_while_the_caller_waits_on_it() -> None:
@@ -72,3 +72,28 @@ def test_a_threaded_loop_runs_its_tasks_on_its_own_thread() -> None:
     assert loop.result(loop.submit(job()), timeout=5.0) == 1
     assert names == ["kafka-idem-async"] and not loop.pending
     loop.stop(5.0)
+
+
+def test_settle_on_a_pumped_loop_waits_for_the_members_tasks_not_for_its_own_pump() -> None:
+    """At a stop, ``settle`` waits for cancelled tasks to roll back; the pass of the
+    loop that runs it is not one of them (else every stop would wait its timeout)."""
+    loop = EventLoop(pumped=True)
+    began = time.monotonic()
+    loop.result(loop.submit(settle(30.0)), timeout=40.0)
+    assert time.monotonic() - began < 25.0
+    ended: list[str] = []
+
+    async def rolls_back() -> None:
+        try:
+            await asyncio.sleep(600)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.01)  # its rollback and lease release
+            ended.append("released")
+            raise
+
+    task = loop.submit(rolls_back())
+    loop.run_for(0.0)  # started
+    task.cancel()
+    loop.result(loop.submit(settle(30.0)), timeout=40.0)
+    assert ended == ["released"] and not loop.pending
+    loop.stop(1.0)
