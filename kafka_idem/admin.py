@@ -165,6 +165,41 @@ def inspect(conn: Conn, store: Store, key: str,
     return records
 
 
+def escaped_forms(key: str, *, limit: int = 10) -> list[str]:
+    """The keys a template could have built for what ``key`` shows unescaped: each
+    separator character (not a letter or digit) either the template's own or a
+    value's, percent-encoded (docs/BAD_INPUT.md); a value's ``%`` is always
+    encoded. Only the first ``limit`` separators vary (2^limit forms at most)."""
+    def encoded(ch: str) -> str:
+        return "".join(f"%{b:02X}" for b in ch.encode())
+
+    forms = [""]
+    varying = 0
+    for ch in key:
+        if ch.isalnum():
+            forms = [f + ch for f in forms]
+        elif ch == "%":
+            forms = [f + "%25" for f in forms] + [f + "%" for f in forms]
+        elif varying < limit:
+            varying += 1
+            forms = [f + ch for f in forms] + [f + encoded(ch) for f in forms]
+        else:
+            forms = [f + ch for f in forms]
+        forms = forms[: 2 ** (limit + 1)]
+    return [f for f in dict.fromkeys(forms) if f != key]
+
+
+def similar_keys(conn: Conn, store: Store, key: str,
+                 namespace: str | None = None) -> list[str]:
+    """Records whose key is ``key`` with some of its separators percent-encoded, for
+    an ``inspect`` that found nothing under the key as typed."""
+    forms = escaped_forms(key)
+    if not forms:
+        return []
+    spaces = [namespace] if namespace is not None else store.namespaces(conn)
+    return store.keys_among(conn, forms, spaces)
+
+
 def rerun(
     conn: Conn,
     store: Store,

@@ -121,11 +121,14 @@ def inspect(obj: _Obj, key: str, namespace: str | None, as_json: bool) -> None:
     conn = store_connection(s)
     try:
         recs = admin.inspect(conn, _store(s), key, namespace)
+        similar = [] if recs else admin.similar_keys(conn, _store(s), key, namespace)
     finally:
         conn.close()
     if not recs:
         where = f" in namespace {namespace!r}" if namespace is not None else ""
-        click.echo(plain(f"error: no record with key {key!r}{where}"), err=True)
+        hint = (f" (did you mean {' or '.join(map(repr, similar))}? a key template "
+                "percent-encodes its separators inside a field's value)" if similar else "")
+        click.echo(plain(f"error: no record with key {key!r}{where}{hint}"), err=True)
         sys.exit(1)
     if as_json:
         if len(recs) > 1:

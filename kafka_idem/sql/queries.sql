@@ -241,6 +241,13 @@ WHERE status = 'failed' AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text)
 GROUP BY 1, 2
 ORDER BY 1, 2;
 
+-- name: keys_among
+-- Which of these keys have a record (inspect's "did you mean": one index probe each).
+SELECT DISTINCT idempotency_key FROM {table}
+WHERE namespace = ANY(%(nss)s::text[]) AND idempotency_key = ANY(%(keys)s::text[])
+ORDER BY idempotency_key
+LIMIT 5;
+
 -- name: namespaces
 -- Every namespace with records, '' (unassigned) included: a walk down the primary
 -- key's leading column, one index probe per namespace, not a scan of the table.

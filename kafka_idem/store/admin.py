@@ -57,6 +57,11 @@ class AdminQueries:
         """The records of ``key`` in any of ``namespaces``, by namespace."""
         return self._rows(conn, "get_record", {"nss": list(namespaces), "key": key})
 
+    def keys_among(self, conn: Conn, keys: Sequence[str], namespaces: Sequence[str]) -> list[str]:
+        """Which of ``keys`` have a record in any of ``namespaces`` (at most five)."""
+        return [r["idempotency_key"] for r in
+                self._rows(conn, "keys_among", {"nss": list(namespaces), "keys": list(keys)})]
+
     def lock_record(self, conn: Conn, key: str) -> dict[str, Any] | None:
         """Lock ``key``'s record in this namespace (``FOR UPDATE``) and read it."""
         rows = self._rows(conn, "lock_record", {"ns": self.ns, "key": key})

@@ -187,6 +187,29 @@ def test_rerun_of_a_failed_key_after_the_fix_succeeds_once_with_an_audit_row(
     assert member.wait(timeout=30) == 0
 
 
+def test_inspect_of_a_key_typed_unescaped_suggests_the_stored_escaped_one(db: DB) -> None:
+    """A template with '-' in its text escapes '-' inside values (docs/BAD_INPUT.md):
+    an operator who types the id as they know it is shown the key that exists."""
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
+    conn = connect(db.dsn)
+    with conn.transaction():
+        store.claim(conn, key="t1:email-sync:h%2Dperm%2D0", request_hash="v1:x",
+                    delivery=Delivery("t", 0, 0, "h"), lease_seconds=1, max_attempts=5,
+                    max_elapsed_seconds=3600)
+    conn.close()
+    out = kafka_idem(db, "inspect", "t1:email-sync:h-perm-0")
+    assert out.returncode == 1
+    assert out.stderr.strip() == (
+        "error: no record with key 't1:email-sync:h-perm-0' (did you mean "
+        "'t1:email-sync:h%2Dperm%2D0'? a key template percent-encodes its separators "
+        "inside a field's value)")
+    found = kafka_idem(db, "inspect", "t1:email-sync:h%2Dperm%2D0")
+    assert found.returncode == 0 and "processing" in found.stdout
+    none = kafka_idem(db, "inspect", "t1:email-sync:other-0")
+    assert (none.returncode, none.stderr.strip()) == (
+        1, "error: no record with key 't1:email-sync:other-0'")
+
+
 def test_rerun_refuses_a_live_processing_record(db: DB) -> None:
     store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
     conn = connect(db.dsn)
