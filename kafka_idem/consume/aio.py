@@ -51,6 +51,7 @@ from kafka_idem.handler import AsyncContext, Done, Handler
 from kafka_idem.lease import Hold, LeaseKeeper
 from kafka_idem.settings import Settings
 from kafka_idem.store import (
+    AsyncAttemptTransaction,
     AsyncConn,
     Claim,
     Outcome,
@@ -353,8 +354,7 @@ class AsyncLeasedPath:
         assert claim.token is not None
         completing = False
         try:
-            async with conn.pipeline():
-                await conn.execute("BEGIN", prepare=False)
+            async with conn.pipeline(), AsyncAttemptTransaction(conn):  # BEGIN, queued
                 result, how = await self._call(handler, prep, ctx, claim)
                 completing = True  # errors from here on may be any statement's
                 with own_code(prep.key):
@@ -363,7 +363,7 @@ class AsyncLeasedPath:
                         conn, key=prep.key, token=claim.token, result=result, wait=False)
                     if hold is not None:
                         hold.release()  # before the commit (see LeaseKeeper.hold)
-                await conn.execute("COMMIT", prepare=False)  # with the pipeline's one sync
+            # COMMIT was queued as the block ended, and sent with the pipeline's one sync
         except BaseException as exc:
             with contextlib.suppress(psycopg.Error):
                 await conn.rollback()

@@ -62,6 +62,7 @@ from kafka_idem.keys import check_key, hash_payload
 from kafka_idem.lease import Hold
 from kafka_idem.metrics import Metrics
 from kafka_idem.store import (
+    AttemptTransaction,
     Claim,
     Conn,
     Delivery,
@@ -292,21 +293,21 @@ class Steps:
         """Leased mode, in one round trip: ``BEGIN``, the handler's statements, its
         events, the fenced completion and ``COMMIT`` share the pipeline's one sync, on
         leaving it (a handler that reads a result syncs there too). ``BEGIN`` and
-        ``COMMIT`` are sent as statements on the autocommit connection (psycopg's own
-        transaction block syncs ``BEGIN`` alone, and once more around it on each side).
-        A stale completion fails on the server (KI002), so the ``COMMIT`` after it
-        cannot commit the handler's writes: it leaves here as :class:`StaleOwner`. Any
-        other error of the transaction is the attempt's (:func:`attempt_error`). Any
-        error rolls the attempt back."""
+        ``COMMIT`` are only queued, to travel with the statements after them
+        (:class:`~kafka_idem.store.attempt.AttemptTransaction`, on the autocommit
+        connection); inside, ``ctx.tx.commit()`` raises. A stale completion fails on
+        the server (KI002), so the ``COMMIT`` after it cannot commit the handler's
+        writes: it leaves here as :class:`StaleOwner`. Any other error of the
+        transaction is the attempt's (:func:`attempt_error`). Any error rolls the
+        attempt back."""
         conn.autocommit = True
         completing = False
         try:
-            with conn.pipeline():
-                conn.execute("BEGIN", prepare=False)
+            with conn.pipeline(), AttemptTransaction(conn):  # BEGIN, queued
                 result, how = self._handler_step(handler, msg, prep, claim, ctx)
                 completing = True  # errors from here on may be any statement's
                 self._complete_step(conn, msg, prep, claim, ctx, result, hold, wait=False)
-                conn.execute("COMMIT", prepare=False)  # sent with the pipeline's one sync
+            # COMMIT was queued as the block ended, and sent with the pipeline's one sync
         except BaseException as exc:
             with contextlib.suppress(psycopg.Error):
                 conn.rollback()  # an aborted or open transaction (no-op when none is)

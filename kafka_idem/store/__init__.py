@@ -9,6 +9,7 @@
   :class:`Delivery`, :class:`Failure`.
 """
 
+from kafka_idem.store.attempt import AsyncAttemptTransaction, AttemptTransaction
 from kafka_idem.store.errors import (
     DATA_SQLSTATE_CLASSES,
     DATA_SQLSTATES,
@@ -47,7 +48,9 @@ __all__ = [
     "STALE_OWNER",
     "TRANSIENT_SQLSTATES",
     "UNAVAILABLE_SQLSTATES",
+    "AsyncAttemptTransaction",
     "AsyncConn",
+    "AttemptTransaction",
     "Claim",
     "Conn",
     "Delivery",

@@ -1,0 +1,70 @@
+"""The transaction of a leased attempt, queued in its pipeline.
+
+A leased attempt runs ``BEGIN``, the handler's statements, the fenced completion and
+``COMMIT`` in one pipeline on an autocommit connection, with one sync when the
+pipeline ends (:meth:`Steps._run_pipelined
+<kafka_idem.consume.steps.Steps._run_pipelined>`). ``conn.execute("BEGIN")`` would send
+``BEGIN`` to the server at once, alone: one more packet for the client to write and
+the server to wake for, and one more result to read, per message. A psycopg
+transaction block, entered inside the pipeline, only *queues* its ``BEGIN`` (it
+travels with the handler's first statement) and its ``COMMIT`` (with the sync).
+
+``Connection.transaction()`` cannot be used for this: inside a pipeline it syncs
+``BEGIN`` alone and once more on each side of the block. The :class:`psycopg.Transaction`
+object, entered directly, does not. Two differences from psycopg's own: the block
+never swallows an exception (``psycopg.Rollback`` from a handler is the attempt's
+error, as any other), and it refuses a connection already inside a transaction
+(the block would silently become a savepoint of it, and ``COMMIT`` would not be
+sent).
+
+Inside the block psycopg knows a transaction is open: a handler's
+``ctx.tx.transaction()`` is a savepoint, and ``ctx.tx.commit()`` raises
+``ProgrammingError`` instead of committing the handler's writes without their
+completion.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, Literal
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+
+def _check_idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    status = conn.info.transaction_status
+    if status != TransactionStatus.IDLE:
+        raise psycopg.ProgrammingError(
+            f"a leased attempt needs an idle connection; this one is {status.name}")
+
+
+class AttemptTransaction(psycopg.Transaction):
+    """``BEGIN`` ... ``COMMIT`` (or ``ROLLBACK`` on an error) queued in ``conn``'s
+    pipeline; an error inside always propagates."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        _check_idle(conn)
+        super().__init__(conn)
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> Literal[False]:
+        super().__exit__(exc_type, exc_val, exc_tb)
+        return False
+
+
+class AsyncAttemptTransaction(psycopg.AsyncTransaction):
+    """:class:`AttemptTransaction` on an async connection."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        _check_idle(conn)
+        super().__init__(conn)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> Literal[False]:
+        await super().__aexit__(exc_type, exc_val, exc_tb)
+        return False
