@@ -75,6 +75,7 @@ class EventLoop:
     def __init__(self, name: str = "kafka-idem-async", *, pumped: bool = False) -> None:
         self.loop = asyncio.new_event_loop()
         self.pumped = pumped
+        self._owner = threading.get_ident()  # pumped: the one thread that runs the loop
         self._wake: asyncio.Future[None] | None = None
         self._thread: threading.Thread | None = None
         if not pumped:
@@ -83,7 +84,15 @@ class EventLoop:
             self._thread.start()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        if self._here():
+            return start_here(self.loop, coro)
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def _here(self) -> bool:
+        """Pumped, and called by the thread that runs the loop: the loop can be used
+        directly, without the thread-safe hand-off (a write to its wake-up pipe, and
+        one more round before anything happens)."""
+        return self.pumped and threading.get_ident() == self._owner
 
     @property
     def pending(self) -> bool:
@@ -93,6 +102,9 @@ class EventLoop:
     def poke(self) -> None:
         """From any thread: a pumped :meth:`run_for` checks its condition again."""
         if self.pumped and not self.loop.is_closed():
+            if self._here():  # a job ending on the loop: no hand-off
+                self._woken()
+                return
             with contextlib.suppress(RuntimeError):  # closed meanwhile: nobody waits
                 self.loop.call_soon_threadsafe(self._woken)
 
@@ -102,13 +114,14 @@ class EventLoop:
 
     def run_for(self, timeout: float, until: Callable[[], bool] | None = None) -> None:
         """Pumped: run the loop here for one round of what is ready, then until
-        ``until()`` holds (checked when :meth:`poke` is called) or ``timeout`` ends."""
-        self.loop.run_until_complete(self._run_for(max(timeout, 0.0), until))
+        ``until()`` holds (checked when :meth:`poke` is called) or ``timeout`` ends.
+        Only the thread that made the loop runs it."""
+        assert threading.get_ident() == self._owner, "a pumped loop runs on its own thread"
+        pump = self.loop.create_task(self._run_for(max(timeout, 0.0), until))
+        _PUMPS.add(pump)  # not one of the member's tasks: settle() does not wait for it
+        self.loop.run_until_complete(pump)
 
     async def _run_for(self, timeout: float, until: Callable[[], bool] | None) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            _PUMPS.add(task)  # not one of the member's tasks: settle() does not wait for it
         loop = self.loop
         end = loop.time() + timeout
         await asyncio.sleep(0)
@@ -141,6 +154,60 @@ class EventLoop:
 
 
 _PUMPS: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()  # EventLoop.run_for's tasks
+
+
+def start_here(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> Future[T]:
+    """``asyncio.run_coroutine_threadsafe`` for the thread that runs ``loop``: the
+    task is made now (its first step runs at the loop's next round) and its outcome
+    copied into the returned future; cancelling that future cancels the task."""
+    future: Future[T] = Future()
+    task = loop.create_task(coro)
+
+    def copy(done: asyncio.Task[T]) -> None:
+        if done.cancelled():
+            future.cancel()
+            return
+        if not future.set_running_or_notify_cancel():
+            return  # cancelled first
+        exc = done.exception()
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(done.result())
+
+    def cancel(f: Future[T]) -> None:
+        if f.cancelled() and not loop.is_closed():
+            loop.call_soon_threadsafe(task.cancel)  # from whichever thread cancelled it
+
+    task.add_done_callback(copy)
+    future.add_done_callback(cancel)
+    return future
+
+
+async def settled(future: Future[Any]) -> None:
+    """Wait for a concurrent ``future`` to end, without its outcome. Ended on this
+    loop's own thread, its waiter wakes with no hand-off (``asyncio.wrap_future``
+    always takes the thread-safe way, one per waiter); ended on another thread, through
+    the loop's thread-safe call."""
+    if future.done():
+        return
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[None] = loop.create_future()
+    here = threading.get_ident()
+
+    def wake() -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    def ended(_f: Future[Any]) -> None:
+        if threading.get_ident() == here:
+            wake()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                loop.call_soon_threadsafe(wake)
+
+    future.add_done_callback(ended)
+    await waiter
 
 
 async def settle(timeout: float) -> None:
@@ -266,15 +333,13 @@ class AsyncLeasedPath:
         new = True
         if (reentrant is None and shared is not None
                 and shared.covers(prep.key, delivery(self.steps.handler(msg), msg))):
-            if self.claims_here:
+            if self.claims_here:  # on this loop, which its thread runs: no hand-offs
                 loop = asyncio.get_running_loop()
-                round_claim = shared.future(
-                    lambda todo: asyncio.run_coroutine_threadsafe(self._round(todo), loop))
+                round_claim = shared.future(lambda todo: start_here(loop, self._round(todo)))
             else:
                 round_claim = shared.future(
                     lambda todo: self.on_thread(lambda p: p.claim_round(todo)))
-            with contextlib.suppress(Exception):  # its error is read (and logged) next
-                await asyncio.wrap_future(round_claim)
+            await settled(round_claim)  # its error is read (and logged) next
             tokens = answer(round_claim)
             if tokens is not None and prep.key in tokens:
                 return Claim.new_key(prep.key, tokens[prep.key])

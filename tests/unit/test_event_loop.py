@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import Future
 
-from kafka_idem.consume.aio import EventLoop, settle
+import pytest
+
+from kafka_idem.consume.aio import EventLoop, settle, settled
 
 
 def test_a_pumped_loop_runs_its_tasks_only_while_the_caller_waits_on_it() -> None:
@@ -21,7 +24,7 @@ def test_a_pumped_loop_runs_its_tasks_only_while_the_caller_waits_on_it() -> Non
     future = loop.submit(job())
     time.sleep(0.05)
     assert ran == [] and not future.done()  # nobody ran the loop
-    assert loop.pending is False  # the task is created by the first round
+    assert loop.pending  # made at once (submitted by the loop's own thread)
     assert loop.result(future, timeout=5.0) == "done"
     assert ran == ["started"] and not loop.pending
     loop.stop(1.0)
@@ -96,4 +99,64 @@ def test_settle_on_a_pumped_loop_waits_for_the_members_tasks_not_for_its_own_pum
     task.cancel()
     loop.result(loop.submit(settle(30.0)), timeout=40.0)
     assert ended == ["released"] and not loop.pending
+    loop.stop(1.0)
+
+
+def test_a_pumped_loops_own_thread_submits_without_a_hand_off_and_keeps_the_outcomes() -> None:
+    """Submitted by the loop's thread, a task is made at once; its result, its error
+    and its cancellation reach the concurrent future; cancelling that future cancels
+    the task. Another thread's submission still goes through the thread-safe way."""
+    loop = EventLoop(pumped=True)
+    hand_offs: list[str] = []
+    original = loop.loop.call_soon_threadsafe
+
+    def counted(*args: object, **kwargs: object) -> object:
+        hand_offs.append("threadsafe")
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    loop.loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+
+    async def value() -> int:
+        await asyncio.sleep(0)
+        return 3
+
+    async def fails() -> None:
+        raise ValueError("boom")
+
+    async def forever() -> None:
+        await asyncio.sleep(600)
+
+    assert loop.result(loop.submit(value()), timeout=5.0) == 3
+    failed = loop.submit(fails())
+    loop.run_for(1.0, until=failed.done)
+    with pytest.raises(ValueError, match="boom"):
+        failed.result(timeout=0)
+    assert hand_offs == []  # submitted, ended and waited for on the loop's own thread
+    stuck = loop.submit(forever())
+    loop.run_for(0.0)
+    assert stuck.cancel()
+    loop.run_for(0.05)
+    assert not loop.pending  # the task itself was cancelled
+    from_elsewhere: list[Future[int]] = []
+    t = threading.Thread(target=lambda: from_elsewhere.append(loop.submit(value())))
+    t.start()
+    t.join()
+    assert loop.result(from_elsewhere[0], timeout=5.0) == 3
+    assert "threadsafe" in hand_offs
+    loop.stop(1.0)
+
+
+def test_settled_wakes_for_a_future_ended_on_the_loop_or_on_another_thread() -> None:
+    loop = EventLoop(pumped=True)
+    here: Future[int] = Future()
+    there: Future[int] = Future()
+
+    async def waits() -> str:
+        loop.loop.call_later(0.01, here.set_result, 1)
+        await settled(here)
+        threading.Timer(0.01, there.set_exception, (RuntimeError("x"),)).start()
+        await settled(there)  # ended with an error: settled, the error left to the caller
+        return "both"
+
+    assert loop.result(loop.submit(waits()), timeout=5.0) == "both"
     loop.stop(1.0)
