@@ -629,7 +629,8 @@ class AsyncGatewayClient(GatewayClient):
         keep = False
         try:
             writer.write(request)
-            status, raw, keep = await asyncio.wait_for(self._response(reader), self.timeout)
+            async with asyncio.timeout(self.timeout):  # no task per call, as wait_for makes
+                status, raw, keep = await self._response(reader)
         except (TimeoutError, OSError, EOFError, ValueError, asyncio.LimitOverrunError) as exc:
             raise UnknownOutcome(f"no answer from the gateway: {type(exc).__name__}: {exc}"
                                  ) from exc

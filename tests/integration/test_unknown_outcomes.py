@@ -56,7 +56,7 @@ def charge_path(key: str) -> str:
 
 
 def gateway_app(db: DB, topic: str, group: str, gw: Gateway, *, first_delay: float = 0.0,
-                max_attempts: int = 5, **settings: Any) -> Any:
+                max_attempts: int = 5, use_async: bool = False, **settings: Any) -> Any:
     """The example app on ``topic``; the first retry waits ``first_delay`` s or more
     (a seeded draw), long enough to look at the state between the attempts."""
     bound = max(first_delay * 1.25, 0.1)
@@ -64,6 +64,7 @@ def gateway_app(db: DB, topic: str, group: str, gw: Gateway, *, first_delay: flo
     policy = RetryPolicy(base=bound, cap=bound, max_attempts=max_attempts,
                          rng=random.Random(seed))
     app = gateway_example.build_app(topic=topic, gateway_url=gw.url, timeout=1.0, retry=policy,
+                                    use_async=use_async,
                                     **app_settings(db, group_id=group, **settings))
     migrate_app(db, app)
     return app
@@ -116,14 +117,16 @@ def test_kill_after_the_business_write_leaves_nothing_and_the_retry_has_one_effe
 # --- remote effects: the payment gateway ---------------------------------------------------
 
 
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("fault", ["drop_after_apply", "reset_after_apply", "delay_after_apply"])
 def test_applied_but_unanswered_charge_is_reconciled_not_repeated(
-    db: DB, topics: Topics, group: str, gateway: Gateway, fault: str
+    db: DB, topics: Topics, group: str, gateway: Gateway, fault: str, use_async: bool
 ) -> None:
+    """Both clients of the example (``async def``: asyncio streams and a timeout)."""
     topic = topics(partitions=1)
     gateway.faults(**{fault: 1}, delay_seconds=3.0)  # delay: past the client's 1 s timeout
     produce(topic, [(b"o1", encode_charge("t1", "o1", "12.50"))])
-    app = gateway_app(db, topic, group, gateway, first_delay=1.5)
+    app = gateway_app(db, topic, group, gateway, first_delay=1.5, use_async=use_async)
     with InProcess(app):
         rec = wait_for(lambda: (r := db.record(KEY)) and r["status"] == "retryable_failed" and r,
                        what="the unknown outcome to be recorded")
