@@ -127,10 +127,8 @@ def test_a_pumped_loops_own_thread_submits_without_a_hand_off_and_keeps_the_outc
         await asyncio.sleep(600)
 
     assert loop.result(loop.submit(value()), timeout=5.0) == 3
-    failed = loop.submit(fails())
-    loop.run_for(1.0, until=failed.done)
     with pytest.raises(ValueError, match="boom"):
-        failed.result(timeout=0)
+        loop.result(loop.submit(fails()), timeout=5.0)
     assert hand_offs == []  # submitted, ended and waited for on the loop's own thread
     stuck = loop.submit(forever())
     loop.run_for(0.0)
@@ -159,4 +157,15 @@ def test_settled_wakes_for_a_future_ended_on_the_loop_or_on_another_thread() -> 
         return "both"
 
     assert loop.result(loop.submit(waits()), timeout=5.0) == "both"
+    loop.stop(1.0)
+
+
+def test_a_poke_between_two_runs_does_not_end_the_next_one_early() -> None:
+    """A job ending on the loop's thread pokes at once; with no run_for running, that
+    poke must not stop the next one before its condition or its timeout."""
+    loop = EventLoop(pumped=True)
+    loop.poke()
+    began = time.monotonic()
+    loop.run_for(0.2, until=lambda: False)
+    assert time.monotonic() - began >= 0.15
     loop.stop(1.0)
