@@ -134,6 +134,15 @@ CODE_DEFECTS: tuple[type[Exception], ...] = (
     TypeError, AttributeError, NameError, NotImplementedError,
 )
 
+def refused_by_client(exc: BaseException) -> bool:
+    """psycopg refused a call before any server saw it (a ``ProgrammingError`` with no
+    SQLSTATE): a wrong number of query parameters, a fetch with no results, a
+    ``commit()`` inside the attempt's transaction. A code defect too; a server's
+    ``ProgrammingError`` (an undefined table: perhaps a migration not run yet) has a
+    SQLSTATE and stays retryable."""
+    return isinstance(exc, psycopg.ProgrammingError) and not exc.sqlstate
+
+
 # Default classification of exceptions a handler lets escape (first match wins).
 DEFAULT_ERRORS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (Permanent, "permanent"),
@@ -341,6 +350,8 @@ class Handler(Generic[M]):
         rule = self._rule(exc)
         if rule is not None:
             return rule[1]
+        if refused_by_client(exc):
+            return "permanent"
         if is_data_error(exc):
             # The database refused a value the message brought (e.g. an index entry
             # over its size limit): the same message can never succeed.
@@ -351,8 +362,9 @@ class Handler(Generic[M]):
         """``exc`` is permanent because it is a code defect (:data:`CODE_DEFECTS`), not
         because a mapping or its class says so otherwise: its failure says so."""
         rule = self._rule(exc)
-        return (rule is not None and rule[1] == "permanent"
-                and issubclass(rule[0], CODE_DEFECTS))
+        if rule is None:
+            return refused_by_client(exc)
+        return rule[1] == "permanent" and issubclass(rule[0], CODE_DEFECTS)
 
     def _rule(self, exc: BaseException) -> tuple[type[BaseException], ErrorKind] | None:
         """The first mapping ``exc`` matches."""

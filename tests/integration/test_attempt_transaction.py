@@ -59,9 +59,9 @@ def test_a_handler_that_commits_commits_nothing(
     db: DB, topic: str, group: str, use_async: bool, concurrency: int,
 ) -> None:
     """``o-commit`` writes its ledger row, then commits ``ctx.tx`` itself: psycopg
-    refuses, each attempt fails, and no row of it is committed (before, the row was
-    committed on its own, ahead of the completion the same transaction carries: a
-    crash between them would have applied it again)."""
+    refuses (a code defect: dead-lettered at once), and no row of it is committed
+    (before, the row was committed on its own, ahead of the completion the same
+    transaction carries: a crash between them would have applied it again)."""
     refused: list[str] = []
 
     def sync_fn(msg: payments.ChargeRequested, ctx: Context) -> Any:
@@ -89,7 +89,7 @@ def test_a_handler_that_commits_commits_nothing(
     assert refused and "commit() forbidden" in refused[0]
     bad = db.record("t1:charge:o-commit")
     assert bad is not None
-    assert (bad["status"], bad["attempts"]) == ("failed", 3)  # retried, then exhausted
+    assert (bad["status"], bad["error_kind"], bad["attempts"]) == ("failed", "permanent", 1)
     assert bad["completed_token"] is None
     assert "commit() forbidden" in bad["error_message"]
     assert db.ledger_counts() == {"t1:charge:o-ok": 1}

@@ -8,6 +8,7 @@ import datetime as dt
 import logging
 from typing import Any
 
+import psycopg
 import pytest
 
 from kafka_idem import App, Context, Permanent, Retryable, RetryPolicy
@@ -149,3 +150,18 @@ def test_a_code_defects_dead_letter_and_log_line_say_it_was_not_retried() -> Non
     assert (v.note.action, v.note.level) == ("failed", logging.WARNING)
     assert v.note.text % v.note.args == (
         f"dead-lettering (permanent): TypeError: {CODE_DEFECT}: bad operand")
+
+
+def test_a_call_psycopg_refused_itself_is_a_code_defect_a_servers_refusal_is_not() -> None:
+    """No SQLSTATE: psycopg refused the call before sending it (a wrong number of
+    parameters, ``commit()`` inside the attempt's transaction): permanent, a code
+    defect. The server's ``ProgrammingError`` (an undefined table, perhaps a migration
+    not run yet) keeps its SQLSTATE and stays retryable; a mapping still comes first."""
+    h = handler()
+    client = psycopg.ProgrammingError("Explicit commit() forbidden within a Transaction context.")
+    server = psycopg.errors.UndefinedTable('relation "shop.ledger" does not exist')
+    assert client.sqlstate is None and server.sqlstate == "42P01"
+    assert (h.classify(client), h.code_defect(client)) == ("permanent", True)
+    assert (h.classify(server), h.code_defect(server)) == ("retryable", False)
+    mapped = handler(errors={psycopg.ProgrammingError: "retryable"})
+    assert (mapped.classify(client), mapped.code_defect(client)) == ("retryable", False)
