@@ -25,7 +25,7 @@ import contextlib
 import queue
 import threading
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -134,7 +134,8 @@ class KeyedUnits:
         self.metrics = metrics
         self.leases = leases
         self.stopping = stopping
-        self.in_flight: list[Job] = []
+        self.in_flight: dict[Job, None] = {}  # in start order; a dict: removed in O(1)
+        self._ended: deque[Job] = deque()  # jobs whose futures ended, as they end
         self.finished = threading.Event()  # set as any job (or the member's unit) ends
         self.running: Counter[str] = Counter()  # jobs in flight by topic (handler)
         self._turn = 0
@@ -234,8 +235,10 @@ class KeyedUnits:
             future = self._threads.submit(
                 lambda: self._run_sync(msg, job, token, cancel, shared))
         self.running[tp[0]] += 1
-        self.notify_when_done(future)
-        self.in_flight.append(Job(future, tp, st, entry.offset, cancel))
+        started = Job(future, tp, st, entry.offset, cancel)
+        future.add_done_callback(lambda _f: self._ended.append(started))  # any thread
+        self.notify_when_done(future)  # after it: a woken loop finds the job ended
+        self.in_flight[started] = None
 
     def notify_when_done(self, future: Future[Any]) -> None:
         """Set :attr:`finished` when ``future`` ends (at once if it has)."""
@@ -316,7 +319,11 @@ class KeyedUnits:
                 wait(futures, timeout=self.settings.drain_seconds)
             self._abandon(leaving)
         out: KeyedResults = {}
-        for job in [j for j in self.in_flight if j.future.done()]:
+        ended = self._ended
+        while ended:
+            job = ended.popleft()
+            if job not in self.in_flight:
+                continue  # abandoned before it ended
             self._forget(job)
             try:
                 res = job.future.result()
@@ -361,7 +368,7 @@ class KeyedUnits:
             )
 
     def _forget(self, job: Job) -> None:
-        self.in_flight.remove(job)
+        del self.in_flight[job]
         self.running[job.tp[0]] -= 1
 
     # --- what runs the jobs ---------------------------------------------------------------
