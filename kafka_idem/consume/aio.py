@@ -58,6 +58,7 @@ from kafka_idem.store import (
     classify_db_error,
     connect_async,
     raise_attempt_error,
+    unmasked,
 )
 
 T = TypeVar("T")
@@ -432,8 +433,11 @@ class AsyncLeasedPath:
         except BaseException as exc:
             with contextlib.suppress(psycopg.Error):
                 await conn.rollback()
+            real = unmasked(exc)
             if completing:
-                raise_attempt_error(exc, key=prep.key)
+                raise_attempt_error(real, key=prep.key)
+            if real is not exc:
+                raise real from None
             raise
         return how
 

@@ -56,7 +56,7 @@ from kafka_idem.consume.steps import Steps, delivery, log
 from kafka_idem.consume.verdicts import Note, letter_note, where
 from kafka_idem.errors import MessageError, ResultNotJSON
 from kafka_idem.handler import Context, Handler
-from kafka_idem.store import Claim, Conn, Outcome, translate_errors
+from kafka_idem.store import Claim, Conn, HandlerBlock, Outcome, translate_errors
 
 
 class Fallback(Exception):
@@ -287,8 +287,9 @@ class BatchPath:
             by_handler: dict[str, list[_Item]] = {}
             for item in first.values():
                 by_handler.setdefault(item.handler.name, []).append(item)
-            for group in by_handler.values():
-                outcomes.update(self._run_group(conn, group, claims))
+            with HandlerBlock(conn):  # a savepoint: a handler's ctx.tx.commit() raises
+                for group in by_handler.values():
+                    outcomes.update(self._run_group(conn, group, claims))
             successes = [
                 (key, claims[key].token, value)
                 for key, value in outcomes.items()

@@ -66,11 +66,13 @@ from kafka_idem.store import (
     Claim,
     Conn,
     Delivery,
+    HandlerBlock,
     Outcome,
     Store,
     classify_db_error,
     describe,
     raise_attempt_error,
+    unmasked,
 )
 from kafka_idem.tracing import Tracing
 
@@ -280,8 +282,9 @@ class Steps:
         ctx: Context, hold: Hold | None,
     ) -> str:
         """The handler and the completion in a transaction of their own (a savepoint of
-        the caller's, local mode), rolled back alone on failure."""
-        with conn.transaction():
+        the caller's, local mode), rolled back alone on failure; ``commit()`` inside
+        raises, and ``psycopg.Rollback`` is the handler's error (not swallowed)."""
+        with HandlerBlock(conn):
             result, how = self._handler_step(handler, msg, prep, claim, ctx)
             self._complete_step(conn, msg, prep, claim, ctx, result, hold)
         return how
@@ -311,8 +314,11 @@ class Steps:
         except BaseException as exc:
             with contextlib.suppress(psycopg.Error):
                 conn.rollback()  # an aborted or open transaction (no-op when none is)
+            real = unmasked(exc)
             if completing:
-                raise_attempt_error(exc, key=prep.key)
+                raise_attempt_error(real, key=prep.key)
+            if real is not exc:
+                raise real from None
             raise
         finally:
             if not conn.closed:

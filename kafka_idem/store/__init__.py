@@ -9,7 +9,12 @@
   :class:`Delivery`, :class:`Failure`.
 """
 
-from kafka_idem.store.attempt import AsyncAttemptTransaction, AttemptTransaction
+from kafka_idem.store.attempt import (
+    AsyncAttemptTransaction,
+    AttemptTransaction,
+    HandlerBlock,
+    unmasked,
+)
 from kafka_idem.store.errors import (
     DATA_SQLSTATE_CLASSES,
     DATA_SQLSTATES,
@@ -56,6 +61,7 @@ __all__ = [
     "Delivery",
     "Event",
     "Failure",
+    "HandlerBlock",
     "OutboxRow",
     "Outcome",
     "Store",
@@ -70,4 +76,5 @@ __all__ = [
     "storable",
     "translate_errors",
     "translated",
+    "unmasked",
 ]

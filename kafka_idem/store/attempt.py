@@ -39,13 +39,10 @@ def _check_idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) ->
             f"a leased attempt needs an idle connection; this one is {status.name}")
 
 
-class AttemptTransaction(psycopg.Transaction):
-    """``BEGIN`` ... ``COMMIT`` (or ``ROLLBACK`` on an error) queued in ``conn``'s
-    pipeline; an error inside always propagates."""
-
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        _check_idle(conn)
-        super().__init__(conn)
+class HandlerBlock(psycopg.Transaction):
+    """A psycopg transaction block (``BEGIN``, or a savepoint inside a transaction)
+    that never swallows an exception: ``psycopg.Rollback`` from a handler is its error.
+    Inside it ``commit()`` raises: what the framework runs handlers in."""
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc_val: BaseException | None,
@@ -53,6 +50,15 @@ class AttemptTransaction(psycopg.Transaction):
     ) -> Literal[False]:
         super().__exit__(exc_type, exc_val, exc_tb)
         return False
+
+
+class AttemptTransaction(HandlerBlock):
+    """``BEGIN`` ... ``COMMIT`` (or ``ROLLBACK`` on an error) queued in ``conn``'s
+    pipeline; an error inside always propagates."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        _check_idle(conn)
+        super().__init__(conn)
 
 
 class AsyncAttemptTransaction(psycopg.AsyncTransaction):
@@ -68,3 +74,14 @@ class AsyncAttemptTransaction(psycopg.AsyncTransaction):
     ) -> Literal[False]:
         await super().__aexit__(exc_type, exc_val, exc_tb)
         return False
+
+
+def unmasked(exc: BaseException) -> BaseException:
+    """The error behind psycopg's ``PipelineAborted``. That one only says an earlier
+    statement of the pipeline failed; psycopg raises it in place of that statement's
+    error when the failure is read as the pipeline ends (its ``finally`` reads the
+    rest), so the real error is its ``__context__``. Anything else is returned as is."""
+    seen: BaseException | None = exc
+    while isinstance(seen, psycopg.errors.PipelineAborted):
+        seen = seen.__context__
+    return seen if isinstance(seen, psycopg.Error) else exc
