@@ -83,19 +83,24 @@ def written(h: Harness, order: str) -> int:
     return sum(1 for row in h.rows("hx.notes") if row["order_id"] == order)
 
 
+def send(h: Harness, path: str, order: str, action: str) -> tuple[Any, tuple[str, ...]]:
+    """Deliver one message; (the delivery, its one dead letter's kind, class, message)."""
+    d = h.deliver(TOPICS[path], {"shop": "s", "order_id": order, "action": action})
+    letters = [tuple(x.header(f"idem.error.{n}") or "" for n in ("kind", "class", "message"))
+               for x in d.dead_letters]
+    return d, letters[0] if len(letters) == 1 else ()
+
+
 @pytest.mark.parametrize("path", list(TOPICS))
 def test_a_handler_that_commits_is_dead_lettered_at_once_with_nothing_committed(
     harness: Harness, path: str,
 ) -> None:
-    order = f"commit-{path}"
-    d = harness.deliver(TOPICS[path], {"shop": "s", "order_id": order, "action": "commit"})
+    d, letter = send(harness, path, f"commit-{path}", "commit")
     assert (d.outcome, d.steps, d.status) == ("dead_lettered", ("dead_lettered",), "failed")
-    (letter,) = d.dead_letters
-    assert letter.header("idem.error.kind") == "permanent"
-    assert letter.header("idem.error.class") == "ProgrammingError"
-    assert "commit() forbidden" in (letter.header("idem.error.message") or "")
-    assert written(harness, order) == 0
-    ok = harness.deliver(TOPICS[path], {"shop": "s", "order_id": f"ok-{path}", "action": "ok"})
+    assert letter[:2] == ("permanent", "ProgrammingError")
+    assert "commit() forbidden" in letter[2]
+    assert written(harness, f"commit-{path}") == 0
+    ok, _ = send(harness, path, f"ok-{path}", "ok")
     assert ok.status == "succeeded" and written(harness, f"ok-{path}") == 1
 
 
@@ -103,13 +108,10 @@ def test_a_handler_that_commits_is_dead_lettered_at_once_with_nothing_committed(
 def test_rollback_raised_by_a_handler_is_retried_then_exhausted(
     harness: Harness, path: str,
 ) -> None:
-    order = f"rollback-{path}"
-    d = harness.deliver(TOPICS[path], {"shop": "s", "order_id": order, "action": "rollback"})
+    d, letter = send(harness, path, f"rollback-{path}", "rollback")
     assert d.steps == ("retry", "retry", "dead_lettered") and d.status == "failed"
-    (letter,) = d.dead_letters
-    assert (letter.header("idem.error.kind"), letter.header("idem.error.class")) == (
-        "exhausted", "Rollback")
-    assert written(harness, order) == 0
+    assert letter[:2] == ("exhausted", "Rollback")
+    assert written(harness, f"rollback-{path}") == 0
 
 
 @pytest.mark.parametrize("path", ["leased", "async"])
@@ -120,9 +122,7 @@ def test_a_leased_statement_error_read_at_the_end_is_charged_every_time(
     ended: about one attempt in three was re-run uncharged)."""
     for i in range(8):
         order = f"missing-{path}-{i}"
-        d = harness.deliver(TOPICS[path],
-                            {"shop": "s", "order_id": order, "action": "missing-table"})
+        d, letter = send(harness, path, order, "missing-table")
         assert d.steps == ("retry", "retry", "dead_lettered"), (order, d.steps)
-        (letter,) = d.dead_letters
-        assert letter.header("idem.error.class") == "UndefinedTable"
+        assert letter[:2] == ("exhausted", "UndefinedTable")
         assert written(harness, order) == 0
