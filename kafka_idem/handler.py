@@ -134,6 +134,7 @@ CODE_DEFECTS: tuple[type[Exception], ...] = (
     TypeError, AttributeError, NameError, NotImplementedError,
 )
 
+
 def refused_by_client(exc: BaseException) -> bool:
     """psycopg refused a call before any server saw it (a ``ProgrammingError`` with no
     SQLSTATE): a wrong number of query parameters, a fetch with no results, a

@@ -15,7 +15,8 @@ object, entered directly, does not. Two differences from psycopg's own: the bloc
 never swallows an exception (``psycopg.Rollback`` from a handler is the attempt's
 error, as any other), and it refuses a connection already inside a transaction
 (the block would silently become a savepoint of it, and ``COMMIT`` would not be
-sent).
+sent): an :class:`~kafka_idem.errors.InternalError`, the framework's, never the
+message's.
 
 Inside the block psycopg knows a transaction is open: a handler's
 ``ctx.tx.transaction()`` is a savepoint, and ``ctx.tx.commit()`` raises
@@ -31,11 +32,14 @@ from typing import Any, Literal
 import psycopg
 from psycopg.pq import TransactionStatus
 
+from kafka_idem.errors import InternalError
+
 
 def _check_idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """Not a handler's fault if it fails (kafka_idem's own state): never charged."""
     status = conn.info.transaction_status
     if status != TransactionStatus.IDLE:
-        raise psycopg.ProgrammingError(
+        raise InternalError(
             f"a leased attempt needs an idle connection; this one is {status.name}")
 
 

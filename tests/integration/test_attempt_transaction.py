@@ -21,7 +21,18 @@ import pytest
 from consumers import payments
 from consumers.payments import encode_charge
 from kafka_idem import App, AsyncContext, Context, RetryPolicy
-from tests.conftest import DB, InProcess, app_settings, caught_up, committed, produce, wait_for
+from kafka_idem.errors import InternalError
+from kafka_idem.store import AttemptTransaction
+from tests.conftest import (
+    ADMIN_DSN,
+    DB,
+    InProcess,
+    app_settings,
+    caught_up,
+    committed,
+    produce,
+    wait_for,
+)
 from tests.integration.support import migrate_app
 
 MARK = ("INSERT INTO payments.ledger (tenant_id, order_id, amount, currency,"
@@ -162,3 +173,12 @@ def test_a_handlers_own_transaction_block_is_a_savepoint_of_the_attempt(
         assert rec is not None
         assert (rec["status"], rec["attempts"]) == ("succeeded", 1)
         assert rec["completed_token"] is not None
+
+
+def test_an_attempt_refuses_a_connection_already_in_a_transaction() -> None:
+    """The block would become a savepoint of that transaction and never commit: the
+    framework's own error (never charged to the message), not a handler's."""
+    with psycopg.connect(ADMIN_DSN) as conn:
+        conn.execute("SELECT 1")  # a transaction is open
+        with pytest.raises(InternalError, match="idle connection; this one is INTRANS"):
+            AttemptTransaction(conn)
