@@ -57,8 +57,7 @@ from kafka_idem.store import (
     Outcome,
     classify_db_error,
     connect_async,
-    raise_attempt_error,
-    unmasked,
+    raise_failed_attempt,
 )
 
 T = TypeVar("T")
@@ -433,12 +432,7 @@ class AsyncLeasedPath:
         except BaseException as exc:
             with contextlib.suppress(psycopg.Error):
                 await conn.rollback()
-            real = unmasked(exc)
-            if completing:
-                raise_attempt_error(real, key=prep.key)
-            if real is not exc:
-                raise real from None
-            raise
+            raise_failed_attempt(exc, completing=completing, key=prep.key)
         return how
 
     async def _call(

@@ -71,8 +71,7 @@ from kafka_idem.store import (
     Store,
     classify_db_error,
     describe,
-    raise_attempt_error,
-    unmasked,
+    raise_failed_attempt,
 )
 from kafka_idem.tracing import Tracing
 
@@ -314,12 +313,7 @@ class Steps:
         except BaseException as exc:
             with contextlib.suppress(psycopg.Error):
                 conn.rollback()  # an aborted or open transaction (no-op when none is)
-            real = unmasked(exc)
-            if completing:
-                raise_attempt_error(real, key=prep.key)
-            if real is not exc:
-                raise real from None
-            raise
+            raise_failed_attempt(exc, completing=completing, key=prep.key)
         finally:
             if not conn.closed:
                 conn.autocommit = False

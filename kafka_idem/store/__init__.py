@@ -13,6 +13,7 @@ from kafka_idem.store.attempt import (
     AsyncAttemptTransaction,
     AttemptTransaction,
     HandlerBlock,
+    raise_failed_attempt,
     unmasked,
 )
 from kafka_idem.store.errors import (
@@ -72,6 +73,7 @@ __all__ = [
     "describe",
     "is_data_error",
     "raise_attempt_error",
+    "raise_failed_attempt",
     "rejected",
     "storable",
     "translate_errors",

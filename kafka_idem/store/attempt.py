@@ -27,12 +27,13 @@ completion.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from kafka_idem.errors import InternalError
+from kafka_idem.store.errors import raise_attempt_error
 
 
 def _check_idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
@@ -89,3 +90,15 @@ def unmasked(exc: BaseException) -> BaseException:
     while isinstance(seen, psycopg.errors.PipelineAborted):
         seen = seen.__context__
     return seen if isinstance(seen, psycopg.Error) else exc
+
+
+def raise_failed_attempt(exc: BaseException, *, completing: bool, key: str) -> NoReturn:
+    """Raise what ``exc``, met by a leased attempt's transaction, means: unmasked;
+    once the completion was queued (``completing``), as :func:`raise_attempt_error`
+    judges it, else as it is (the handler's own error, or the framework's)."""
+    real = unmasked(exc)
+    if completing:
+        raise_attempt_error(real, key=key)
+    if real is exc:
+        raise exc
+    raise real from None
