@@ -338,6 +338,21 @@ class Runner:
             self.consumer.pause(_positions(pause))
         if resume:
             self.consumer.resume(_positions(resume))
+            self._fetch_now(resume)
+
+    def _fetch_now(self, tps: list[TP]) -> None:
+        """Have librdkafka fetch resumed partitions now. A resume alone does not wake
+        the broker thread, which fetches them when it next wakes on its own, up to a
+        second later: a partition paused because it held two batches would then run
+        dry before its next batch arrives. A seek to where it resumes anyway (its
+        position: after the last message handed out) wakes it, without a request."""
+        assert self.consumer is not None
+        try:
+            positions = [p for p in self.consumer.position(_positions(tps)) if p.offset >= 0]
+            for p in positions:
+                self.consumer.seek(p)
+        except KafkaException as exc:  # e.g. revoked meanwhile: it is fetched later anyway
+            log.debug("no fetch wake-up after resume (%s)", exc, extra={"action": "resume"})
 
     # --- rebalance callbacks (run inside consume(); short and total) -----------
 
