@@ -7,9 +7,11 @@ consumer's). One partition; the charges of 1,000 accounts (``tenant_id``, the
 ordering key) interleaved, each account's charges a distinct idempotency key.
 
 The check, after a run: the gateway charged every key exactly once; the local
-table holds one row per key; the store one ``succeeded`` record per key; and for
+table holds one row per key; the store one ``succeeded`` record per key; for
 every account, its rows were written in offset order (``payments.gateway_charges``
-ids grow in insertion order, and one account's charges run one after another).
+ids grow in insertion order, and one account's charges run one after another);
+and the gateway never answered more charges at once than the row's
+``concurrency`` (its ``/_in_flight`` count, from the row's start).
 """
 
 from __future__ import annotations
@@ -76,13 +78,24 @@ class GatewayProcess:
                 self.proc.wait()
 
 
-def mark(dsn: str) -> int:
+def mark(dsn: str, gateway_url: str) -> int:
+    """Where the row's charges start in the local table; the gateway's count of calls
+    at once starts again from here."""
+    _in_flight(gateway_url, reset=True)
     with psycopg.connect(dsn) as conn:
         row = conn.execute("SELECT coalesce(max(id), 0) FROM payments.gateway_charges").fetchone()
     return int(row[0]) if row else 0
 
 
-def check(dsn: str, schema: str, plan: Plan, since: int, gateway_url: str) -> tuple[bool, str]:
+def _in_flight(gateway_url: str, *, reset: bool = False) -> dict[str, int]:
+    req = urllib.request.Request(gateway_url + "/_in_flight", method="POST" if reset else "GET")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        stats: dict[str, int] = json.loads(resp.read())
+    return stats
+
+
+def check(dsn: str, schema: str, plan: Plan, since: int, gateway_url: str,
+          path: str) -> tuple[bool, str]:
     _intents, messages = plan.build()
     keys = [m.key for m in messages]  # one partition: the list order is the offset order
     expected = set(keys)
@@ -112,10 +125,14 @@ def check(dsn: str, schema: str, plan: Plan, since: int, gateway_url: str) -> tu
     once = len(written) == len(set(written)) == len(expected)
     gateway_once = len(charged) == len(expected) and all(n == 1 for n in charged.values())
     store_ok = succeeded is not None and succeeded[0] == len(expected)
-    ok = once and gateway_once and store_ok and out_of_order == 0
+    at_once = _in_flight(gateway_url)["max"]
+    concurrency = GATEWAY_PATHS[path][0]
+    ok = (once and gateway_once and store_ok and out_of_order == 0
+          and at_once <= concurrency)
     text = (f"{len(written)} rows / {len(expected)} keys, {sum(charged.values())} gateway "
             f"charges, {succeeded[0] if succeeded else 0} succeeded; {len(by_account)} "
-            f"accounts, {out_of_order} out of offset order")
+            f"accounts, {out_of_order} out of offset order; at most {at_once} calls at once "
+            f"(concurrency {concurrency})")
     return ok, ("ok: " if ok else "FAILED: ") + text
 
 

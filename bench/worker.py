@@ -410,7 +410,7 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
     profiler: Any = None
     check = spec["kind"] != "raw"
     if spec["kind"] == "gateway":
-        mark = bench_gateway.mark(s.dsn)
+        mark = bench_gateway.mark(s.dsn, spec["gateway_url"])
     elif "mark" in spec:  # one of several members: the mark was taken before any started
         mark = int(spec["mark"])
         before = {(t, c): Decimal(b) for t, c, b in spec["before"]}
@@ -510,7 +510,7 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
         out["ok"], out["check"] = True, f"member {spec['member']}: {rec.count} effects"
     elif spec["kind"] == "gateway":
         out["ok"], out["check"] = bench_gateway.check(s.dsn, spec["schema"], plan, mark,
-                                                      spec["gateway_url"])
+                                                      spec["gateway_url"], spec["path"])
     elif check:
         intents, _messages = plan.build()
         out["ok"], out["check"] = check_effects(s.dsn, spec["schema"], intents, mark, before)

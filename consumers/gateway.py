@@ -12,6 +12,9 @@ Two parts, both real:
       GET  /charges/<key>  200 the charge made with that key, 404 none
       GET  /charges        {"charges": [...]}  every charge
       GET  /_requests      {"requests": [...]} every request received (tests count them)
+      GET  /_in_flight     {"now": n, "max": m} charges being answered now, and the most
+                           at once since the start or the last POST /_in_flight (which
+                           resets the most to now): what a consumer's concurrency let in
       POST /_faults        {"drop_after_apply": n, ...} see :data:`FAULTS`
 
   Run it alone with ``python -m consumers.gateway serve --port 8099
@@ -65,6 +68,7 @@ import threading
 import time
 import urllib.parse
 import uuid
+from collections.abc import Iterator
 from decimal import Decimal, InvalidOperation
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
@@ -113,6 +117,26 @@ class _State:
         self.release = threading.Event()
         self.held = 0  # responses currently held
         self.latency = 0.0  # seconds every charge takes
+        self.in_flight = 0  # POST /charges being answered now
+        self.max_in_flight = 0  # the most at once since the start or the last reset
+
+    @contextlib.contextmanager
+    def answering(self) -> Iterator[None]:
+        """Around one POST /charges, from its request read to its answer written."""
+        with self.lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+    def in_flight_stats(self, *, reset: bool = False) -> dict[str, int]:
+        with self.lock:
+            if reset:
+                self.max_in_flight = self.in_flight
+            return {"now": self.in_flight, "max": self.max_in_flight}
 
     def apply(self, key: str, request: dict[str, Any]) -> tuple[int, Any]:
         """Charge ``request`` under ``key`` once: (201, new charge), (200, the same charge
@@ -211,6 +235,8 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/_requests":
             with st.lock:
                 self._send(200, {"requests": list(st.requests)})
+        elif path == "/_in_flight":
+            self._send(200, st.in_flight_stats())
         elif path == "/_faults":
             with st.lock:
                 self._send(200, {**st.faults, "held": st.held})
@@ -220,7 +246,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         path = urllib.parse.urlsplit(self.path).path
         if path == "/charges":
-            self._charge()
+            with self.server.state.answering():
+                self._charge()
+        elif path == "/_in_flight":
+            self._send(200, self.server.state.in_flight_stats(reset=True))
         elif path == "/_faults":
             self._set_faults()
         else:
@@ -315,10 +344,24 @@ def _charge_request(
     return request, None
 
 
+async def _charge_async(state: _State, key: str | None, data: bytes) -> tuple[int, Any]:
+    try:
+        raw = json.loads(data or b"null")
+    except ValueError:
+        raw = None
+    request, refused = _charge_request(key, raw)
+    if refused is not None:
+        return refused
+    assert key is not None and request is not None
+    if state.latency:
+        await asyncio.sleep(state.latency)
+    return state.apply(key, request)
+
+
 async def serve_asyncio(host: str, port: int, state: _State,
                         on_ready: Any = None) -> None:
     """The gateway's charges on one asyncio thread (``serve --asyncio``): the same
-    answers for POST /charges, GET /charges and GET /charges/<key>, HTTP/1.1 kept
+    answers for POST /charges, GET /charges, GET /charges/<key> and /_in_flight, HTTP/1.1 kept
     alive, ``latency`` as an ``asyncio.sleep``; no fault injection. A benchmark's
     remote system: thousands of charges a second on one core, where the threaded
     server spends a thread per connection."""
@@ -343,18 +386,10 @@ async def serve_asyncio(host: str, port: int, state: _State,
                 status, body = 404, {"error": "not found"}
                 body_: Any = body
                 if method == "POST" and path == "/charges":
-                    try:
-                        raw = json.loads(data or b"null")
-                    except ValueError:
-                        raw = None
-                    request, refused = _charge_request(key, raw)
-                    if refused is not None:
-                        status, body_ = refused
-                    else:
-                        assert key is not None and request is not None
-                        if state.latency:
-                            await asyncio.sleep(state.latency)
-                        status, body_ = state.apply(key, request)
+                    with state.answering():
+                        status, body_ = await _charge_async(state, key, data)
+                elif path == "/_in_flight":
+                    status, body_ = 200, state.in_flight_stats(reset=method == "POST")
                 elif method == "GET" and path == "/charges":
                     with state.lock:
                         status, body_ = 200, {"charges": list(state.charges.values())}
@@ -473,6 +508,11 @@ class Gateway:
     def held(self) -> int:
         with self.state.lock:
             return self.state.held
+
+    def in_flight(self, *, reset: bool = False) -> dict[str, int]:
+        """``{"now": n, "max": m}``: charges being answered now, and the most at once
+        since the start or the last reset (``reset=True`` sets it to now)."""
+        return self.state.in_flight_stats(reset=reset)
 
 
 # --- the client the handler uses -----------------------------------------------------------
