@@ -38,6 +38,7 @@ from kafka_idem.app import App
 from kafka_idem.consume.leased import LeasedPath, around_failure
 from kafka_idem.consume.outcome import Ended, Finished, Message, Prepared, Result
 from kafka_idem.consume.rounds import RoundClaim, Tokens, Wanted, answer, claim_round_async
+from kafka_idem.consume.slots import Gate
 from kafka_idem.consume.steps import Steps, delivery, log, own_code
 from kafka_idem.consume.verdicts import last_chance_spent, reconcile_first
 from kafka_idem.errors import (
@@ -219,40 +220,67 @@ async def settle(timeout: float) -> None:
 
 
 class AsyncConnections:
-    """Idle async connections, reused; one in use per handler running. In autocommit:
-    :class:`AsyncLeasedPath` sends ``BEGIN`` and ``COMMIT`` itself, pipelined with the
-    statements (see :meth:`Steps._run_pipelined
-    <kafka_idem.consume.steps.Steps._run_pipelined>`)."""
+    """Idle async connections, reused; one in use per handler call, claim or
+    completion. In autocommit: :class:`AsyncLeasedPath` sends ``BEGIN`` and
+    ``COMMIT`` itself, pipelined with the statements (see :meth:`Steps._run_pipelined
+    <kafka_idem.consume.steps.Steps._run_pipelined>`).
 
-    def __init__(self, settings: Settings, *, application_name: str) -> None:
+    ``limit``: at most that many open at once (:func:`connection_limit`); a task
+    wanting one more waits for one to come back. Nothing holds a connection while it
+    waits for anything but the server (a call takes its slot first, then its
+    connection), so every holder gives its connection back and no wait is forever."""
+
+    def __init__(self, settings: Settings, *, application_name: str,
+                 limit: int | None = None) -> None:
         self.settings = settings
         self.application_name = application_name
+        self.limit = limit
         self._idle: list[AsyncConn] = []
+        self._room = asyncio.Semaphore(limit) if limit is not None else None
 
     async def take(self) -> AsyncConn:
-        while self._idle:
-            conn = self._idle.pop()
-            if not conn.closed and not conn.broken:
-                return conn
-        conn = await connect_async(
-            self.settings.dsn, application_name=self.application_name,
-            idle_in_transaction_timeout=self.settings.idle_in_transaction_timeout_seconds,
-        )
-        await conn.set_autocommit(True)
+        if self._room is not None:
+            await self._room.acquire()
+        try:
+            while self._idle:
+                conn = self._idle.pop()
+                if not conn.closed and not conn.broken:
+                    return conn
+            conn = await connect_async(
+                self.settings.dsn, application_name=self.application_name,
+                idle_in_transaction_timeout=self.settings.idle_in_transaction_timeout_seconds,
+            )
+            await conn.set_autocommit(True)
+        except BaseException:
+            if self._room is not None:
+                self._room.release()
+            raise
         return conn
 
     async def give_back(self, conn: AsyncConn) -> None:
-        if conn.closed or conn.broken or conn.info.transaction_status != TransactionStatus.IDLE:
-            with contextlib.suppress(psycopg.Error):
-                await conn.close()
-            return
-        self._idle.append(conn)
+        try:
+            if (conn.closed or conn.broken
+                    or conn.info.transaction_status != TransactionStatus.IDLE):
+                with contextlib.suppress(psycopg.Error):
+                    await conn.close()
+                return
+            self._idle.append(conn)
+        finally:
+            if self._room is not None:
+                self._room.release()
 
     async def close(self) -> None:
         idle, self._idle = self._idle, []
         for conn in idle:
             with contextlib.suppress(psycopg.Error):
                 await conn.close()
+
+
+def connection_limit(max_concurrency: int) -> int:
+    """The async connections a member opens at most: one per handler call
+    (``max_concurrency``), and a quarter more (at least 2) for the claims of the
+    messages waiting for a call and the completions of those whose call returned."""
+    return max_concurrency + max(2, max_concurrency // 4)
 
 
 class AsyncLeasedPath:
@@ -281,10 +309,12 @@ class AsyncLeasedPath:
 
     async def run(
         self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None,
-        shared: RoundClaim | None = None,
+        shared: RoundClaim | None = None, gate: Gate | None = None,
     ) -> Result:
         """``shared``: the claim of the keys started with ``msg``'s
-        (:mod:`~kafka_idem.consume.rounds`), sent on a claim thread by the first."""
+        (:mod:`~kafka_idem.consume.rounds`), sent on a claim thread by the first.
+        ``gate``: the handler slot the call waits for once the key is claimed
+        (:mod:`~kafka_idem.consume.slots`); none, the call runs at once."""
         steps = self.steps
         handler = steps.handler(msg)
         claim: Claim | None = None
@@ -295,10 +325,11 @@ class AsyncLeasedPath:
                 verdict.note.write(log)
                 return verdict.result
             assert claim.token is not None
+            gate = gate if gate is not None else Gate()
             if self.leases is None:
-                return await self._execute(handler, msg, prep, claim, None)
-            with self.leases.hold(claim.key, claim.token) as hold:
-                return await self._execute(handler, msg, prep, claim, hold)
+                return await self._execute(handler, msg, prep, claim, None, gate)
+            with self.leases.hold(claim.key, claim.token) as hold:  # renewed while it waits
+                return await self._execute(handler, msg, prep, claim, hold, gate)
         except (MessageError, FrameworkError, psycopg.Error) as exc:
             return around_failure(steps, exc, msg, prep,
                                   claim.token if claim is not None else reentrant)
@@ -373,13 +404,19 @@ class AsyncLeasedPath:
 
     async def _execute(
         self, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
-        hold: Hold | None,
+        hold: Hold | None, gate: Gate,
     ) -> Result:
         """BEGIN, the handler, the fenced completion, COMMIT, in the sync path's one
         round trip (:meth:`Steps._run_pipelined`); on the handler's error, the failure
-        is recorded in its own transaction on a thread."""
+        is recorded in its own transaction on a thread. The handler's call holds a slot
+        of ``gate`` (taken before the connection, given back as the call returns)."""
         assert claim.token is not None
-        conn = await self.conns.take()
+        await gate.enter_async()
+        try:
+            conn = await self.conns.take()
+        except BaseException:
+            gate.leave()
+            raise
         try:
             ctx = self.steps.context(conn, handler, msg, prep, claim, cls=AsyncContext)
             assert isinstance(ctx, AsyncContext)
@@ -387,7 +424,7 @@ class AsyncLeasedPath:
                 ctx._lease_lost = hold.lost
             with self.steps.handler_time(handler):
                 try:
-                    how = await self._transaction(conn, handler, prep, ctx, claim, hold)
+                    how = await self._transaction(conn, handler, prep, ctx, claim, hold, gate)
                 except (FrameworkError, StaleOwner):
                     raise
                 except Exception as exc:
@@ -404,6 +441,7 @@ class AsyncLeasedPath:
             if classify_db_error(failure) is TransientStoreError:
                 raise TransientStoreError(str(failure), key=prep.key) from failure
         finally:
+            gate.leave()
             await self.conns.give_back(conn)
         verdict = await self._thread(
             lambda p: p.steps.record_failure_alone(handler, msg, prep, claim, failure))
@@ -412,15 +450,19 @@ class AsyncLeasedPath:
 
     async def _transaction(
         self, conn: AsyncConn, handler: Handler[Any], prep: Prepared, ctx: AsyncContext,
-        claim: Claim, hold: Hold | None,
+        claim: Claim, hold: Hold | None, gate: Gate,
     ) -> str:
         """The attempt's transaction on the autocommit ``conn``; rolled back on any
-        error (a cancelled task's too), so ``conn`` goes back idle."""
+        error (a cancelled task's too), so ``conn`` goes back idle. The call's slot is
+        given back as the call returns: the completion is the framework's work."""
         assert claim.token is not None
         completing = False
         try:
             async with conn.pipeline(), AsyncAttemptTransaction(conn):  # BEGIN, queued
-                result, how = await self._call(handler, prep, ctx, claim)
+                try:
+                    result, how = await self._call(handler, prep, ctx, claim)
+                finally:
+                    gate.leave()  # the call's slot: what follows is ours, not the handler's
                 completing = True  # errors from here on may be any statement's
                 with own_code(prep.key):
                     await self.steps.emitter.flush_async(conn, ctx)  # its events, in this tx

@@ -26,6 +26,7 @@ from kafka_idem.consume.leased import LeasedPath
 from kafka_idem.consume.local import LocalPath
 from kafka_idem.consume.outcome import Ahead, Message, Parts, Prepared, Result, Results
 from kafka_idem.consume.rounds import RoundClaim
+from kafka_idem.consume.slots import Gate
 from kafka_idem.consume.steps import Steps, log
 from kafka_idem.errors import FrameworkError, MessageError, StoreUnavailable
 from kafka_idem.lease import LeaseKeeper
@@ -105,9 +106,10 @@ class Processor:
     def run_leased(
         self, msg: Message, *, reentrant: uuid.UUID | None = None,
         prepared: Prepared | None = None, round: RoundClaim | None = None,
+        gate: Gate | None = None,
     ) -> Result:
         with self.tracing.unit([msg]) as spans:
             tp = (msg.topic(), msg.partition())
             res = self.leased_path.run(msg, reentrant=reentrant, prepared=prepared,
-                                       round=round)
+                                       round=round, gate=gate)
             return spans.finish({tp: [res]})[tp][0]

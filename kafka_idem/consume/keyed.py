@@ -81,12 +81,15 @@ class KeyedState(Committable):
         self.fetched.append(msg)
         self.last_queued = msg.offset()
 
-    def admit(self, now: float, prepare: Prepare) -> None:
+    def admit(self, now: float, prepare: Prepare, *, want: int | None = None) -> None:
         """Admit the fetched messages in offset order (``prepare`` decodes each one)
-        until one cannot be decoded now: it and those after it wait."""
+        until one cannot be decoded now: it and those after it wait. ``want``: stop
+        once that many may start (the caller's room for them), leaving the rest to a
+        later round: decoding a whole fetched batch at once holds up everything else
+        the caller's thread runs, and they would only wait."""
         if not self.fetched or now < self.admit_not_before:
             return
-        while self.fetched:
+        while self.fetched and (want is None or len(self._ready) < want):
             msg = self.fetched[0]
             try:
                 lanes, job = prepare(msg)

@@ -16,6 +16,7 @@ import psycopg
 from kafka_idem.consume.database import Database
 from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
 from kafka_idem.consume.rounds import RoundClaim, Tokens, Wanted, claim_round
+from kafka_idem.consume.slots import Gate
 from kafka_idem.consume.steps import Steps, delivery, log
 from kafka_idem.consume.verdicts import where
 from kafka_idem.errors import ConfigError, FrameworkError, MessageError, StaleOwner
@@ -32,6 +33,7 @@ class LeasedPath:
     def run(
         self, msg: Message, *, reentrant: uuid.UUID | None = None,
         prepared: Prepared | None = None, round: RoundClaim | None = None,
+        gate: Gate | None = None,
     ) -> Result:
         """``reentrant`` is our own claim of ``msg``'s key from an earlier try that
         was deferred with its lease still live: re-entered, not waited for.
@@ -45,7 +47,7 @@ class LeasedPath:
             with self.db.unavailable():
                 conn = self.db.connection()
                 claim = self._claim(conn, msg, prep, reentrant, round)
-                return self._run_claimed(conn, msg, prep, claim)
+                return self._run_claimed(conn, msg, prep, claim, gate)
         except (MessageError, FrameworkError, psycopg.Error) as exc:
             return self.failed(exc, msg, prep, claim.token if claim is not None else reentrant)
 
@@ -121,7 +123,9 @@ class LeasedPath:
             return self.steps.claim(conn, self.steps.handler(msg), msg, prep,
                                     reentrant=reentrant)
 
-    def _run_claimed(self, conn: Conn, msg: Message, prep: Prepared, claim: Claim) -> Result:
+    def _run_claimed(
+        self, conn: Conn, msg: Message, prep: Prepared, claim: Claim, gate: Gate | None = None,
+    ) -> Result:
         steps = self.steps
         handler = steps.handler(msg)
         if claim.outcome is not Outcome.CLAIMED:
@@ -130,9 +134,10 @@ class LeasedPath:
             return verdict.result
         assert claim.token is not None
         if self.leases is None:
-            return steps.execute(conn, handler, msg, prep, claim, pipelined=True)
-        with self.leases.hold(claim.key, claim.token) as hold:
-            return steps.execute(conn, handler, msg, prep, claim, hold=hold, pipelined=True)
+            return steps.execute(conn, handler, msg, prep, claim, pipelined=True, gate=gate)
+        with self.leases.hold(claim.key, claim.token) as hold:  # renewed while it waits
+            return steps.execute(conn, handler, msg, prep, claim, hold=hold, pipelined=True,
+                                 gate=gate)
 
 
 def around_failure(

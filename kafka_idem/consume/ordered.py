@@ -33,7 +33,13 @@ from typing import Any, TypeVar
 
 from kafka_idem.app import App
 from kafka_idem.consume import log
-from kafka_idem.consume.aio import AsyncConnections, AsyncLeasedPath, EventLoop, settle
+from kafka_idem.consume.aio import (
+    AsyncConnections,
+    AsyncLeasedPath,
+    EventLoop,
+    connection_limit,
+    settle,
+)
 from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.held import ConfigHold
 from kafka_idem.consume.keyed import Entry, KeyedState, NotNow
@@ -41,8 +47,10 @@ from kafka_idem.consume.leased import LeasedPath
 from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
 from kafka_idem.consume.partitions import TP, Partitions
 from kafka_idem.consume.rounds import RoundClaim, Wanted
+from kafka_idem.consume.slots import Gate, Slots
 from kafka_idem.consume.steps import delivery
 from kafka_idem.errors import FrameworkError, MessageError
+from kafka_idem.handler import Handler
 from kafka_idem.keys import check_key
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.metrics import Metrics
@@ -116,6 +124,7 @@ class Job:
     state: KeyedState
     offset: int
     cancel: threading.Event
+    thread: bool = False  # runs on a thread of the pool (a sync handler's)
 
 
 class KeyedUnits:
@@ -140,6 +149,9 @@ class KeyedUnits:
         self.running: Counter[str] = Counter()  # jobs in flight by topic (handler)
         self._turn = 0
         self._abandoned = 0
+        self._slots = Slots(self.settings.max_concurrency)  # the member's handler calls
+        self._handler_slots: dict[str, Slots] = {}  # each handler's, by topic
+        self._sync_jobs = 0  # in flight, each on a thread with a connection of its own
         self._threads = DaemonPool(self.settings.max_concurrency, "kafka-idem-key")
         self._claims: DaemonPool | None = None
         self._loop: EventLoop | None = None
@@ -160,9 +172,11 @@ class KeyedUnits:
         states = [(tp, st) for tp, st in self.parts.items() if isinstance(st, KeyedState)]
         if not states:
             return
-        for _, st in states:
-            st.admit(now, self._admit)
-        free = self.settings.max_concurrency - len(self.in_flight)
+        for tp, st in states:
+            st.admit(now, self._admit, want=self.in_flight_limit(self.app.handlers[tp[0]]))
+        limit = self.settings.max_concurrency
+        free = 2 * limit - len(self.in_flight)  # calls, and as many claimed ahead (async)
+        free_threads = limit - self._sync_jobs
         self._turn = (self._turn + 1) % len(states)
         states = states[self._turn:] + states[:self._turn]  # no partition always first
         picked: list[tuple[TP, KeyedState, Entry]] = []
@@ -172,16 +186,28 @@ class KeyedUnits:
             started = False
             for tp, st in states:
                 handler = self.app.handlers[tp[0]]
-                if free <= 0 or self.running[tp[0]] + picking[tp[0]] >= handler.concurrency:
+                if (free <= 0 or self.running[tp[0]] + picking[tp[0]] >= self.in_flight_limit(
+                        handler) or (not handler.is_async and free_threads <= 0)):
                     continue
                 for entry in st.take(1, now):
                     picked.append((tp, st, entry))
                     picking[tp[0]] += 1
                     free -= 1
+                    free_threads -= 0 if handler.is_async else 1
                     started = True
         shared = self._round([entry for _, _, entry in picked])
         for tp, st, entry in picked:
             self._start(tp, st, entry, shared)
+
+    def in_flight_limit(self, handler: Handler[Any]) -> int:
+        """How many of ``handler``'s messages may be in flight in this member: its calls
+        (``concurrency``, at most ``max_concurrency``) and, for an ``async def``
+        handler with ``concurrency > 1``, as many more claimed ahead, waiting for a
+        slot (:mod:`slots <kafka_idem.consume.slots>`). A sync handler's message holds a
+        thread and a connection from its claim to its completion, so it claims none
+        ahead; nor does ``concurrency=1``, one message at a time in offset order."""
+        calls = min(handler.concurrency, self.settings.max_concurrency)
+        return 2 * calls if handler.is_async and calls > 1 else calls
 
     def _round(self, entries: list[Entry]) -> RoundClaim | None:
         """One claim for the new keys started together (two or more): the decoded
@@ -225,20 +251,33 @@ class KeyedUnits:
         job, msg, token = entry.job, entry.msg, entry.token
         cancel = threading.Event()
         future: Future[Result | None]
+        thread = False
         if not isinstance(job, Prepared):  # decided at admission (a dead letter)
             future = Future()
             future.set_result(job)
         elif handler.is_async:
             future = self._event_loop().submit(
-                self._run_async(msg, job, token, cancel, shared))
+                self._run_async(msg, job, token, cancel, shared, self._gate(handler)))
         else:
+            gate = self._gate(handler)
             future = self._threads.submit(
-                lambda: self._run_sync(msg, job, token, cancel, shared))
+                lambda: self._run_sync(msg, job, token, cancel, shared, gate))
+            thread = True
+            self._sync_jobs += 1
         self.running[tp[0]] += 1
-        started = Job(future, tp, st, entry.offset, cancel)
+        started = Job(future, tp, st, entry.offset, cancel, thread)
         future.add_done_callback(lambda _f: self._ended.append(started))  # any thread
         self.notify_when_done(future)  # after it: a woken loop finds the job ended
         self.in_flight[started] = None
+
+    def _gate(self, handler: Handler[Any]) -> Gate:
+        """A message's way into its handler's call: a slot of the handler's, then one of
+        the member's."""
+        slots = self._handler_slots.get(handler.topic)
+        if slots is None:
+            size = min(handler.concurrency, self.settings.max_concurrency)
+            slots = self._handler_slots[handler.topic] = Slots(size)
+        return Gate(slots, self._slots)
 
     def notify_when_done(self, future: Future[Any]) -> None:
         """Set :attr:`finished` when ``future`` ends (at once if it has)."""
@@ -269,20 +308,21 @@ class KeyedUnits:
 
     def _run_sync(
         self, msg: Message, prep: Prepared, token: uuid.UUID | None, cancel: threading.Event,
-        shared: RoundClaim | None,
+        shared: RoundClaim | None, gate: Gate,
     ) -> Result | None:
         if self._not_now(msg, prep, cancel, shared):
             return None
-        return self.processor().run_leased(msg, reentrant=token, prepared=prep, round=shared)
+        return self.processor().run_leased(msg, reentrant=token, prepared=prep, round=shared,
+                                           gate=gate)
 
     async def _run_async(
         self, msg: Message, prep: Prepared, token: uuid.UUID | None, cancel: threading.Event,
-        shared: RoundClaim | None,
+        shared: RoundClaim | None, gate: Gate,
     ) -> Result | None:
         if self._not_now(msg, prep, cancel, shared):
             return None
         assert self._aio is not None
-        return await self._aio.run(msg, prep, token, shared)
+        return await self._aio.run(msg, prep, token, shared, gate)
 
     def _not_now(
         self, msg: Message, prep: Prepared, cancel: threading.Event, shared: RoundClaim | None
@@ -370,6 +410,7 @@ class KeyedUnits:
     def _forget(self, job: Job) -> None:
         del self.in_flight[job]
         self.running[job.tp[0]] -= 1
+        self._sync_jobs -= job.thread
 
     # --- what runs the jobs ---------------------------------------------------------------
 
@@ -395,7 +436,8 @@ class KeyedUnits:
             steps = Processor(self.app, store=self.store, metrics=self.metrics,
                               leases=self.leases, hold=self.hold).steps  # no connection
             self._conns = AsyncConnections(
-                self.settings, application_name=f"kafka_idem:{self.app.name}")
+                self.settings, application_name=f"kafka_idem:{self.app.name}",
+                limit=connection_limit(self.settings.max_concurrency))
             self._aio = AsyncLeasedPath(self.app, steps=steps, leases=self.leases,
                                         on_thread=self._on_claim_thread, conns=self._conns,
                                         claims_here=self._loop.pumped)

@@ -35,6 +35,7 @@ from kafka_idem.consume.outcome import (
     Result,
     Results,
 )
+from kafka_idem.consume.slots import Gate
 from kafka_idem.consume.verdicts import (
     Letters,
     Verdict,
@@ -254,19 +255,28 @@ class Steps:
 
     def execute(
         self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
-        hold: Hold | None = None, pipelined: bool = False,
+        hold: Hold | None = None, pipelined: bool = False, gate: Gate | None = None,
     ) -> Result:
         """Run the handler and the fenced completion in one transaction (a savepoint
         in local mode); on an error, record the failure. ``pipelined`` (leased mode):
-        see :meth:`_run_pipelined`."""
+        see :meth:`_run_pipelined`. ``gate``: the handler slot the call holds (taken
+        here, given back as the call returns; key-ordered handlers)."""
         assert claim.token is not None
+        gate = gate if gate is not None else Gate()
+        with gate:
+            return self._execute(conn, handler, msg, prep, claim, hold, pipelined, gate)
+
+    def _execute(
+        self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
+        hold: Hold | None, pipelined: bool, gate: Gate,
+    ) -> Result:
         ctx = self.context(conn, handler, msg, prep, claim)
         if hold is not None:
             ctx._lease_lost = hold.lost
         run = self._run_pipelined if pipelined else self._run_in_transaction
         with self.handler_time(handler):
             try:
-                how = run(conn, handler, msg, prep, claim, ctx, hold)
+                how = run(conn, handler, msg, prep, claim, ctx, hold, gate)
             except (FrameworkError, StaleOwner):
                 raise
             except Exception as exc:
@@ -278,19 +288,22 @@ class Steps:
 
     def _run_in_transaction(
         self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
-        ctx: Context, hold: Hold | None,
+        ctx: Context, hold: Hold | None, gate: Gate,
     ) -> str:
         """The handler and the completion in a transaction of their own (a savepoint of
         the caller's, local mode), rolled back alone on failure; ``commit()`` inside
         raises, and ``psycopg.Rollback`` is the handler's error (not swallowed)."""
         with HandlerBlock(conn):
-            result, how = self._handler_step(handler, msg, prep, claim, ctx)
+            try:
+                result, how = self._handler_step(handler, msg, prep, claim, ctx)
+            finally:
+                gate.leave()
             self._complete_step(conn, msg, prep, claim, ctx, result, hold)
         return how
 
     def _run_pipelined(
         self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
-        ctx: Context, hold: Hold | None,
+        ctx: Context, hold: Hold | None, gate: Gate,
     ) -> str:
         """Leased mode, in one round trip: ``BEGIN``, the handler's statements, its
         events, the fenced completion and ``COMMIT`` share the pipeline's one sync, on
@@ -306,7 +319,10 @@ class Steps:
         completing = False
         try:
             with conn.pipeline(), AttemptTransaction(conn):  # BEGIN, queued
-                result, how = self._handler_step(handler, msg, prep, claim, ctx)
+                try:
+                    result, how = self._handler_step(handler, msg, prep, claim, ctx)
+                finally:
+                    gate.leave()  # the call's slot: what follows is ours, not the handler's
                 completing = True  # errors from here on may be any statement's
                 self._complete_step(conn, msg, prep, claim, ctx, result, hold, wait=False)
             # COMMIT was queued as the block ended, and sent with the pipeline's one sync

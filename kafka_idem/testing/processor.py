@@ -25,6 +25,7 @@ from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.leased import LeasedPath
 from kafka_idem.consume.outcome import Message, Prepared, Result
 from kafka_idem.consume.rounds import RoundClaim
+from kafka_idem.consume.slots import Gate
 from kafka_idem.metrics import Metrics
 from kafka_idem.store import Store
 
@@ -48,15 +49,17 @@ class KitProcessor(Processor):
     def run_leased(
         self, msg: Message, *, reentrant: uuid.UUID | None = None,
         prepared: Prepared | None = None, round: RoundClaim | None = None,
+        gate: Gate | None = None,
     ) -> Result:
         if not self.steps.handler(msg).is_async:
-            return super().run_leased(msg, reentrant=reentrant, prepared=prepared, round=round)
+            return super().run_leased(msg, reentrant=reentrant, prepared=prepared, round=round,
+                                      gate=gate)
         # decoded as the sync path decodes (a message that cannot be: the same result)
         prep = prepared if prepared is not None else self.leased_path.prepare(msg, reentrant)
         if not isinstance(prep, Prepared):
             return prep
         loop, aio = self._async()
-        return loop.submit(aio.run(msg, prep, reentrant, round)).result()
+        return loop.submit(aio.run(msg, prep, reentrant, round, gate)).result()
 
     def backends(self) -> frozenset[int]:
         """The server process ids of this processor's connections (opened now): its sync

@@ -478,3 +478,126 @@ def test_a_rebalance_mid_flight_keeps_each_key_in_order_and_every_effect_once(
     assert db.ledger_counts() == {f"t{i % 6}:charge:o{i}": 1 for i in range(240)}
     assert db.status_counts() == {"succeeded": 240}
     assert sum(committed(group, topic).values()) == 240
+
+
+class Calls:
+    """Handler calls in progress now, the most at once, and the calls per order."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.now = 0
+        self.most = 0
+        self.by_order: dict[str, int] = defaultdict(int)
+
+    def enter(self, order_id: str) -> None:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+            self.by_order[order_id] += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.now -= 1
+
+
+def blocking_charge(calls: Calls, release: threading.Event, *, use_async: bool) -> Any:
+    """A charge whose call waits for ``release`` (a remote system that is slow)."""
+    insert = ("INSERT INTO payments.ledger (tenant_id, order_id, amount, currency,"
+              " idempotency_key) VALUES (%s, %s, %s, %s, %s)")
+
+    def row(msg: payments.ChargeRequested, ctx: Any) -> tuple[Any, ...]:
+        return (msg.tenant_id, msg.order_id, msg.amount, msg.currency, ctx.idempotency_key)
+
+    if use_async:
+        async def charge_async(msg: payments.ChargeRequested, ctx: AsyncContext) -> Any:
+            calls.enter(msg.order_id)
+            try:
+                while not release.is_set():
+                    await asyncio.sleep(0.005)
+                await ctx.tx.execute(insert, row(msg, ctx))
+                return {}
+            finally:
+                calls.leave()
+        return charge_async
+
+    def charge(msg: payments.ChargeRequested, ctx: Context) -> Any:
+        calls.enter(msg.order_id)
+        try:
+            assert release.wait(60)
+            ctx.tx.execute(insert, row(msg, ctx))
+            return {}
+        finally:
+            calls.leave()
+    return charge
+
+
+def processing_keys(db: DB) -> set[str]:
+    return {r["idempotency_key"] for r in db.rows(
+        "SELECT idempotency_key FROM kafka_idem.task_idempotency WHERE status = 'processing'")}
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_concurrency_bounds_the_calls_and_an_async_handler_claims_as_many_more_ahead(
+    db: DB, topic: str, group: str, use_async: bool
+) -> None:
+    """``concurrency=4``: never more than 4 handler calls at once. While all 4 wait on
+    the remote system, an ``async def`` handler's next 4 messages are claimed
+    (``processing``, their calls not started) so that a freed slot is taken at once; a
+    sync handler claims none ahead (each message in flight holds a thread and a
+    connection). Released, every message ends once and everything is committed."""
+    calls, release = Calls(), threading.Event()
+    orders = [f"o{i}" for i in range(16)]
+    produce(topic, [(o.encode(), encode_charge("t1", o, "1.00")) for o in orders])
+    app = keyed_app(db, topic, group, blocking_charge(calls, release, use_async=use_async),
+                    concurrency=4, ordering_key=None)
+    claimed = 8 if use_async else 4
+    with InProcess(app):
+        wait_for(lambda: calls.now == 4 and len(processing_keys(db)) == claimed, timeout=60,
+                 what=f"4 calls running and {claimed} keys claimed")
+        for _ in range(20):  # read again and again: no fifth call, no more keys claimed
+            assert calls.now == 4
+            assert processing_keys(db) == {f"t1:charge:o{i}" for i in range(claimed)}
+        release.set()
+        wait_for(lambda: caught_up(group, topic), timeout=60, what="the topic to drain")
+    assert calls.most == 4
+    assert dict(calls.by_order) == dict.fromkeys(orders, 1)
+    assert db.ledger_counts() == {f"t1:charge:{o}": 1 for o in orders}
+    assert db.status_counts() == {"succeeded": 16}
+    assert committed(group, topic) == {0: 16}
+
+
+def test_a_stop_ends_the_leases_of_messages_claimed_ahead_and_the_next_owner_runs_each_once(
+    db: DB, topic: str, group: str
+) -> None:
+    """A stop while 4 calls hang and 4 more messages wait claimed for a slot: after
+    ``drain_seconds`` all 8 are abandoned, rolled back and their leases ended (300 s
+    long here), nothing is committed past them, and the next owner takes them over at
+    once: each effect once. The 4 that never called out still had an attempt charged
+    by their claim (attempts 2 at the next owner), as any claimed message abandoned."""
+    calls, release = Calls(), threading.Event()
+    orders = [f"o{i}" for i in range(12)]
+    produce(topic, [(o.encode(), encode_charge("t1", o, "1.00")) for o in orders])
+    settings = {"drain_seconds": 0.5, "lease_seconds": 300.0}
+    first = keyed_app(db, topic, group, blocking_charge(calls, release, use_async=True),
+                      concurrency=4, ordering_key=None, **settings)
+    with InProcess(first):
+        wait_for(lambda: calls.now == 4 and len(processing_keys(db)) == 8, timeout=60,
+                 what="4 calls running and 4 more keys claimed ahead")
+    assert calls.now == 0  # the stop cancelled the 4 calls
+    rows = db.rows("SELECT idempotency_key, attempts, lease_until <= now() AS over"
+                   " FROM kafka_idem.task_idempotency")
+    assert {(r["idempotency_key"], r["attempts"], r["over"]) for r in rows} == {
+        (f"t1:charge:o{i}", 1, True) for i in range(8)}
+    assert committed(group, topic) == {0: -1001}  # none: nothing past an unfinished message
+    assert db.ledger_counts() == {}  # the abandoned calls rolled back
+    release.set()
+    second = keyed_app(db, topic, group, blocking_charge(calls, release, use_async=True),
+                       concurrency=4, ordering_key=None, **settings)
+    with InProcess(second):
+        wait_for(lambda: caught_up(group, topic), timeout=60, what="the next owner to finish")
+    assert db.ledger_counts() == {f"t1:charge:{o}": 1 for o in orders}
+    assert db.status_counts() == {"succeeded": 12}
+    attempts = {r["idempotency_key"]: r["attempts"] for r in db.records()}
+    assert attempts == {f"t1:charge:o{i}": 2 if i < 8 else 1 for i in range(12)}
+    called_twice = {o for o, n in calls.by_order.items() if n == 2}
+    assert len(called_twice) == 4 and called_twice < {f"o{i}" for i in range(8)}

@@ -161,6 +161,30 @@ def test_admission_stops_in_offset_order_when_a_message_cannot_be_decoded_now() 
     assert st.resume_if(10.0, low=100)
 
 
+def test_admission_decodes_only_as_many_as_may_start_and_the_rest_in_later_rounds() -> None:
+    st = KeyedState(jitter=upper)
+    for m in (Msg(0, "a"), Msg(1, "a"), Msg(2, "b"), Msg(3, "c"), Msg(4, "d"), Msg(5, "e")):
+        st.add(m, 0.0)
+    decoded: list[int] = []
+
+    def prepare(m: Any) -> tuple[tuple[str, ...], Any]:
+        decoded.append(m.o)
+        return lanes(m)
+
+    st.admit(0.0, prepare, want=2)
+    # 1 waits behind 0 (same key), so 2 is decoded too: two may start, no more decoded
+    assert decoded == [0, 1, 2]
+    assert st.size == 6  # what is held stays counted for the pause
+    assert offsets(st.take(10, 0.0)) == [0, 2]
+    st.admit(0.0, prepare, want=2)
+    assert decoded == [0, 1, 2, 3, 4]
+    assert offsets(st.take(1, 0.0)) == [3]
+    st.admit(0.0, prepare)  # no bound: the rest
+    assert decoded == [0, 1, 2, 3, 4, 5]
+    assert offsets(st.take(10, 0.0)) == [4, 5]
+    assert [st.first_offset(), st.size] == [0, 6]
+
+
 def test_a_partition_pauses_when_it_holds_too_much_and_resumes_when_drained() -> None:
     st = state(*(Msg(i, f"k{i}") for i in range(6)))
     st.take(6, 0.0)
