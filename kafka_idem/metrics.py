@@ -104,6 +104,13 @@ class Metrics:
             "kafka_idem_deliveries_total.",
             registry=r,
         )
+        self.handler_calls = Gauge(
+            "kafka_idem_handler_calls",
+            "Key-ordered handlers: calls running now (at most the handler's concurrency), "
+            "and claimed messages waiting for a call's slot (read on each scrape).",
+            ["topic", "handler", "state"],
+            registry=r,
+        )
         self.lag = Gauge(
             "kafka_idem_consumer_lag_messages",
             "Messages not finished yet (high watermark minus the first unfinished offset), "

@@ -277,6 +277,11 @@ class KeyedUnits:
         if slots is None:
             size = min(handler.concurrency, self.settings.max_concurrency)
             slots = self._handler_slots[handler.topic] = Slots(size)
+            calls = self.metrics.handler_calls
+            calls.labels(handler.topic, handler.name, "running").set_function(
+                lambda: slots.held)
+            calls.labels(handler.topic, handler.name, "waiting").set_function(
+                lambda: slots.waiting)
         return Gate(slots, self._slots)
 
     def notify_when_done(self, future: Future[Any]) -> None:

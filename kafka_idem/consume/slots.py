@@ -52,6 +52,12 @@ class Slots:
         with self._lock:
             return self.size - self._free
 
+    @property
+    def waiting(self) -> int:
+        """Waiters queued for a slot now."""
+        with self._lock:
+            return len(self._waiters)
+
     def _take_now(self) -> bool:
         if self._free > 0 and not self._waiters:
             self._free -= 1

@@ -551,12 +551,16 @@ def test_concurrency_bounds_the_calls_and_an_async_handler_claims_as_many_more_a
     app = keyed_app(db, topic, group, blocking_charge(calls, release, use_async=use_async),
                     concurrency=4, ordering_key=None)
     claimed = 8 if use_async else 4
-    with InProcess(app):
+    with InProcess(app) as member:
         wait_for(lambda: calls.now == 4 and len(processing_keys(db)) == claimed, timeout=60,
                  what=f"4 calls running and {claimed} keys claimed")
         for _ in range(20):  # read again and again: no fifth call, no more keys claimed
             assert calls.now == 4
             assert processing_keys(db) == {f"t1:charge:o{i}" for i in range(claimed)}
+        gauge = {s.labels["state"]: s.value
+                 for family in member.runner.metrics.handler_calls.collect()
+                 for s in family.samples}
+        assert gauge == {"running": 4, "waiting": claimed - 4}  # what /metrics shows
         release.set()
         wait_for(lambda: caught_up(group, topic), timeout=60, what="the topic to drain")
     assert calls.most == 4
