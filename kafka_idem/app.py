@@ -176,12 +176,15 @@ class App:
         per-message path the handler may run again after a rollback, so keep
         its effects in this database (or pass ``batch=False``).
 
-        ``concurrency=N`` (leased mode) runs up to N messages of this handler at once
+        ``concurrency=N`` (leased mode) runs up to N calls of this handler at once
         in a member, over its partitions, in key order: messages with the same
         idempotency key, or the same ``ordering_key`` (a template or function like
         ``key``, e.g. ``"{tenant_id}"``), run one after another in offset order,
         others side by side; the offset is committed only over finished messages.
-        The member's ``max_concurrency`` setting caps all such handlers together.
+        The claim before a call and the completion after it are not counted: an
+        ``async def`` handler with ``N > 1`` claims up to N more messages ahead, so
+        a call that returns frees its slot for one already claimed. The member's
+        ``max_concurrency`` setting caps all such handlers' calls together.
         An ``async def`` handler (leased mode) runs on the member's event loop with
         an :class:`AsyncContext` (``ctx.tx`` a ``psycopg.AsyncConnection``)::
 

@@ -131,9 +131,11 @@ class Settings(BaseSettings):
     )
     max_concurrency: int = Field(
         64, ge=1, le=1024,
-        description="Messages in flight at once in this member over all key-ordered handlers "
-        "(concurrency > 1 or async def); each one holds a database connection (a sync one "
-        "also a thread).",
+        description="Handler calls at once in this member over all key-ordered handlers "
+        "(concurrency > 1 or async def). A sync handler's message holds a thread and a "
+        "database connection from its claim to its completion; async def handlers claim up "
+        "to as many more messages ahead, waiting for a call, and open at most "
+        "max_concurrency + a quarter (at least 2) connections.",
     )
     drain_seconds: float = Field(
         10.0, ge=0,
