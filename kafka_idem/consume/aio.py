@@ -317,6 +317,7 @@ class AsyncLeasedPath:
         (:mod:`~kafka_idem.consume.slots`); none, the call runs at once."""
         steps = self.steps
         handler = steps.handler(msg)
+        gate = gate if gate is not None else Gate()
         claim: Claim | None = None
         try:
             claim = await self._claim(msg, prep, reentrant, shared)
@@ -325,7 +326,6 @@ class AsyncLeasedPath:
                 verdict.note.write(log)
                 return verdict.result
             assert claim.token is not None
-            gate = gate if gate is not None else Gate()
             if self.leases is None:
                 return await self._execute(handler, msg, prep, claim, None, gate)
             with self.leases.hold(claim.key, claim.token) as hold:  # renewed while it waits
@@ -334,27 +334,36 @@ class AsyncLeasedPath:
             return around_failure(steps, exc, msg, prep,
                                   claim.token if claim is not None else reentrant)
         except asyncio.CancelledError:
-            # Abandoned by a stop or a revoke (its transaction rolled back, its lease
-            # no longer renewed): end the lease now, so the next owner need not wait
-            # it out. Best effort: not released, it ends on its own as before.
+            # Abandoned by a stop or a revoke (rolled back, no longer renewed). A claim
+            # whose handler never ran is withdrawn: the next owner takes the key over at
+            # once, no attempt charged. A call that had started keeps its lease until it
+            # runs out: its request may still be in flight at the remote system, and no
+            # one may call for this key (or the next ones of its ordering key) before.
             if claim is not None and claim.outcome is Outcome.CLAIMED and claim.token:
-                await self._release(claim.key, claim.token)
+                if gate.called or not claim.charged:  # (a re-entry: an earlier claim's)
+                    log.info("abandoned key %r %s; its lease runs out on its own", claim.key,
+                             "mid-call" if gate.called else "re-entered",
+                             extra={"action": "abandoned", "key": claim.key})
+                else:
+                    await self._withdraw(claim.key, claim.token)
             raise
 
-    async def _release(self, key: str, token: uuid.UUID) -> None:
+    async def _withdraw(self, key: str, token: uuid.UUID) -> None:
         try:
             conn = await self.conns.take()
             try:
-                released = await self.store.release_lease_async(conn, key=key, token=token)
+                withdrawn = await self.store.withdraw_claim_async(conn, key=key, token=token)
             finally:
                 await self.conns.give_back(conn)
         except Exception as exc:
-            log.info("the lease of abandoned key %r was not released (%s); it ends on its "
-                     "own", key, type(exc).__name__, extra={"action": "abandoned", "key": key})
+            log.info("the claim of abandoned key %r was not withdrawn (%s); its lease ends "
+                     "on its own", key, type(exc).__name__,
+                     extra={"action": "abandoned", "key": key})
             return
-        if released:
-            log.info("released the lease of abandoned key %r: the next owner may take it "
-                     "over now", key, extra={"action": "abandoned", "key": key})
+        if withdrawn:
+            log.info("withdrew the claim of abandoned key %r (its handler had not run): "
+                     "the next owner may take it over now, no attempt charged", key,
+                     extra={"action": "abandoned", "key": key})
 
     async def _claim(
         self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None,
@@ -459,6 +468,7 @@ class AsyncLeasedPath:
         completing = False
         try:
             async with conn.pipeline(), AsyncAttemptTransaction(conn):  # BEGIN, queued
+                gate.calling()
                 try:
                     result, how = await self._call(handler, prep, ctx, claim)
                 finally:

@@ -47,7 +47,7 @@ from kafka_idem.consume.leased import LeasedPath
 from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
 from kafka_idem.consume.partitions import TP, Partitions
 from kafka_idem.consume.rounds import RoundClaim, Wanted
-from kafka_idem.consume.slots import Gate, Slots
+from kafka_idem.consume.slots import Gate, Slots, Tally
 from kafka_idem.consume.steps import delivery
 from kafka_idem.errors import FrameworkError, MessageError
 from kafka_idem.handler import Handler
@@ -150,9 +150,17 @@ class KeyedUnits:
         self._turn = 0
         self._abandoned = 0
         self._slots = Slots(self.settings.max_concurrency)  # the member's handler calls
-        self._handler_slots: dict[str, Slots] = {}  # each handler's, by topic
+        self._handler_slots: dict[str, tuple[Slots, Tally]] = {}  # each handler's, by topic
         self._sync_jobs = 0  # in flight, each on a thread with a connection of its own
         self._threads = DaemonPool(self.settings.max_concurrency, "kafka-idem-key")
+        for h in app.handlers.values():
+            if h.keyed and h.concurrency > self.settings.max_concurrency:
+                log.warning(
+                    "handler %r (topic %r): concurrency=%d is above max_concurrency=%d "
+                    "(KAFKA_IDEM_MAX_CONCURRENCY): at most %d of its calls run at once in "
+                    "this member", h.name, h.topic, h.concurrency,
+                    self.settings.max_concurrency, self.settings.max_concurrency,
+                    extra={"action": "config", "topic": h.topic})
         self._claims: DaemonPool | None = None
         self._loop: EventLoop | None = None
         self._aio: AsyncLeasedPath | None = None
@@ -273,16 +281,18 @@ class KeyedUnits:
     def _gate(self, handler: Handler[Any]) -> Gate:
         """A message's way into its handler's call: a slot of the handler's, then one of
         the member's."""
-        slots = self._handler_slots.get(handler.topic)
-        if slots is None:
+        got = self._handler_slots.get(handler.topic)
+        if got is None:
             size = min(handler.concurrency, self.settings.max_concurrency)
-            slots = self._handler_slots[handler.topic] = Slots(size)
+            got = self._handler_slots[handler.topic] = (Slots(size), Tally())
+            tally = got[1]
             calls = self.metrics.handler_calls
             calls.labels(handler.topic, handler.name, "running").set_function(
-                lambda: slots.held)
+                lambda: tally.running)
             calls.labels(handler.topic, handler.name, "waiting").set_function(
-                lambda: slots.waiting)
-        return Gate(slots, self._slots)
+                lambda: tally.waiting)
+        slots, tally = got
+        return Gate(slots, self._slots, tally=tally)
 
     def notify_when_done(self, future: Future[Any]) -> None:
         """Set :attr:`finished` when ``future`` ends (at once if it has)."""
@@ -404,9 +414,11 @@ class KeyedUnits:
             self._abandoned += 1
         if stuck:
             log.warning(
-                "abandoned %d message(s) still running after drain_seconds=%s: %s; their "
-                "offsets are not committed; their leases end on their own (an async def "
-                "handler's once its cancelled task has rolled back)",
+                "abandoned %d message(s) still in flight after drain_seconds=%s (in a call, "
+                "or claimed and waiting for one): %s; their offsets are not committed; a "
+                "call's lease ends on its own, and an async def handler's claim whose call "
+                "had not started is withdrawn once its cancelled task has rolled back (the "
+                "next owner takes it over at once, no attempt charged)",
                 len(stuck), self.settings.drain_seconds,
                 ", ".join(f"{j.tp[0]}[{j.tp[1]}]@{j.offset}" for j in stuck),
                 extra={"action": "abandoned"},

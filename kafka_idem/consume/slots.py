@@ -52,12 +52,6 @@ class Slots:
         with self._lock:
             return self.size - self._free
 
-    @property
-    def waiting(self) -> int:
-        """Waiters queued for a slot now."""
-        with self._lock:
-            return len(self._waiters)
-
     def _take_now(self) -> bool:
         if self._free > 0 and not self._waiters:
             self._free -= 1
@@ -137,37 +131,77 @@ def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
         return False
 
 
+class Tally:
+    """One handler's calls running now, and its messages waiting to start one (for a
+    slot of the handler's, or of the member's): what ``kafka_idem_handler_calls``
+    shows."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.running = 0
+        self.waiting = 0
+
+    def add(self, running: int, waiting: int) -> None:
+        with self._lock:
+            self.running += running
+            self.waiting += waiting
+
+
 class Gate:
     """One message's way into its handler's call: a slot of its handler, then one
     of the member's (always in that order: no two messages wait for each other's).
     :meth:`leave` gives both back as soon as the call returns; it is idempotent, so
     the caller's ``finally`` can call it again."""
 
-    def __init__(self, *slots: Slots) -> None:
+    def __init__(self, *slots: Slots, tally: Tally | None = None) -> None:
         self._slots = slots
         self._held: list[Slots] = []
+        self._tally = tally
+        self._in = False  # every slot taken, not given back yet
+        self.called = False  # the call has started: its effects may be under way
+
+    def calling(self) -> None:
+        """The call starts now (its slots are held)."""
+        self.called = True
 
     def enter(self) -> Gate:
+        self._count(0, 1)
         try:
             for s in self._slots:
                 s.acquire()
                 self._held.append(s)
         except BaseException:
+            self._count(0, -1)
             self.leave()
             raise
+        self._entered()
         return self
 
     async def enter_async(self) -> Gate:
+        self._count(0, 1)
         try:
             for s in self._slots:
                 await s.acquire_async()
                 self._held.append(s)
         except BaseException:
+            self._count(0, -1)
             self.leave()
             raise
+        self._entered()
         return self
 
+    def _entered(self) -> None:
+        self._in = True
+        self._count(1, -1)
+
+    def _count(self, running: int, waiting: int) -> None:
+        if self._tally is not None:
+            self._tally.add(running, waiting)
+
     def leave(self) -> None:
+        if self._in:
+            self._in = False
+            self._count(-1, 0)
         held, self._held = self._held, []
         for s in reversed(held):
             s.release()

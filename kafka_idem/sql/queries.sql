@@ -98,14 +98,16 @@ WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token
   AND status = 'processing'
 RETURNING idempotency_key;
 
--- name: release_lease
--- An attempt of ours that was abandoned and has ended (an async def handler's task
--- cancelled by a stop or a revoke, its transaction rolled back): its lease ends now,
--- so the next owner takes the key over at once rather than when the lease would
--- have run out. processing -> processing (a lease change); the attempt stays
--- charged (the handler ran, and may have called out).
+-- name: withdraw_claim
+-- A claim of ours whose handler never ran (an async def handler's message waiting for
+-- a slot, cancelled by a stop or a revoke): its lease ends now, and the claim does not
+-- count against the retry budget (attempt_base + 1; the limit counts attempts -
+-- attempt_base), so the next owner takes the key over at once, as if it had not been
+-- claimed. processing -> processing (a lease change; attempts never decrease). Only
+-- while the claim is ours and live: a stale token changes nothing.
 UPDATE {table}
 SET lease_until = clock_timestamp(),
+    attempt_base = attempt_base + 1,
     updated_at = clock_timestamp()
 WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s
   AND status = 'processing' AND lease_until > clock_timestamp()

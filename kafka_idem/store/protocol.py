@@ -247,6 +247,7 @@ class Store(OutboxQueries):
             took_over=took_over,
             failing_for=failing_for,
             last_chance=last_chance,
+            charged=charge == 1,
             previous_error_kind=previous,
             **{k: v for k, v in errors.items() if k != "error_kind"},
         )
@@ -342,12 +343,13 @@ class Store(OutboxQueries):
             ).fetchone()
         return row is not None
 
-    async def release_lease_async(self, conn: AsyncConn, *, key: str,
-                                  token: uuid.UUID) -> bool:
-        """End our lease on ``key`` now (fenced by ``token``): an abandoned attempt that
-        has ended. False when the lease was not ours any more (or already over)."""
+    async def withdraw_claim_async(self, conn: AsyncConn, *, key: str,
+                                   token: uuid.UUID) -> bool:
+        """Withdraw our claim of ``key`` (fenced by ``token``) whose handler never ran:
+        its lease ends now and it is not counted against the retry limit. False when
+        the claim was not ours any more (or its lease already over)."""
         with translate_errors(key=key):
-            cur = await conn.execute(self.q["release_lease"],
+            cur = await conn.execute(self.q["withdraw_claim"],
                                      {"ns": self.ns, "key": key, "token": token})
             return await cur.fetchone() is not None
 

@@ -46,6 +46,7 @@ class Claim:
     failing_for: float = 0.0  # seconds since the first failure, by the database clock
     took_over: bool = False
     last_chance: bool = False  # limit reached: reconcile, then succeed or be exhausted
+    charged: bool = True  # this claim counted an attempt (not a re-entry, nor a last chance)
     previous_error_kind: str | None = None
     error_kind: str | None = None
     error_class: str | None = None

@@ -310,12 +310,13 @@ def test_a_stop_abandons_work_still_running_after_drain_seconds_and_the_next_own
 
 
 @pytest.mark.parametrize("loop_thread", [False, True], ids=["pumped", "loop_thread"])
-def test_a_stop_ends_the_lease_of_an_abandoned_async_task_and_the_next_owner_takes_it_at_once(
+def test_an_async_call_abandoned_by_a_stop_keeps_its_lease_until_it_runs_out(
     db: DB, topic: str, group: str, loop_thread: bool
 ) -> None:
-    """An ``async def`` handler still running after ``drain_seconds`` is cancelled:
-    its transaction rolls back, and its lease (300 s here) is ended before the member
-    stops, so the next owner takes the key over at once (attempt 2), not after it."""
+    """An ``async def`` handler still in its call after ``drain_seconds`` is cancelled:
+    its transaction rolls back, but its lease is left to run out (its request may
+    still be in flight at the remote system, and nobody may call for this key before
+    it is over): the next owner takes the key over then (attempt 2, one effect)."""
     started: list[int] = []
 
     async def charge(msg: payments.ChargeRequested, ctx: AsyncContext) -> Any:
@@ -330,18 +331,20 @@ def test_a_stop_ends_the_lease_of_an_abandoned_async_task_and_the_next_owner_tak
         return {"attempt": ctx.attempt}
 
     produce(topic, [(o.encode(), encode_charge("t1", o, "1.00")) for o in ("a", "stuck")])
-    settings = {"drain_seconds": 0.5, "lease_seconds": 300.0, "event_loop_thread": loop_thread}
+    settings = {"drain_seconds": 0.5, "lease_seconds": 6.0, "event_loop_thread": loop_thread}
     key = "t1:charge:stuck"
     with InProcess(keyed_app(db, topic, group, charge, concurrency=4, ordering_key=None,
                              **settings)):
         wait_for(lambda: db.status_counts() == {"succeeded": 1, "processing": 1},
                  timeout=60, what="a done, stuck running")
-    [rec] = db.rows("SELECT status, attempts, owner_token, lease_until <= now() AS over"
-                    " FROM kafka_idem.task_idempotency WHERE idempotency_key = %s", (key,))
-    assert (rec["status"], rec["attempts"], rec["over"]) == ("processing", 1, True)
+    [rec] = db.rows("SELECT status, attempts, attempt_base, owner_token,"
+                    " lease_until > now() AS live FROM kafka_idem.task_idempotency"
+                    " WHERE idempotency_key = %s", (key,))
+    # renewed every 2 s while it ran: still live a moment after the stop, not ended
+    assert (rec["status"], rec["attempts"], rec["attempt_base"], rec["live"]) == (
+        "processing", 1, 0, True)
     assert committed(group, topic) == {0: 1}  # nothing past the abandoned message
     assert db.ledger_counts() == {"t1:charge:a": 1}  # its effect rolled back
-    # The next owner: with the lease still 300 s long, only its release lets this end.
     with InProcess(keyed_app(db, topic, group, charge, concurrency=4, ordering_key=None,
                              **settings)):
         wait_for(lambda: caught_up(group, topic), timeout=60, what="the takeover")
@@ -570,28 +573,32 @@ def test_concurrency_bounds_the_calls_and_an_async_handler_claims_as_many_more_a
     assert committed(group, topic) == {0: 16}
 
 
-def test_a_stop_ends_the_leases_of_messages_claimed_ahead_and_the_next_owner_runs_each_once(
+def test_a_stop_withdraws_the_claims_whose_call_never_started_and_leaves_the_calls_leases(
     db: DB, topic: str, group: str
 ) -> None:
-    """A stop while 4 calls hang and 4 more messages wait claimed for a slot: after
-    ``drain_seconds`` all 8 are abandoned, rolled back and their leases ended (300 s
-    long here), nothing is committed past them, and the next owner takes them over at
-    once: each effect once. The 4 that never called out still had an attempt charged
-    by their claim (attempts 2 at the next owner), as any claimed message abandoned."""
+    """A stop while 4 calls hang and 4 more messages wait, claimed, for a slot: after
+    ``drain_seconds`` all 8 are abandoned and rolled back, nothing is committed past
+    them. The 4 whose call never started are withdrawn: lease ended, the claim not
+    counted against the retry limit (``attempt_base`` 1), so the next owner takes them
+    over at once. The 4 calls keep their leases until they run out. Each effect once."""
     calls, release = Calls(), threading.Event()
     orders = [f"o{i}" for i in range(12)]
     produce(topic, [(o.encode(), encode_charge("t1", o, "1.00")) for o in orders])
-    settings = {"drain_seconds": 0.5, "lease_seconds": 300.0}
+    settings = {"drain_seconds": 0.5, "lease_seconds": 6.0}
     first = keyed_app(db, topic, group, blocking_charge(calls, release, use_async=True),
                       concurrency=4, ordering_key=None, **settings)
     with InProcess(first):
         wait_for(lambda: calls.now == 4 and len(processing_keys(db)) == 8, timeout=60,
                  what="4 calls running and 4 more keys claimed ahead")
     assert calls.now == 0  # the stop cancelled the 4 calls
-    rows = db.rows("SELECT idempotency_key, attempts, lease_until <= now() AS over"
-                   " FROM kafka_idem.task_idempotency")
-    assert {(r["idempotency_key"], r["attempts"], r["over"]) for r in rows} == {
-        (f"t1:charge:o{i}", 1, True) for i in range(8)}
+    called = {f"t1:charge:{o}" for o in calls.by_order}
+    assert len(called) == 4
+    rows = db.rows("SELECT idempotency_key AS key, attempts, attempt_base,"
+                   " lease_until > now() AS live FROM kafka_idem.task_idempotency")
+    assert {r["key"] for r in rows} == {f"t1:charge:o{i}" for i in range(8)}
+    for r in rows:  # a call's lease is left live; a claim that never called is withdrawn
+        expected = (1, 0, True) if r["key"] in called else (1, 1, False)
+        assert (r["attempts"], r["attempt_base"], r["live"]) == expected, r
     assert committed(group, topic) == {0: -1001}  # none: nothing past an unfinished message
     assert db.ledger_counts() == {}  # the abandoned calls rolled back
     release.set()
@@ -601,7 +608,52 @@ def test_a_stop_ends_the_leases_of_messages_claimed_ahead_and_the_next_owner_run
         wait_for(lambda: caught_up(group, topic), timeout=60, what="the next owner to finish")
     assert db.ledger_counts() == {f"t1:charge:{o}": 1 for o in orders}
     assert db.status_counts() == {"succeeded": 12}
-    attempts = {r["idempotency_key"]: r["attempts"] for r in db.records()}
-    assert attempts == {f"t1:charge:o{i}": 2 if i < 8 else 1 for i in range(12)}
-    called_twice = {o for o, n in calls.by_order.items() if n == 2}
-    assert len(called_twice) == 4 and called_twice < {f"o{i}" for i in range(8)}
+    budget = {r["idempotency_key"]: (r["attempts"], r["attempt_base"]) for r in db.records()}
+    assert budget == {f"t1:charge:o{i}": (2, 0) if f"t1:charge:o{i}" in called
+                      else (2, 1) if i < 8 else (1, 0) for i in range(12)}
+    assert {o for o, n in calls.by_order.items() if n == 2} == {
+        k.rsplit(":", 1)[1] for k in called}
+
+
+def test_two_handlers_share_the_members_calls_and_the_gauge_counts_only_running_calls(
+    db: DB, topics: Topics, group: str
+) -> None:
+    """Two ``async def`` handlers, ``concurrency=4`` each, on a member with
+    ``max_concurrency=4``: at most 4 calls at once over both, and
+    ``kafka_idem_handler_calls`` shows 4 running in all, the other claimed messages
+    waiting (one holding its handler's slot while the member's are taken waits too)."""
+    calls, release = Calls(), threading.Event()
+    first, second = topics(partitions=1), topics(partitions=1)
+    app = App("keyed", **app_settings(db, group_id=group, schemas_dir=payments.SCHEMAS_DIR,
+                                      max_concurrency=4))
+    app.migration(payments.create_tables)
+    for topic, name in ((first, "charge_a"), (second, "charge_b")):
+        app.handler(topic=topic, model=payments.ChargeRequested, name=name,
+                    key="{tenant_id}:charge:{order_id}", hash_fields=("amount", "currency"),
+                    schema=payments.SCHEMA, mode="leased", concurrency=4,
+                    )(blocking_charge(calls, release, use_async=True))
+    migrate_app(db, app)
+    produce(first, [(f"a{i}".encode(), encode_charge("ta", f"a{i}", "1.00"))
+                    for i in range(10)])
+    produce(second, [(f"b{i}".encode(), encode_charge("tb", f"b{i}", "1.00"))
+                     for i in range(10)])
+    with InProcess(app) as member:
+        wait_for(lambda: calls.now == 4 and len(processing_keys(db)) == 8, timeout=60,
+                 what="4 calls running and 4 more keys claimed")
+
+        def gauge() -> dict[str, float]:
+            out: dict[str, float] = defaultdict(float)
+            for family in member.runner.metrics.handler_calls.collect():
+                for sample in family.samples:
+                    out[sample.labels["state"]] += sample.value
+            return dict(out)
+
+        for _ in range(20):
+            assert calls.now == 4
+            assert gauge() == {"running": 4, "waiting": 4}
+        release.set()
+        wait_for(lambda: caught_up(group, first) and caught_up(group, second), timeout=60,
+                 what="both topics to drain")
+    assert calls.most == 4
+    assert db.status_counts() == {"succeeded": 20}
+    assert sum(db.ledger_counts().values()) == 20

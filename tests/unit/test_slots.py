@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kafka_idem.consume.slots import Gate, Slots
+from kafka_idem.consume.slots import Gate, Slots, Tally
 
 
 def test_a_size_below_one_is_refused() -> None:
@@ -156,6 +156,35 @@ def test_a_gate_cancelled_while_waiting_for_the_members_slot_gives_back_its_hand
         with pytest.raises(asyncio.CancelledError):
             await entering
         assert (handler.held, member.held) == (0, 1)
+
+    asyncio.run(main())
+
+
+def test_a_call_waiting_for_the_members_slot_counts_as_waiting_not_running() -> None:
+    """What ``kafka_idem_handler_calls`` shows: a message holding its handler's slot
+    while another handler's calls hold the member's is waiting, not running."""
+
+    async def main() -> None:
+        handler, member, tally = Slots(2), Slots(1), Tally()
+        await member.acquire_async()  # another handler's call
+        gate = Gate(handler, member, tally=tally)
+        entering = asyncio.create_task(gate.enter_async())
+        await asyncio.sleep(0)
+        assert (handler.held, tally.running, tally.waiting) == (1, 0, 1)
+        member.release()
+        await asyncio.wait_for(entering, 5)
+        assert (tally.running, tally.waiting) == (1, 0)
+        gate.leave()
+        gate.leave()
+        assert (tally.running, tally.waiting) == (0, 0)
+        cancelled = Gate(handler, member, tally=tally)
+        await member.acquire_async()
+        task = asyncio.create_task(cancelled.enter_async())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (tally.running, tally.waiting) == (0, 0)
 
     asyncio.run(main())
 
