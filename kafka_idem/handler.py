@@ -209,7 +209,8 @@ class Handler(Generic[M]):
         self.fn = fn
         self.is_async = inspect.iscoroutinefunction(fn)
         self.concurrency = concurrency
-        self.ordering = KeyTemplate(ordering_key) if ordering_key is not None else None
+        self.ordering = (KeyTemplate(ordering_key, setting="ordering_key")
+                         if ordering_key is not None else None)
         self.name = name
         self.topic = topic
         self.model = model

@@ -227,7 +227,8 @@ class KeyTemplate:
     A field that is missing, empty or only whitespace is a :class:`MissingKeyField`.
     """
 
-    def __init__(self, spec: KeySpec) -> None:
+    def __init__(self, spec: KeySpec, *, setting: str = "key") -> None:
+        """``setting``: the argument ``spec`` was given as, named by its errors."""
         self.spec = spec
         self.fields: tuple[str, ...] = ()
         self._escape: re.Pattern[str] | None = None
@@ -236,31 +237,31 @@ class KeyTemplate:
             names = [name for _, name, _, _ in parsed if name is not None]
             if not names:
                 raise ConfigError(
-                    f"key template {spec!r} names no payload field; use e.g. "
+                    f"{setting} template {spec!r} names no payload field; use e.g. "
                     "'{tenant_id}:charge:{order_id}'",
-                    setting="key",
+                    setting=setting,
                 )
             for i, (literal, name, fmt, conv) in enumerate(parsed):
                 if name is None:
                     continue
                 if not name.isidentifier():
-                    raise ConfigError(f"key template field {name!r} is not a field name",
-                                      setting="key")
+                    raise ConfigError(f"{setting} template field {name!r} is not a field name",
+                                      setting=setting)
                 if fmt or conv:
                     raise ConfigError(
-                        f"key template field {name!r} has a format or conversion; "
-                        "use a key function for that", setting="key")
+                        f"{setting} template field {name!r} has a format or conversion; "
+                        "use a key function for that", setting=setting)
                 if i > 0 and not any(_separator(c) for c in literal):
                     raise ConfigError(
-                        f"key template {spec!r} has two fields with no separator between "
+                        f"{setting} template {spec!r} has two fields with no separator between "
                         "them, so their values could run into each other; put e.g. ':' "
-                        "between them", setting="key")
+                        "between them", setting=setting)
             seps = sorted({c for lit, _, _, _ in parsed for c in lit if _separator(c)})
             specials = "".join(re.escape(c) for c in ["%", *seps])
             self._escape = re.compile(f"[{specials}{_CONTROL}]")
             self.fields = tuple(names)
         elif not callable(spec):
-            raise ConfigError("key must be a template string or a callable", setting="key")
+            raise ConfigError(f"{setting} must be a template string or a callable", setting=setting)
 
     @property
     def escapes(self) -> bool:

@@ -75,6 +75,28 @@ def test_a_reconciler_is_async_exactly_when_its_handler_is() -> None:
         s.reconciler(async_reconcile)
 
 
-def test_a_bad_ordering_key_template_fails_at_registration() -> None:
-    with pytest.raises(ConfigError):
-        register(app(), sync_handler, concurrency=2, ordering_key="no fields here")
+@pytest.mark.parametrize(("ordering_key", "says"), [
+    ("no fields here", "ordering_key template 'no fields here' names no payload field"),
+    ("", "ordering_key template '' names no payload field"),
+    (123, "ordering_key must be a template string or a callable"),
+])
+def test_a_bad_ordering_key_fails_at_registration_naming_that_setting(
+    ordering_key: Any, says: str
+) -> None:
+    with pytest.raises(ConfigError, match=says) as err:
+        register(app(), sync_handler, concurrency=2, ordering_key=ordering_key)
+    assert "(setting=ordering_key)" in str(err.value)
+
+
+def test_a_concurrency_above_the_members_limit_is_said_at_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from kafka_idem.runner import Runner
+
+    a = App("t", database_url="postgresql://x@127.0.0.1:1/x", max_concurrency=16)
+    register(a, async_handler, concurrency=100)
+    with caplog.at_level("WARNING", logger="kafka_idem"):
+        Runner(a)
+    [record] = [r for r in caplog.records if getattr(r, "action", None) == "config"]
+    assert ("concurrency=100 is above max_concurrency=16 (KAFKA_IDEM_MAX_CONCURRENCY): "
+            "at most 16 of its calls run at once") in record.getMessage()
