@@ -3,26 +3,29 @@
 For handlers with ``concurrency > 1`` or ``async def`` ones. Each round the loop
 admits the fetched messages of their partitions (decoding them here, in offset
 order, to learn their keys: :meth:`KeyedState.admit
-<kafka_idem.consume.keyed.KeyedState.admit>`) and starts those that may run, up to
-the handler's ``concurrency`` and the member's ``max_concurrency``, taking one
-message from each partition in turn. A sync handler's job runs on a thread of its
-own (one connection each, :class:`DaemonPool`); an ``async def`` handler's is a
-task on the member's event loop (:mod:`~kafka_idem.consume.aio`). The new keys of
-the messages a round starts share one claim (:mod:`~kafka_idem.consume.rounds`).
+<kafka_idem.consume.keyed.KeyedState.admit>`, only as many as may start) and starts
+those that may run, taking one message from each partition in turn: up to the
+handler's calls (``concurrency``, within the member's ``max_concurrency``) and, for
+an ``async def`` handler, as many more that claim their keys ahead and wait for a
+call's slot (:mod:`~kafka_idem.consume.slots`). A sync handler's job runs on a
+thread of its own (one connection each, :class:`~kafka_idem.consume.pool.DaemonPool`);
+an ``async def`` handler's is a task on the member's event loop
+(:mod:`~kafka_idem.consume.aio`). The new keys of the messages a round starts share
+one claim (:mod:`~kafka_idem.consume.rounds`).
 
 A revoke or a stop waits up to ``drain_seconds`` for the jobs in flight; jobs not
 started yet do not start (unless their round's claim, already sent, took their
-key), and those still running then are abandoned: a task is
-cancelled (its transaction rolls back, then it ends its lease at once), a thread
-is left to finish (its completion is fenced; its lease runs out on its own).
-Either way the offset stays before them: the next owner finds the key
-``processing`` under our lease and takes it over when it ends.
+key), and those still in flight then are abandoned: a task is cancelled (its
+transaction rolls back; a claim whose call had not started is withdrawn, so the
+next owner takes it over at once, uncharged), a thread is left to finish (its
+completion is fenced). A call's lease runs out on its own. Either way the offset
+stays before them: the next owner finds the key ``processing`` under our lease and
+takes it over when it ends.
 """
 
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import uuid
 from collections import Counter, deque
@@ -46,6 +49,7 @@ from kafka_idem.consume.keyed import Entry, KeyedState, NotNow
 from kafka_idem.consume.leased import LeasedPath
 from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
 from kafka_idem.consume.partitions import TP, Partitions
+from kafka_idem.consume.pool import DaemonPool
 from kafka_idem.consume.rounds import RoundClaim, Wanted
 from kafka_idem.consume.slots import Gate, Slots, Tally
 from kafka_idem.consume.steps import delivery
@@ -59,59 +63,6 @@ from kafka_idem.store import Store, describe
 T = TypeVar("T")
 SETTLE_SECONDS = 2.0  # at a stop, for cancelled tasks to roll back and release their leases
 KeyedResults = dict[tuple[TP, int], list[Result]]
-
-
-class DaemonPool:
-    """Up to ``size`` threads running submitted calls. Daemon threads, unlike a
-    ``ThreadPoolExecutor``'s, never hold the process at exit: a stopped member does
-    not wait for a handler it abandoned. A call never waits behind another while
-    fewer than ``size`` threads run: a thread is started whenever the calls not yet
-    taken outnumber the idle threads."""
-
-    def __init__(self, size: int, name: str) -> None:
-        self.size = size
-        self.name = name
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
-            queue.SimpleQueue())
-        self._threads: list[threading.Thread] = []
-        self._idle = 0  # threads waiting for a call (or started and not there yet)
-        self._waiting = 0  # calls submitted and not taken by a thread yet
-        self._lock = threading.Lock()
-
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        future: Future[T] = Future()
-        with self._lock:
-            self._waiting += 1
-            if self._waiting > self._idle and len(self._threads) < self.size:
-                t = threading.Thread(target=self._work, daemon=True,
-                                     name=f"{self.name}-{len(self._threads)}")
-                self._threads.append(t)
-                self._idle += 1
-                t.start()
-        self._jobs.put((future, fn))
-        return future
-
-    def _work(self) -> None:
-        while True:
-            item = self._jobs.get()
-            with self._lock:
-                self._idle -= 1
-                if item is not None:
-                    self._waiting -= 1
-            if item is None:
-                return
-            future, fn = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:
-                    future.set_exception(exc)
-            with self._lock:
-                self._idle += 1
-
-    def stop(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
 
 
 @dataclass(eq=False)
