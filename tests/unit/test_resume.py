@@ -97,3 +97,4 @@ def test_a_resume_whose_seek_is_refused_still_resumes() -> None:
     st.queue.clear()
     r._pause_resume()
     assert stub.calls[1:] == [("resume", [(TOPIC, 0)])]
+
