@@ -38,7 +38,7 @@ from kafka_idem.app import App
 from kafka_idem.consume.leased import LeasedPath, around_failure
 from kafka_idem.consume.outcome import Ended, Finished, Message, Prepared, Result
 from kafka_idem.consume.rounds import RoundClaim, Tokens, Wanted, answer, claim_round_async
-from kafka_idem.consume.slots import Gate
+from kafka_idem.consume.slots import CallNotStarted, Gate
 from kafka_idem.consume.steps import Steps, delivery, log, own_code
 from kafka_idem.consume.verdicts import last_chance_spent, reconcile_first
 from kafka_idem.errors import (
@@ -333,6 +333,10 @@ class AsyncLeasedPath:
         except (MessageError, FrameworkError, psycopg.Error) as exc:
             return around_failure(steps, exc, msg, prep,
                                   claim.token if claim is not None else reentrant)
+        except CallNotStarted:  # its partition is leaving, or the member stopping
+            if claim is not None and claim.token and claim.charged:
+                await self._withdraw(claim.key, claim.token)
+            raise
         except asyncio.CancelledError:
             # Abandoned by a stop or a revoke (rolled back, no longer renewed). A claim
             # whose handler never ran is withdrawn: the next owner takes the key over at
@@ -356,13 +360,13 @@ class AsyncLeasedPath:
             finally:
                 await self.conns.give_back(conn)
         except Exception as exc:
-            log.info("the claim of abandoned key %r was not withdrawn (%s); its lease ends "
-                     "on its own", key, type(exc).__name__,
+            log.info("the claim of key %r was not withdrawn (%s); its lease ends on its "
+                     "own", key, type(exc).__name__,
                      extra={"action": "abandoned", "key": key})
             return
         if withdrawn:
-            log.info("withdrew the claim of abandoned key %r (its handler had not run): "
-                     "the next owner may take it over now, no attempt charged", key,
+            log.info("withdrew the claim of key %r (its call had not started): the next "
+                     "owner may take it over now, no attempt charged", key,
                      extra={"action": "abandoned", "key": key})
 
     async def _claim(

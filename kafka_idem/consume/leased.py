@@ -16,7 +16,7 @@ import psycopg
 from kafka_idem.consume.database import Database
 from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
 from kafka_idem.consume.rounds import RoundClaim, Tokens, Wanted, claim_round
-from kafka_idem.consume.slots import Gate
+from kafka_idem.consume.slots import CallNotStarted, Gate
 from kafka_idem.consume.steps import Steps, delivery, log
 from kafka_idem.consume.verdicts import where
 from kafka_idem.errors import ConfigError, FrameworkError, MessageError, StaleOwner
@@ -50,6 +50,28 @@ class LeasedPath:
                 return self._run_claimed(conn, msg, prep, claim, gate)
         except (MessageError, FrameworkError, psycopg.Error) as exc:
             return self.failed(exc, msg, prep, claim.token if claim is not None else reentrant)
+        except CallNotStarted:  # its partition is leaving, or the member stopping
+            if claim is not None:
+                self._withdraw(claim)
+            raise
+
+    def _withdraw(self, claim: Claim) -> None:
+        """Withdraw a claim whose call never started (best effort: else its lease
+        runs out, the attempt charged)."""
+        if claim.outcome is not Outcome.CLAIMED or claim.token is None or not claim.charged:
+            return  # a re-entry's: an earlier claim's attempt, not ours to withdraw
+        try:
+            with self.db.unavailable():
+                conn = self.db.connection()
+                with conn.transaction():
+                    self.steps.store.withdraw_claim(conn, key=claim.key, token=claim.token)
+        except (FrameworkError, psycopg.Error) as exc:
+            log.info("the claim of key %r was not withdrawn (%s); its lease ends on its own",
+                     claim.key, describe(exc), extra={"action": "abandoned", "key": claim.key})
+            return
+        log.info("withdrew the claim of key %r (its call had not started): the next owner "
+                 "may take it over now, no attempt charged", claim.key,
+                 extra={"action": "abandoned", "key": claim.key})
 
     def prepare(self, msg: Message, reentrant: uuid.UUID | None = None) -> Prepared | Result:
         """``msg`` decoded, or what becomes of one that cannot be now: its dead letter

@@ -15,12 +15,13 @@ one claim (:mod:`~kafka_idem.consume.rounds`).
 
 A revoke or a stop waits up to ``drain_seconds`` for the jobs in flight; jobs not
 started yet do not start (unless their round's claim, already sent, took their
-key), and those still in flight then are abandoned: a task is cancelled (its
-transaction rolls back; a claim whose call had not started is withdrawn, so the
-next owner takes it over at once, uncharged), a thread is left to finish (its
-completion is fenced). A call's lease runs out on its own. Either way the offset
-stays before them: the next owner finds the key ``processing`` under our lease and
-takes it over when it ends.
+key, in which case it claims, then withdraws its claim), a message claimed and
+waiting for a call's slot stops waiting and withdraws its claim (the next owner
+takes it over at once, uncharged), and calls still running when the wait is over
+are abandoned: a task is cancelled (its transaction rolls back), a thread is left
+to finish (its completion is fenced). A call's lease runs out on its own. Either
+way the offset stays before them: the next owner finds the key ``processing``
+under our lease and takes it over when it ends.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Resu
 from kafka_idem.consume.partitions import TP, Partitions
 from kafka_idem.consume.pool import DaemonPool
 from kafka_idem.consume.rounds import RoundClaim, Wanted
-from kafka_idem.consume.slots import Gate, Slots, Tally
+from kafka_idem.consume.slots import CallNotStarted, Gate, Slots, Tally
 from kafka_idem.consume.steps import delivery
 from kafka_idem.errors import FrameworkError, MessageError
 from kafka_idem.handler import Handler
@@ -76,6 +77,7 @@ class Job:
     offset: int
     cancel: threading.Event
     thread: bool = False  # runs on a thread of the pool (a sync handler's)
+    gate: Gate | None = None  # its way into the call (closed when it must not start one)
 
 
 class KeyedUnits:
@@ -211,20 +213,23 @@ class KeyedUnits:
         cancel = threading.Event()
         future: Future[Result | None]
         thread = False
+        gate: Gate | None = None
         if not isinstance(job, Prepared):  # decided at admission (a dead letter)
             future = Future()
             future.set_result(job)
         elif handler.is_async:
+            gate = self._gate(handler)
             future = self._event_loop().submit(
-                self._run_async(msg, job, token, cancel, shared, self._gate(handler)))
+                self._run_async(msg, job, token, cancel, shared, gate))
         else:
             gate = self._gate(handler)
+            sync_gate = gate
             future = self._threads.submit(
-                lambda: self._run_sync(msg, job, token, cancel, shared, gate))
+                lambda: self._run_sync(msg, job, token, cancel, shared, sync_gate))
             thread = True
             self._sync_jobs += 1
         self.running[tp[0]] += 1
-        started = Job(future, tp, st, entry.offset, cancel, thread)
+        started = Job(future, tp, st, entry.offset, cancel, thread, gate)
         future.add_done_callback(lambda _f: self._ended.append(started))  # any thread
         self.notify_when_done(future)  # after it: a woken loop finds the job ended
         self.in_flight[started] = None
@@ -278,8 +283,11 @@ class KeyedUnits:
     ) -> Result | None:
         if self._not_now(msg, prep, cancel, shared):
             return None
-        return self.processor().run_leased(msg, reentrant=token, prepared=prep, round=shared,
-                                           gate=gate)
+        try:
+            return self.processor().run_leased(msg, reentrant=token, prepared=prep,
+                                               round=shared, gate=gate)
+        except CallNotStarted:  # its claim (if it made one) withdrawn
+            return None
 
     async def _run_async(
         self, msg: Message, prep: Prepared, token: uuid.UUID | None, cancel: threading.Event,
@@ -288,13 +296,17 @@ class KeyedUnits:
         if self._not_now(msg, prep, cancel, shared):
             return None
         assert self._aio is not None
-        return await self._aio.run(msg, prep, token, shared, gate)
+        try:
+            return await self._aio.run(msg, prep, token, shared, gate)
+        except CallNotStarted:  # its claim (if it made one) withdrawn
+            return None
 
     def _not_now(
         self, msg: Message, prep: Prepared, cancel: threading.Event, shared: RoundClaim | None
     ) -> bool:
         """The job does not start (its partition is leaving, or the member stopping),
-        unless its round's claim, already sent, covers its key: then it runs."""
+        unless its round's claim, already sent, covers its key: then it reads its token
+        and withdraws the claim at its closed gate, its call never starting."""
         if not (cancel.is_set() or self.stopping.is_set()):
             return False
         return shared is None or shared.withdraw(
@@ -306,11 +318,15 @@ class KeyedUnits:
         return [j.future for j in self.in_flight]
 
     def cancel(self, leaving: set[TP] | None) -> None:
-        """Jobs of leaving partitions (all, with ``None``) that have not started never
-        will."""
+        """Jobs of leaving partitions (all, with ``None``) whose call has not started
+        never start it: one not started yet does not start; one claimed and waiting for
+        a slot stops waiting and withdraws its claim (so does one whose claim is still
+        under way, once it has it)."""
         for job in self.in_flight:
             if leaving is None or job.tp in leaving:
                 job.cancel.set()
+                if job.gate is not None:
+                    job.gate.close()
 
     def harvest(self, *, wait_all: bool = False, leaving: set[TP] | None = None) -> KeyedResults:
         """The results of the finished jobs, for partitions still on the states they
@@ -365,10 +381,10 @@ class KeyedUnits:
             self._abandoned += 1
         if stuck:
             log.warning(
-                "abandoned %d message(s) still in flight after drain_seconds=%s (in a call, "
-                "or claimed and waiting for one): %s; their offsets are not committed; a "
-                "call's lease ends on its own, and an async def handler's claim whose call "
-                "had not started is withdrawn once its cancelled task has rolled back (the "
+                "abandoned %d message(s) still in flight after drain_seconds=%s: %s; their "
+                "offsets are not committed; a call's lease runs out on its own (an async "
+                "def one's task cancelled and rolled back, a sync one's thread left to "
+                "finish, fenced), and a claim whose call had not started is withdrawn (the "
                 "next owner takes it over at once, no attempt charged)",
                 len(stuck), self.settings.drain_seconds,
                 ", ".join(f"{j.tp[0]}[{j.tp[1]}]@{j.offset}" for j in stuck),

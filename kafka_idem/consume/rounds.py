@@ -10,12 +10,13 @@ under another lease, succeeded, failed, conflicting) gets the per-message claim'
 decision, and a reentrant key (our own live claim from a deferred try) never joins
 a round. A round whose claim fails leaves every job to its per-message claim.
 
-A key claimed here counts as started: its job runs even if its partition is leaving
-meanwhile (the drain waits for it, as for any job in flight). A job that will not
-start withdraws its key, if the claim has not been sent yet. A member that dies
-after the claim commits and before a job starts leaves that key ``processing``
-under a lease nobody renews: its successor takes it over once the lease ends,
-charging an attempt and reconciling first, like any claimed key whose owner died
+A job that will not start (its partition leaving, the member stopping) takes its
+key out of the round if the claim has not been sent yet; once sent, the job reads
+its token and, its call never starting (:mod:`~kafka_idem.consume.slots`), withdraws
+the claim: the lease ends, no attempt charged. A member that dies after the claim
+commits and before a job starts leaves that key ``processing`` under a lease
+nobody renews: its successor takes it over once the lease ends, charging an
+attempt and reconciling first, like any claimed key whose owner died
 (docs/PROTOCOL.md).
 """
 
@@ -59,7 +60,7 @@ class RoundClaim:
     def withdraw(self, key: str, delivery: Delivery) -> bool:
         """The message's job will not start: True when the round does not claim its key
         (taken out before the claim was sent, or never in); False when the claim covers
-        it (the job must run: its key may be ours)."""
+        it (its key may be ours: the job reads its token, then withdraws the claim)."""
         with self._lock:
             if not self.covers(key, delivery):
                 return True

@@ -18,20 +18,27 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Callable
 from types import TracebackType
 
 
 class _Waiter:
-    """A thread's event, or a task's future on its loop."""
+    """A thread's event, or a task's future on its loop; ``handed`` once it has a slot
+    (a wake without one is an interruption: its gate closed)."""
 
-    __slots__ = ("event", "future", "loop")
+    __slots__ = ("event", "future", "handed", "loop")
 
     def __init__(self, event: threading.Event | None = None,
                  loop: asyncio.AbstractEventLoop | None = None,
-                 future: asyncio.Future[None] | None = None) -> None:
+                 future: asyncio.Future[bool] | None = None) -> None:
         self.event = event
         self.loop = loop
         self.future = future
+        self.handed = False
+
+
+Register = Callable[["Slots", _Waiter], bool]
+"""Told of a wait before it blocks (so that it can be interrupted); False: do not wait."""
 
 
 class Slots:
@@ -58,49 +65,76 @@ class Slots:
             return True
         return False
 
-    def acquire(self) -> None:
-        """Take a slot, blocking this thread until one is free."""
+    def acquire(self, register: Register | None = None) -> bool:
+        """Take a slot, blocking this thread until one is free: True. False when the
+        wait was interrupted (:meth:`interrupt`, or ``register`` refused it): no slot."""
         with self._lock:
             if self._take_now():
-                return
+                return True
             waiter = _Waiter(event=threading.Event())
             self._waiters.append(waiter)
+        if register is not None and not register(self, waiter):
+            return self._give_up(waiter)
         assert waiter.event is not None
         waiter.event.wait()
+        with self._lock:
+            return waiter.handed
 
-    async def acquire_async(self) -> None:
-        """Take a slot, waiting in this task until one is free. Cancelled while
-        waiting, it takes none (a slot handed to it meanwhile goes on to the next)."""
+    async def acquire_async(self, register: Register | None = None) -> bool:
+        """Take a slot, waiting in this task until one is free: True; False when the
+        wait was interrupted. Cancelled while waiting, it takes none (a slot handed to
+        it meanwhile goes on to the next)."""
         loop = asyncio.get_running_loop()
         with self._lock:
             if self._take_now():
-                return
-            future: asyncio.Future[None] = loop.create_future()
+                return True
+            future: asyncio.Future[bool] = loop.create_future()
             waiter = _Waiter(loop=loop, future=future)
             self._waiters.append(waiter)
+        if register is not None and not register(self, waiter):
+            return self._give_up(waiter)
         try:
-            await future
+            return await future
         except asyncio.CancelledError:
             with self._lock:
-                queued = waiter in self._waiters
-                if queued:
+                handed = waiter.handed
+                if waiter in self._waiters:
                     self._waiters.remove(waiter)
-            if not queued and future.done() and not future.cancelled():
+            if handed and not future.cancelled():
                 self.release()  # handed, then cancelled before it woke: pass it on
             raise
+
+    def _give_up(self, waiter: _Waiter) -> bool:
+        """A wait refused before it blocked: out of the queue (True if a slot was
+        handed to it meanwhile: the caller holds it)."""
+        with self._lock:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            return waiter.handed
+
+    def interrupt(self, waiter: _Waiter) -> None:
+        """End ``waiter``'s wait without a slot (from any thread); nothing when it has
+        one already or is gone."""
+        with self._lock:
+            if waiter not in self._waiters:
+                return
+            self._waiters.remove(waiter)
+            self._wake(waiter, handed=False)
 
     def release(self) -> None:
         """Give a slot back: to the first waiter still waiting, else to the pool."""
         with self._lock:
             while self._waiters:
                 waiter = self._waiters.popleft()
-                if self._hand(waiter):
+                if self._wake(waiter, handed=True):
                     return
             self._free += 1
 
-    def _hand(self, waiter: _Waiter) -> bool:
-        """Wake ``waiter`` with the slot (under the lock); False if it is gone."""
+    def _wake(self, waiter: _Waiter, *, handed: bool) -> bool:
+        """Wake ``waiter``, with the slot or without (under the lock); False if it is
+        gone."""
         if waiter.event is not None:
+            waiter.handed = handed
             waiter.event.set()
             return True
         future, loop = waiter.future, waiter.loop
@@ -108,20 +142,23 @@ class Slots:
         if _on_loop_thread(loop):
             if future.done():  # cancelled while waiting
                 return False
-            future.set_result(None)
+            waiter.handed = handed
+            future.set_result(handed)
             return True
+        waiter.handed = handed
         try:
-            loop.call_soon_threadsafe(self._deliver, future)
+            loop.call_soon_threadsafe(self._deliver, future, handed)
         except RuntimeError:  # its loop is closed: nobody waits there
+            waiter.handed = False
             return False
         return True
 
-    def _deliver(self, future: asyncio.Future[None]) -> None:
-        """On the waiter's loop: wake it, or pass the slot on if it was cancelled."""
-        if future.done():
+    def _deliver(self, future: asyncio.Future[bool], handed: bool) -> None:
+        """On the waiter's loop: wake it, or pass a slot on if it was cancelled."""
+        if not future.done():
+            future.set_result(handed)
+        elif handed:
             self.release()
-        else:
-            future.set_result(None)
 
 
 def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
@@ -147,29 +184,64 @@ class Tally:
             self.waiting += waiting
 
 
+class CallNotStarted(Exception):
+    """The message's gate closed before its call started (its partition is leaving
+    or the member stopping): the call never starts."""
+
+
 class Gate:
     """One message's way into its handler's call: a slot of its handler, then one
     of the member's (always in that order: no two messages wait for each other's).
     :meth:`leave` gives both back as soon as the call returns; it is idempotent, so
-    the caller's ``finally`` can call it again."""
+    the caller's ``finally`` can call it again. :meth:`close` (a revoke or a stop)
+    ends a wait for a slot, and a message whose call has not started then never
+    starts it: :meth:`enter` raises :class:`CallNotStarted`."""
 
     def __init__(self, *slots: Slots, tally: Tally | None = None) -> None:
         self._slots = slots
         self._held: list[Slots] = []
         self._tally = tally
         self._in = False  # every slot taken, not given back yet
+        self._lock = threading.Lock()  # closed and the wait, between close() and enter
+        self._waiting: tuple[Slots, _Waiter] | None = None
+        self.closed = False
         self.called = False  # the call has started: its effects may be under way
 
     def calling(self) -> None:
         """The call starts now (its slots are held)."""
         self.called = True
 
+    def close(self) -> None:
+        """From any thread: a call not started yet never starts; a wait ends now."""
+        with self._lock:
+            self.closed = True
+            waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            waiting[0].interrupt(waiting[1])
+
+    def _register(self, slots: Slots, waiter: _Waiter) -> bool:
+        with self._lock:
+            if self.closed:
+                return False
+            self._waiting = (slots, waiter)
+            return True
+
+    def _took(self, slots: Slots, got: bool) -> None:
+        """After one acquire: what it holds counts; a closed gate goes no further."""
+        with self._lock:
+            self._waiting = None
+        if got:
+            self._held.append(slots)
+        if not got or self.closed:
+            raise CallNotStarted
+
     def enter(self) -> Gate:
         self._count(0, 1)
         try:
+            if self.closed:
+                raise CallNotStarted
             for s in self._slots:
-                s.acquire()
-                self._held.append(s)
+                self._took(s, s.acquire(self._register))
         except BaseException:
             self._count(0, -1)
             self.leave()
@@ -180,9 +252,10 @@ class Gate:
     async def enter_async(self) -> Gate:
         self._count(0, 1)
         try:
+            if self.closed:
+                raise CallNotStarted
             for s in self._slots:
-                await s.acquire_async()
-                self._held.append(s)
+                self._took(s, await s.acquire_async(self._register))
         except BaseException:
             self._count(0, -1)
             self.leave()

@@ -343,6 +343,15 @@ class Store(OutboxQueries):
             ).fetchone()
         return row is not None
 
+    def withdraw_claim(self, conn: Conn, *, key: str, token: uuid.UUID) -> bool:
+        """Withdraw our claim of ``key`` (fenced by ``token``) whose handler never ran:
+        its lease ends now and it is not counted against the retry limit. False when
+        the claim was not ours any more (or its lease already over)."""
+        with translate_errors(key=key):
+            row = conn.execute(self.q["withdraw_claim"],
+                               {"ns": self.ns, "key": key, "token": token}).fetchone()
+        return row is not None
+
     async def withdraw_claim_async(self, conn: AsyncConn, *, key: str,
                                    token: uuid.UUID) -> bool:
         """Withdraw our claim of ``key`` (fenced by ``token``) whose handler never ran:

@@ -657,3 +657,58 @@ def test_two_handlers_share_the_members_calls_and_the_gauge_counts_only_running_
     assert calls.most == 4
     assert db.status_counts() == {"succeeded": 20}
     assert sum(db.ledger_counts().values()) == 20
+
+
+def test_a_stop_starts_no_call_and_withdraws_the_claims_of_messages_waiting_for_a_slot(
+    db: DB, topics: Topics, group: str
+) -> None:
+    """An ``async def`` and a sync handler share ``max_concurrency=4``; the async calls
+    hang, holding the member's 4 slots, and 4 sync messages are claimed and wait for
+    one. A stop starts none of their calls (not when the drain frees the slots
+    either): their claims are withdrawn at once (lease ended, ``attempt_base`` 1); the
+    hanging calls keep their leases. The next owner runs every message once."""
+    async_calls, sync_calls, release = Calls(), Calls(), threading.Event()
+    slow, quick = topics(partitions=1), topics(partitions=1)
+    settings = {"drain_seconds": 0.5, "lease_seconds": 6.0, "max_concurrency": 4}
+
+    def build() -> App:
+        app = App("keyed", **app_settings(db, group_id=group,
+                                          schemas_dir=payments.SCHEMAS_DIR, **settings))
+        app.migration(payments.create_tables)
+        for topic, name, fn in (
+                (slow, "slow", blocking_charge(async_calls, release, use_async=True)),
+                (quick, "quick", blocking_charge(sync_calls, release, use_async=False))):
+            app.handler(topic=topic, model=payments.ChargeRequested, name=name,
+                        key="{tenant_id}:charge:{order_id}",
+                        hash_fields=("amount", "currency"), schema=payments.SCHEMA,
+                        mode="leased", concurrency=4)(fn)
+        return app
+
+    first = build()
+    migrate_app(db, first)
+    produce(slow, [(f"a{i}".encode(), encode_charge("ta", f"a{i}", "1.00")) for i in range(4)])
+    quick_keys = {f"tq:charge:q{i}" for i in range(4)}
+    with InProcess(first):
+        wait_for(lambda: async_calls.now == 4, timeout=60, what="4 async calls hanging")
+        produce(quick, [(f"q{i}".encode(), encode_charge("tq", f"q{i}", "1.00"))
+                        for i in range(4)])
+        wait_for(lambda: processing_keys(db) >= quick_keys, timeout=60,
+                 what="the sync messages claimed, waiting for the member's slots")
+        assert sync_calls.most == 0
+    assert sync_calls.most == 0  # the drain freed the slots; no sync call started
+    rows = {r["idempotency_key"]: r for r in db.rows(
+        "SELECT idempotency_key, attempts, attempt_base, lease_until > now() AS live"
+        " FROM kafka_idem.task_idempotency")}
+    for key in quick_keys:
+        assert (rows[key]["attempts"], rows[key]["attempt_base"], rows[key]["live"]) == (
+            1, 1, False), rows[key]
+    for i in range(4):
+        r = rows[f"ta:charge:a{i}"]
+        assert (r["attempts"], r["attempt_base"], r["live"]) == (1, 0, True), r
+    release.set()
+    with InProcess(build()):
+        wait_for(lambda: caught_up(group, slow) and caught_up(group, quick), timeout=60,
+                 what="the next owner to finish")
+    assert db.status_counts() == {"succeeded": 8}
+    assert dict(sync_calls.by_order) == {f"q{i}": 1 for i in range(4)}
+    assert sum(db.ledger_counts().values()) == 8

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kafka_idem.consume.slots import Gate, Slots, Tally
+from kafka_idem.consume.slots import CallNotStarted, Gate, Slots, Tally
 
 
 def test_a_size_below_one_is_refused() -> None:
@@ -185,6 +185,55 @@ def test_a_call_waiting_for_the_members_slot_counts_as_waiting_not_running() -> 
         with pytest.raises(asyncio.CancelledError):
             await task
         assert (tally.running, tally.waiting) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_a_closed_gate_ends_a_threads_wait_and_its_call_never_starts() -> None:
+    handler, member, tally = Slots(1), Slots(1), Tally()
+    member.acquire()  # another handler's call holds the member's only slot
+    gate = Gate(handler, member, tally=tally)
+    outcome: list[str] = []
+
+    def enter() -> None:
+        try:
+            gate.enter()
+            outcome.append("entered")
+        except CallNotStarted:
+            outcome.append("not started")
+
+    t = threading.Thread(target=enter)
+    t.start()
+    wait_until(lambda: len(member._waiters) == 1)
+    gate.close()  # a revoke or a stop
+    t.join(5)
+    assert outcome == ["not started"]
+    assert (handler.held, member.held, tally.waiting, tally.running) == (0, 1, 0, 0)
+    member.release()
+    assert member.held == 0  # the slot went back to the pool, not to the gone waiter
+    with pytest.raises(CallNotStarted):
+        gate.enter()  # closed: never again
+
+
+def test_a_closed_gate_ends_a_tasks_wait_and_a_slot_handed_meanwhile_goes_back() -> None:
+    async def main() -> None:
+        slots = Slots(1)
+        await slots.acquire_async()
+        gate = Gate(slots)
+        entering = asyncio.create_task(gate.enter_async())
+        await asyncio.sleep(0)
+        gate.close()
+        with pytest.raises(CallNotStarted):
+            await entering
+        assert slots.held == 1  # still the first holder's
+        raced = Gate(slots)
+        racing = asyncio.create_task(raced.enter_async())
+        await asyncio.sleep(0)
+        slots.release()  # handed to it ...
+        raced.close()  # ... and closed before it woke: it gives the slot back
+        with pytest.raises(CallNotStarted):
+            await racing
+        assert slots.held == 0
 
     asyncio.run(main())
 
