@@ -209,7 +209,7 @@ class App:
         if mode != "leased" and (concurrency > 1 or ordering_key is not None):
             raise ConfigError("concurrency and ordering_key are for mode='leased' handlers "
                               "(local mode runs batches; see local_workers)",
-                              setting="concurrency")
+                              setting="concurrency" if concurrency > 1 else "ordering_key")
 
         def register(fn: Callable[[M, Any], Any]) -> Handler[M]:
             if inspect.iscoroutinefunction(fn) and mode != "leased":

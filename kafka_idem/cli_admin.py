@@ -142,7 +142,8 @@ def inspect(obj: _Obj, key: str, namespace: str | None, as_json: bool) -> None:
 
 
 RECORD_FIELDS = (
-    "namespace", "status", "request_hash", "attempts", "owner_token", "lease_until",
+    "namespace", "status", "request_hash", "attempts", "attempts_counted", "owner_token",
+    "lease_until",
     "lease_live", "next_attempt_at", "result_json", "error_kind", "error_class",
     "error_message", "first_failure_at", "last_failure_at", "completed_token", "handler",
     "kafka_topic", "kafka_partition", "kafka_offset", "created_at", "updated_at",

@@ -238,7 +238,8 @@ class KeyTemplate:
             if not names:
                 raise ConfigError(
                     f"{setting} template {spec!r} names no payload field; use e.g. "
-                    "'{tenant_id}:charge:{order_id}'",
+                    + ("'{tenant_id}'" if setting == "ordering_key"
+                       else "'{tenant_id}:charge:{order_id}'"),
                     setting=setting,
                 )
             for i, (literal, name, fmt, conv) in enumerate(parsed):

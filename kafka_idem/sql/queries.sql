@@ -146,7 +146,8 @@ $wipe$;
 
 -- name: get_record
 SELECT idempotency_key, request_hash, status, result_json, error_kind, error_class,
-       error_message, owner_token, completed_token, lease_until, attempts, next_attempt_at,
+       error_message, owner_token, completed_token, lease_until, attempts,
+       attempts - attempt_base AS attempts_counted, next_attempt_at,
        first_failure_at, last_failure_at, handler, kafka_topic, kafka_partition, kafka_offset,
        created_at, updated_at, completed_at, namespace, clock_timestamp() AS db_now
 FROM {table}

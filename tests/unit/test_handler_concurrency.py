@@ -47,8 +47,9 @@ def test_concurrency_must_be_a_whole_number_of_at_least_one(value: Any) -> None:
 
 @pytest.mark.parametrize("options", [{"concurrency": 4}, {"ordering_key": "{tenant_id}"}])
 def test_concurrency_and_an_ordering_key_need_leased_mode(options: dict[str, Any]) -> None:
-    with pytest.raises(ConfigError, match="mode='leased'"):
+    with pytest.raises(ConfigError, match="mode='leased'") as err:
         register(app(), sync_handler, mode="local", **options)
+    assert f"(setting={next(iter(options))})" in str(err.value)  # the one given
 
 
 def test_an_async_handler_needs_leased_mode() -> None:
