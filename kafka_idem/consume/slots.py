@@ -16,9 +16,10 @@ to the first waiter, so a late arrival never overtakes it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 
 
@@ -236,34 +237,31 @@ class Gate:
             raise CallNotStarted
 
     def enter(self) -> Gate:
-        self._count(0, 1)
-        try:
-            if self.closed:
-                raise CallNotStarted
+        with self._entering():
             for s in self._slots:
                 self._took(s, s.acquire(self._register))
-        except BaseException:
-            self._count(0, -1)
-            self.leave()
-            raise
-        self._entered()
         return self
 
     async def enter_async(self) -> Gate:
+        with self._entering():
+            for s in self._slots:
+                self._took(s, await s.acquire_async(self._register))
+        return self
+
+    @contextlib.contextmanager
+    def _entering(self) -> Iterator[None]:
+        """Around the acquires of :meth:`enter` and :meth:`enter_async` (the same
+        decisions; only the wait differs): waiting counted, and on any failure
+        (closed, interrupted, cancelled) what was taken given back."""
         self._count(0, 1)
         try:
             if self.closed:
                 raise CallNotStarted
-            for s in self._slots:
-                self._took(s, await s.acquire_async(self._register))
+            yield
         except BaseException:
             self._count(0, -1)
             self.leave()
             raise
-        self._entered()
-        return self
-
-    def _entered(self) -> None:
         self._in = True
         self._count(1, -1)
 
