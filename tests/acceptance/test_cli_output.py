@@ -36,7 +36,8 @@ RAW_RDKAFKA = re.compile(r"^%\d\|\d+\.\d+\|")  # librdkafka's own stderr format
 STATUS_FIELDS = {"namespace", "by_status", "by_namespace", "processing", "long_running",
                  "retry_backlog", "failed_by_kind", "outbox"}
 RECORD_FIELDS = {"idempotency_key", "namespace", "status", "request_hash", "attempts",
-                 "owner_token", "lease_until", "lease_live", "next_attempt_at", "result_json",
+                 "attempts_counted", "owner_token", "lease_until", "lease_live",
+                 "next_attempt_at", "result_json",
                  "error_kind", "error_class", "error_message", "first_failure_at",
                  "last_failure_at", "completed_token", "handler", "kafka_topic",
                  "kafka_partition", "kafka_offset", "created_at", "updated_at",
@@ -130,6 +131,7 @@ def test_every_read_command_prints_its_documented_json_shape(failed: Failed) -> 
     record = kafka_idem("inspect", KEY, "--json", db=failed.db)
     assert record.code == 0 and set(record.json()) == RECORD_FIELDS
     assert record.json()["request_hash"] == HASH and record.json()["audit"] == []
+    assert record.json()["attempts_counted"] == record.json()["attempts"]  # nothing withdrawn
     for name in ("created_at", "updated_at", "last_failure_at"):  # ISO 8601, with its 'T'
         at = record.json()[name]
         assert dt.datetime.fromisoformat(at).tzinfo is not None and at[10] == "T", (name, at)
