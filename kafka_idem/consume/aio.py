@@ -335,7 +335,7 @@ class AsyncLeasedPath:
                                   claim.token if claim is not None else reentrant)
         except CallNotStarted:  # its partition is leaving, or the member stopping
             if claim is not None and claim.token and claim.charged:
-                await self._withdraw(claim.key, claim.token)
+                await self._withdraw(claim)
             raise
         except asyncio.CancelledError:
             # Abandoned by a stop or a revoke (rolled back, no longer renewed). A claim
@@ -349,14 +349,17 @@ class AsyncLeasedPath:
                              "mid-call" if gate.called else "re-entered",
                              extra={"action": "abandoned", "key": claim.key})
                 else:
-                    await self._withdraw(claim.key, claim.token)
+                    await self._withdraw(claim)
             raise
 
-    async def _withdraw(self, key: str, token: uuid.UUID) -> None:
+    async def _withdraw(self, claim: Claim) -> None:
+        key, token = claim.key, claim.token
+        assert token is not None
         try:
             conn = await self.conns.take()
             try:
-                withdrawn = await self.store.withdraw_claim_async(conn, key=key, token=token)
+                withdrawn = await self.store.withdraw_claim_async(
+                    conn, key=key, token=token, took_over=claim.took_over)
             finally:
                 await self.conns.give_back(conn)
         except Exception as exc:

@@ -64,7 +64,8 @@ class LeasedPath:
             with self.db.unavailable():
                 conn = self.db.connection()
                 with conn.transaction():
-                    self.steps.store.withdraw_claim(conn, key=claim.key, token=claim.token)
+                    self.steps.store.withdraw_claim(conn, key=claim.key, token=claim.token,
+                                                    took_over=claim.took_over)
         except (FrameworkError, psycopg.Error) as exc:
             log.info("the claim of key %r was not withdrawn (%s); its lease ends on its own",
                      claim.key, describe(exc), extra={"action": "abandoned", "key": claim.key})

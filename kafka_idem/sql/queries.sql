@@ -105,9 +105,14 @@ RETURNING idempotency_key;
 -- attempt_base), so the next owner takes the key over at once, as if it had not been
 -- claimed. processing -> processing (a lease change; attempts never decrease). Only
 -- while the claim is ours and live: a stale token changes nothing.
+-- next_attempt_at (NULL on every other processing record) marks it withdrawn: the next
+-- claim is then no takeover of a call that may have been in flight, so it asks no
+-- reconciler for it. Not when the withdrawn claim was itself such a takeover
+-- (%(took_over)s): the call before it, never reconciled, still may have been.
 UPDATE {table}
 SET lease_until = clock_timestamp(),
     attempt_base = attempt_base + 1,
+    next_attempt_at = CASE WHEN %(took_over)s::boolean THEN NULL ELSE clock_timestamp() END,
     updated_at = clock_timestamp()
 WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s
   AND status = 'processing' AND lease_until > clock_timestamp()

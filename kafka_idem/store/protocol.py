@@ -219,7 +219,10 @@ class Store(OutboxQueries):
     ) -> Claim:
         """Take the record over (2f), or exhaust it when its budget is used up (2e)."""
         key: str = params["key"]
-        took_over = rec["status"] == "processing" and not reentrant
+        # A processing record not ours: its owner's lease ran out, perhaps mid-call;
+        # unless the owner withdrew its claim before calling (withdraw_claim's mark).
+        withdrawn = rec["status"] == "processing" and rec["next_attempt_at"] is not None
+        took_over = rec["status"] == "processing" and not reentrant and not withdrawn
         first = rec["first_failure_at"]
         failing_for = (rec["db_now"] - first).total_seconds() if first is not None else 0.0
         elapsed_out = first is not None and failing_for >= max_elapsed_seconds
@@ -343,23 +346,26 @@ class Store(OutboxQueries):
             ).fetchone()
         return row is not None
 
-    def withdraw_claim(self, conn: Conn, *, key: str, token: uuid.UUID) -> bool:
+    def withdraw_claim(self, conn: Conn, *, key: str, token: uuid.UUID,
+                       took_over: bool) -> bool:
         """Withdraw our claim of ``key`` (fenced by ``token``) whose handler never ran:
         its lease ends now and it is not counted against the retry limit. False when
-        the claim was not ours any more (or its lease already over)."""
+        the claim was not ours any more (or its lease already over). The next claim is
+        no takeover (no reconcile first for it) unless this one was (``took_over``:
+        the attempt before it died mid-call, and nobody has reconciled it yet)."""
         with translate_errors(key=key):
             row = conn.execute(self.q["withdraw_claim"],
-                               {"ns": self.ns, "key": key, "token": token}).fetchone()
+                               {"ns": self.ns, "key": key, "token": token,
+                                "took_over": took_over}).fetchone()
         return row is not None
 
     async def withdraw_claim_async(self, conn: AsyncConn, *, key: str,
-                                   token: uuid.UUID) -> bool:
-        """Withdraw our claim of ``key`` (fenced by ``token``) whose handler never ran:
-        its lease ends now and it is not counted against the retry limit. False when
-        the claim was not ours any more (or its lease already over)."""
+                                   token: uuid.UUID, took_over: bool) -> bool:
+        """:meth:`withdraw_claim` on an async connection."""
         with translate_errors(key=key):
             cur = await conn.execute(self.q["withdraw_claim"],
-                                     {"ns": self.ns, "key": key, "token": token})
+                                     {"ns": self.ns, "key": key, "token": token,
+                                      "took_over": took_over})
             return await cur.fetchone() is not None
 
     def expire_leases(self, conn: Conn, *, key: str | None = None) -> list[str]:

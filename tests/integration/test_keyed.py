@@ -109,15 +109,18 @@ def overlaps(db: DB) -> int:
 
 def keyed_app(db: DB, topic: str, group: str, fn: Callable[..., Any], *,
               concurrency: int, ordering_key: str | None = "{tenant_id}",
-              retry: RetryPolicy | None = None, **settings: Any) -> App:
+              retry: RetryPolicy | None = None, reconcile: Callable[..., Any] | None = None,
+              **settings: Any) -> App:
     app = App("keyed", **app_settings(db, group_id=group, schemas_dir=payments.SCHEMAS_DIR,
                                       **settings))
     app.migration(payments.create_tables)
-    app.handler(
+    handler = app.handler(
         topic=topic, model=payments.ChargeRequested, key="{tenant_id}:charge:{order_id}",
         hash_fields=("amount", "currency"), schema=payments.SCHEMA, mode="leased",
         concurrency=concurrency, ordering_key=ordering_key, retry=retry,
     )(fn)
+    if reconcile is not None:
+        handler.reconciler(reconcile)
     migrate_app(db, app)
     return app
 
@@ -580,13 +583,19 @@ def test_a_stop_withdraws_the_claims_whose_call_never_started_and_leaves_the_cal
     ``drain_seconds`` all 8 are abandoned and rolled back, nothing is committed past
     them. The 4 whose call never started are withdrawn: lease ended, the claim not
     counted against the retry limit (``attempt_base`` 1), so the next owner takes them
-    over at once. The 4 calls keep their leases until they run out. Each effect once."""
+    over at once, and asks the reconciler only for the 4 whose call may have been in
+    flight. The 4 calls keep their leases until they run out. Each effect once."""
     calls, release = Calls(), threading.Event()
+    reconciled: list[str] = []
+
+    async def reconcile(msg: payments.ChargeRequested, ctx: AsyncContext) -> None:
+        reconciled.append(ctx.idempotency_key)
+        return None  # no effect found: the handler runs again
     orders = [f"o{i}" for i in range(12)]
     produce(topic, [(o.encode(), encode_charge("t1", o, "1.00")) for o in orders])
     settings = {"drain_seconds": 0.5, "lease_seconds": 6.0}
     first = keyed_app(db, topic, group, blocking_charge(calls, release, use_async=True),
-                      concurrency=4, ordering_key=None, **settings)
+                      concurrency=4, ordering_key=None, reconcile=reconcile, **settings)
     with InProcess(first):
         wait_for(lambda: calls.now == 4 and len(processing_keys(db)) == 8, timeout=60,
                  what="4 calls running and 4 more keys claimed ahead")
@@ -599,13 +608,16 @@ def test_a_stop_withdraws_the_claims_whose_call_never_started_and_leaves_the_cal
     for r in rows:  # a call's lease is left live; a claim that never called is withdrawn
         expected = (1, 0, True) if r["key"] in called else (1, 1, False)
         assert (r["attempts"], r["attempt_base"], r["live"]) == expected, r
+    marks = {r["idempotency_key"]: r["next_attempt_at"] is not None for r in db.records()}
+    assert marks == {f"t1:charge:o{i}": f"t1:charge:o{i}" not in called for i in range(8)}
     assert committed(group, topic) == {0: -1001}  # none: nothing past an unfinished message
     assert db.ledger_counts() == {}  # the abandoned calls rolled back
     release.set()
     second = keyed_app(db, topic, group, blocking_charge(calls, release, use_async=True),
-                       concurrency=4, ordering_key=None, **settings)
+                       concurrency=4, ordering_key=None, reconcile=reconcile, **settings)
     with InProcess(second):
         wait_for(lambda: caught_up(group, topic), timeout=60, what="the next owner to finish")
+    assert sorted(reconciled) == sorted(called)  # a withdrawn claim made no call to ask after
     assert db.ledger_counts() == {f"t1:charge:{o}": 1 for o in orders}
     assert db.status_counts() == {"succeeded": 12}
     budget = {r["idempotency_key"]: (r["attempts"], r["attempt_base"]) for r in db.records()}

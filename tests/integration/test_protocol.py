@@ -121,6 +121,44 @@ def test_stale_owner_cannot_commit_after_lease_takeover(db: DB) -> None:
     b_conn.close()
 
 
+def test_a_withdrawn_claim_is_no_takeover_unless_it_was_one_itself(db: DB) -> None:
+    """A claim withdrawn before its call (a stop or a revoke) made no call: the next
+    claim is no takeover and owes no reconcile for it, nor is it charged against the
+    limit. A withdrawn claim that had itself taken over a lease that ran out mid-call
+    never reconciled that call: the claim after it still does."""
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
+    conn = connect(db.dsn)
+    first = _claim(store, conn, lease=30)
+    assert first.outcome is Outcome.CLAIMED and not first.took_over
+    with conn.transaction():
+        assert store.withdraw_claim(conn, key=KEY, token=first.token, took_over=False)
+    again = _claim(store, conn, lease=0.2)
+    assert again.outcome is Outcome.CLAIMED and again.token != first.token
+    assert (again.took_over, again.previous_error_kind, again.attempts, again.budget_used) == (
+        False, None, 2, 1)
+    rec = db.record(KEY)
+    assert rec is not None and rec["next_attempt_at"] is None  # the mark is gone with it
+    # This claim's lease runs out (its owner died mid-call): the next one takes over...
+    wait_for(lambda: db.value("SELECT lease_until < clock_timestamp() FROM "
+                              "kafka_idem.task_idempotency WHERE idempotency_key = %s", (KEY,)),
+             what="the lease to run out by the database clock")
+    taking = _claim(store, conn, lease=30)
+    assert (taking.took_over, taking.previous_error_kind) == (True, "lease_expired")
+    # ... and is withdrawn before its call (and its reconcile) ran: still owed.
+    with conn.transaction():
+        assert store.withdraw_claim(conn, key=KEY, token=taking.token, took_over=True)
+    last = _claim(store, conn, lease=30)
+    assert (last.took_over, last.previous_error_kind) == (True, "lease_expired")
+    # A stale token withdraws nothing.
+    with conn.transaction():
+        assert not store.withdraw_claim(conn, key=KEY, token=first.token, took_over=False)
+    rec = db.record(KEY)
+    assert rec is not None
+    assert (rec["status"], rec["owner_token"], rec["attempts"], rec["attempt_base"]) == (
+        "processing", last.token, 4, 2)
+    conn.close()
+
+
 def test_database_refuses_completion_with_a_stale_token_even_in_plain_sql(db: DB) -> None:
     store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
     conn = connect(db.dsn)
