@@ -207,8 +207,9 @@ class App:
             raise ConfigError(f"concurrency must be a whole number >= 1, not {concurrency!r}",
                               setting="concurrency")
         if mode != "leased" and (concurrency > 1 or ordering_key is not None):
-            raise ConfigError("concurrency and ordering_key are for mode='leased' handlers "
-                              "(local mode runs batches; see local_workers)",
+            raise ConfigError(f"handler of topic {topic!r}: concurrency and ordering_key are "
+                              f"for mode='leased' handlers, not mode={mode!r} (local mode "
+                              "runs batches; see local_workers)",
                               setting="concurrency" if concurrency > 1 else "ordering_key")
 
         def register(fn: Callable[[M, Any], Any]) -> Handler[M]:

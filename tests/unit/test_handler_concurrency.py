@@ -50,6 +50,7 @@ def test_concurrency_and_an_ordering_key_need_leased_mode(options: dict[str, Any
     with pytest.raises(ConfigError, match="mode='leased'") as err:
         register(app(), sync_handler, mode="local", **options)
     assert f"(setting={next(iter(options))})" in str(err.value)  # the one given
+    assert "handler of topic 'orders'" in str(err.value)  # which handler
 
 
 def test_an_async_handler_needs_leased_mode() -> None:
