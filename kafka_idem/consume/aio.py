@@ -35,7 +35,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from kafka_idem.app import App
-from kafka_idem.consume.leased import LeasedPath, around_failure
+from kafka_idem.consume.leased import LeasedPath, around_failure, note_withdrawal
 from kafka_idem.consume.outcome import Ended, Finished, Message, Prepared, Result
 from kafka_idem.consume.rounds import RoundClaim, Tokens, Wanted, answer, claim_round_async
 from kafka_idem.consume.slots import CallNotStarted, Gate
@@ -334,7 +334,7 @@ class AsyncLeasedPath:
             return around_failure(steps, exc, msg, prep,
                                   claim.token if claim is not None else reentrant)
         except CallNotStarted:  # its partition is leaving, or the member stopping
-            if claim is not None and claim.token and claim.charged:
+            if claim is not None and claim.withdrawable:
                 await self._withdraw(claim)
             raise
         except asyncio.CancelledError:
@@ -363,14 +363,10 @@ class AsyncLeasedPath:
             finally:
                 await self.conns.give_back(conn)
         except Exception as exc:
-            log.info("the claim of key %r was not withdrawn (%s); its lease ends on its "
-                     "own", key, type(exc).__name__,
-                     extra={"action": "abandoned", "key": key})
+            note_withdrawal(key, failed=exc)
             return
         if withdrawn:
-            log.info("withdrew the claim of key %r (its call had not started): the next "
-                     "owner may take it over now, no attempt charged", key,
-                     extra={"action": "abandoned", "key": key})
+            note_withdrawal(key)
 
     async def _claim(
         self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None,

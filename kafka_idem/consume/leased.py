@@ -58,21 +58,20 @@ class LeasedPath:
     def _withdraw(self, claim: Claim) -> None:
         """Withdraw a claim whose call never started (best effort: else its lease
         runs out, the attempt charged)."""
-        if claim.outcome is not Outcome.CLAIMED or claim.token is None or not claim.charged:
+        if not claim.withdrawable:
             return  # a re-entry's: an earlier claim's attempt, not ours to withdraw
+        assert claim.token is not None
         try:
             with self.db.unavailable():
                 conn = self.db.connection()
                 with conn.transaction():
-                    self.steps.store.withdraw_claim(conn, key=claim.key, token=claim.token,
-                                                    took_over=claim.took_over)
+                    withdrawn = self.steps.store.withdraw_claim(
+                        conn, key=claim.key, token=claim.token, took_over=claim.took_over)
         except (FrameworkError, psycopg.Error) as exc:
-            log.info("the claim of key %r was not withdrawn (%s); its lease ends on its own",
-                     claim.key, describe(exc), extra={"action": "abandoned", "key": claim.key})
+            note_withdrawal(claim.key, failed=exc)
             return
-        log.info("withdrew the claim of key %r (its call had not started): the next owner "
-                 "may take it over now, no attempt charged", claim.key,
-                 extra={"action": "abandoned", "key": claim.key})
+        if withdrawn:
+            note_withdrawal(claim.key)
 
     def prepare(self, msg: Message, reentrant: uuid.UUID | None = None) -> Prepared | Result:
         """``msg`` decoded, or what becomes of one that cannot be now: its dead letter
@@ -183,3 +182,14 @@ def around_failure(
         extra={"action": "deferred", "key": prep.key, **where(msg)},
     )
     return Deferred(steps.settings.busy_retry_seconds, Reason.FRAMEWORK, token=token)
+
+
+def note_withdrawal(key: str, *, failed: BaseException | None = None) -> None:
+    """Log a withdrawn claim, or one that could not be (its lease then runs out)."""
+    if failed is not None:
+        log.info("the claim of key %r was not withdrawn (%s); its lease ends on its own",
+                 key, describe(failed), extra={"action": "abandoned", "key": key})
+    else:
+        log.info("withdrew the claim of key %r (its call had not started): the next owner "
+                 "may take it over now, no attempt charged", key,
+                 extra={"action": "abandoned", "key": key})

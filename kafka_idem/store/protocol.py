@@ -355,8 +355,7 @@ class Store(OutboxQueries):
         the attempt before it died mid-call, and nobody has reconciled it yet)."""
         with translate_errors(key=key):
             row = conn.execute(self.q["withdraw_claim"],
-                               {"ns": self.ns, "key": key, "token": token,
-                                "took_over": took_over}).fetchone()
+                               self._withdraw_params(key, token, took_over)).fetchone()
         return row is not None
 
     async def withdraw_claim_async(self, conn: AsyncConn, *, key: str,
@@ -364,9 +363,11 @@ class Store(OutboxQueries):
         """:meth:`withdraw_claim` on an async connection."""
         with translate_errors(key=key):
             cur = await conn.execute(self.q["withdraw_claim"],
-                                     {"ns": self.ns, "key": key, "token": token,
-                                      "took_over": took_over})
+                                     self._withdraw_params(key, token, took_over))
             return await cur.fetchone() is not None
+
+    def _withdraw_params(self, key: str, token: uuid.UUID, took_over: bool) -> dict[str, Any]:
+        return {"ns": self.ns, "key": key, "token": token, "took_over": took_over}
 
     def expire_leases(self, conn: Conn, *, key: str | None = None) -> list[str]:
         """The test kit's clock: every live lease of this namespace (or only ``key``'s)

@@ -54,6 +54,12 @@ class Claim:
     first_failure_at: dt.datetime | None = None
     last_failure_at: dt.datetime | None = None
 
+    @property
+    def withdrawable(self) -> bool:
+        """Ours, and charged: a claim whose call never started may be withdrawn
+        (:meth:`Store.withdraw_claim`); a re-entry or a last chance was not charged."""
+        return self.outcome is Outcome.CLAIMED and self.token is not None and self.charged
+
     @classmethod
     def new_key(cls, key: str, token: uuid.UUID) -> Claim:
         """A key that a batch or round claim inserted: ours, at its first attempt."""
