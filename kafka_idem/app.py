@@ -35,6 +35,7 @@ from kafka_idem.codec import (
     Codec,
     CodecFactory,
     JsonCodec,
+    non_string_fields,
     reader_mismatch,
     validate,
 )
@@ -54,7 +55,7 @@ from kafka_idem.handler import (
     Mode,
     check_topic_name,
 )
-from kafka_idem.keys import KeySpec
+from kafka_idem.keys import KeySpec, refuse_typed_key_fields
 from kafka_idem.retry import RetryPolicy
 from kafka_idem.settings import Settings, check_namespace, load_settings
 
@@ -311,11 +312,15 @@ class App:
                 f"schema {handler.schema!r} is not among the Avro schemas of "
                 f"{str(self.settings.schemas_dir)!r} (KAFKA_IDEM_SCHEMAS_DIR; found: {known})",
                 setting="schema")
-        problem = reader_mismatch(schemas.schema(handler.schema), handler.adapter,
+        reader = schemas.schema(handler.schema)
+        problem = reader_mismatch(reader, handler.adapter,
                                   handler.model, (*handler.key.fields, *handler.hash_fields))
         if problem:
             raise ConfigError(f"schema {handler.schema!r} does not fit the handler: {problem}",
                               setting="schema")
+        if handler.key.strings_only:  # no model: a key field takes strings only
+            refuse_typed_key_fields(non_string_fields(reader, handler.key.fields),
+                                    f"schema {handler.schema!r}")
 
     def bind_codec(self, handler: Handler[Any]) -> Codec:
         with self._codec_lock:

@@ -158,6 +158,54 @@ def reader_mismatch(reader: Any, adapter: TypeAdapter[Any], model: Any,
     return None
 
 
+# Avro types a record field's value is never a str of (an enum is read as its
+# symbol's name; a named type is looked up; an unknown name is given the benefit of
+# the doubt: the message's key is checked anyway).
+_NOT_STRINGS = frozenset(("null", "boolean", "int", "long", "float", "double", "bytes",
+                          "record", "error", "array", "map", "fixed"))
+
+
+def _may_be_string(avro_type: Any, named: Mapping[str, Any], depth: int = 0) -> bool:
+    """Whether a value of ``avro_type`` (a parsed Avro type) can be read as a string:
+    a ``string`` (logical types such as ``uuid`` included), an ``enum``, or a union
+    with one of them."""
+    if depth > 32:
+        return True
+    if isinstance(avro_type, list):
+        return any(_may_be_string(t, named, depth + 1) for t in avro_type)
+    if isinstance(avro_type, dict):
+        return _may_be_string(avro_type.get("type"), named, depth + 1)
+    if not isinstance(avro_type, str) or avro_type in _NOT_STRINGS:
+        return False
+    if avro_type in ("string", "enum"):
+        return True
+    ref = named.get(avro_type)
+    return ref is None or _may_be_string(ref, named, depth + 1)
+
+
+def _type_text(avro_type: Any) -> str:
+    """A short name of a parsed Avro type for an error message."""
+    if isinstance(avro_type, list):
+        return "[" + ", ".join(_type_text(t) for t in avro_type) + "]"
+    if isinstance(avro_type, dict):
+        kind = avro_type.get("type")
+        return kind if isinstance(kind, str) else _type_text(kind)
+    return str(avro_type)
+
+
+def non_string_fields(reader: Any, fields: tuple[str, ...]) -> dict[str, str]:
+    """The ``fields`` of the Avro record schema ``reader`` that can never hold a string
+    (their Avro type has no ``string`` or ``enum`` branch), each with its type: without
+    a model, a key template field of them would refuse every message (a key field takes
+    strings only there). Fields the schema lacks are :func:`reader_mismatch`'s."""
+    if not isinstance(reader, dict) or reader.get("type") != "record":
+        return {}
+    named = reader.get("__named_schemas") or {}
+    types = {f["name"]: f["type"] for f in reader.get("fields", [])}
+    return {f: _type_text(types[f]) for f in dict.fromkeys(fields)
+            if f in types and not _may_be_string(types[f], named)}
+
+
 def _name_of(model: Any, alias: str) -> str | None:
     """The field name behind a pydantic model's alias (a model that also validates by
     name accepts either)."""
@@ -381,4 +429,5 @@ class AvroObjectCodec:
 
 
 __all__ = ["FORMATS", "AvroCodec", "AvroObjectCodec", "Codec", "CodecFactory", "JsonCodec",
-           "adapter_for", "fields_of", "fingerprint", "reader_mismatch", "required_fields"]
+           "adapter_for", "fields_of", "fingerprint", "non_string_fields", "reader_mismatch",
+           "required_fields"]

@@ -92,7 +92,8 @@ class MissingKeyField(MessageError):
 
 
 class InvalidKey(MessageError):
-    """The idempotency key cannot be used (too long, or not valid Unicode)."""
+    """The idempotency key cannot be used (too long, not valid Unicode, or without a
+    model a key field that holds no string)."""
 
 
 class DataRejected(MessageError):

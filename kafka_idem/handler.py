@@ -214,7 +214,9 @@ class Handler(Generic[M]):
         self.name = name
         self.topic = topic
         self.model = model
-        self.key = KeyTemplate(key)
+        # Without a model the payload's types are the sender's: a key field must hold a
+        # string, or 7 and "7" would share a key (docs/BAD_INPUT.md).
+        self.key = KeyTemplate(key, strings_only=model is None)
         self.hash_fields = hash_fields
         self.mode: Mode = mode
         self.batch = batch

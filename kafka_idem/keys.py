@@ -209,6 +209,65 @@ def check_key(key: str, max_bytes: int, *, escaped: bool = False) -> str:
     return key
 
 
+# Without a model, what each JSON type of a non-string key field would collide with if
+# it were turned into text (a null has no entry: it never built a key, it was refused
+# as a missing field before the rule).
+_SHARED_WITH = {
+    "number": '7 and "7"',
+    "boolean": 'true and "True"',
+    "array": '[1, 2] and "[1, 2]"',
+    "object": '{"a": 1} and "{\'a\': 1}"',
+}
+
+
+def _json_type(value: Any) -> str | None:
+    """The JSON type of a decoded value that is not a string (``None``: none of them)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float | Decimal):
+        return "number"
+    if isinstance(value, Mapping):
+        return "object"
+    if isinstance(value, list | tuple):
+        return "array"
+    return None
+
+
+def _string_field(payload: Any, name: str, value: Any) -> str:
+    """The text of key field ``name`` of a payload without a model, whose ``value`` is
+    not exactly a ``str``: a ``str`` subclass or a UUID (Avro's ``uuid`` logical type,
+    a string on the wire) as ``str()`` gives it; ``""`` when the field is absent (the
+    caller's :class:`MissingKeyField`); anything else an :class:`InvalidKey` naming
+    the field and its type, never its value."""
+    if isinstance(value, str | uuid.UUID):
+        return str(value)
+    if value is None and not (name in payload if isinstance(payload, Mapping)
+                              else hasattr(payload, name)):
+        return ""
+    kind = _json_type(value)
+    what = f"a JSON {kind}" if kind is not None else f"a {type(value).__name__} value"
+    shared = f" ({_SHARED_WITH[kind]} would share a key)" if kind in _SHARED_WITH else ""
+    raise InvalidKey(
+        f"key field {name!r} holds {what}, not a string: without a model a key takes "
+        f"strings only{shared}; declare model= with the field's type, or build the key "
+        "with a function", field=name)
+
+
+def refuse_typed_key_fields(typed: Mapping[str, str], where: str) -> None:
+    """At start, for a handler without a model: :class:`ConfigError` naming the key
+    template fields whose schema type (``typed``: field -> type, from ``where``) never
+    holds a string, as every message would then be dead-lettered (see
+    :class:`KeyTemplate`, ``strings_only``)."""
+    if typed:
+        fields = ", ".join(f"{f!r} ({t})" for f, t in typed.items())
+        raise ConfigError(
+            f"key field(s) {fields} of {where} never hold a string: without a model a key "
+            "takes strings only, so every message would be dead-lettered; declare model= "
+            "with the field's type, or build the key with a function", setting="key")
+
+
 class KeyTemplate:
     """Builds ``tenant:operation:business-id`` keys from payload fields.
 
@@ -225,12 +284,27 @@ class KeyTemplate:
     'a%3Ab:charge:7'
 
     A field that is missing, empty or only whitespace is a :class:`MissingKeyField`.
+
+    ``strings_only`` (a handler without a model, whose payload is the codec's raw
+    value): a field must hold a string. A number, a boolean, a null, a list or an
+    object is an :class:`InvalidKey`, since ``str()`` would give ``7`` and ``"7"``
+    (or ``true`` and ``"True"``) one key, and the key would no longer decode back
+    into one tuple of values. With a model, the model types the values and they are
+    used as ``str()`` gives them.
+
+    >>> KeyTemplate("{tenant}:raw:{order}", strings_only=True).build({"tenant": 7, "order": "a"})
+    Traceback (most recent call last):
+    kafka_idem.errors.InvalidKey: key field 'tenant' holds a JSON number, not a string: ...
     """
 
-    def __init__(self, spec: KeySpec, *, setting: str = "key") -> None:
-        """``setting``: the argument ``spec`` was given as, named by its errors."""
+    def __init__(self, spec: KeySpec, *, setting: str = "key",
+                 strings_only: bool = False) -> None:
+        """``setting``: the argument ``spec`` was given as, named by its errors.
+        ``strings_only``: refuse template field values that are not strings (see the
+        class docs); no effect on a key function."""
         self.spec = spec
         self.fields: tuple[str, ...] = ()
+        self.strings_only = strings_only
         self._escape: re.Pattern[str] | None = None
         if isinstance(spec, str):
             parsed = list(string.Formatter().parse(spec))
@@ -275,10 +349,16 @@ class KeyTemplate:
         if self._escape is not None:
             assert isinstance(self.spec, str)
             escape = self._escape
+            strings_only = self.strings_only
             values: dict[str, str] = {}
             for name in self.fields:
                 value = _field(payload, name)
-                text = "" if value is None else value if type(value) is str else str(value)
+                if type(value) is str:
+                    text = value
+                elif strings_only:
+                    text = _string_field(payload, name, value)
+                else:
+                    text = "" if value is None else str(value)
                 if not text or text.isspace():
                     raise MissingKeyField(f"key field {name!r} is missing or blank", field=name)
                 values[name] = escape.sub(_percent, text) if escape.search(text) else text

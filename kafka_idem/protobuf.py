@@ -50,6 +50,7 @@ from kafka_idem.codec import (
     validate,
 )
 from kafka_idem.errors import ConfigError, Undecodable
+from kafka_idem.keys import refuse_typed_key_fields
 from kafka_idem.registry import ask, blame, registry_trouble
 
 try:
@@ -59,7 +60,7 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
     raise ImportError("kafka_idem.protobuf needs the protobuf extra: "
                       "pip install 'kafka_idem[protobuf]'") from exc
 
-from kafka_idem.protobuf_values import field_names, from_python, to_python
+from kafka_idem.protobuf_values import field_names, from_python, non_string_fields, to_python
 
 PROTOBUF = "PROTOBUF"
 
@@ -148,8 +149,9 @@ class ProtobufCodec:
 
     def check_handler(self, handler: Any) -> None:
         """The model's required fields (without a model, the key and hash fields) must be
-        fields of the message: a :class:`ConfigError` when the handler is registered,
-        not a dead letter per message."""
+        fields of the message, and without a model the key's fields must be read as
+        strings: a :class:`ConfigError` when the handler is registered, not a dead
+        letter per message."""
         known = set(field_names(self.message.DESCRIPTOR))
         needed = required_fields(handler.model) if handler.model is not None else \
             [*handler.key.fields, *handler.hash_fields,
@@ -160,6 +162,10 @@ class ProtobufCodec:
                 "key/hash fields"
             raise ConfigError(f"{what} {missing} are not fields of Protobuf message "
                               f"{self.full_name}", setting="format")
+        if handler.key.strings_only:  # no model: a key field takes strings only
+            refuse_typed_key_fields(non_string_fields(self.message.DESCRIPTOR,
+                                                      handler.key.fields),
+                                    f"Protobuf message {self.full_name}")
 
     def _bound(self) -> str:
         """The topic this codec is bound to (with a registry client), else a ConfigError."""

@@ -23,11 +23,11 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from decimal import Decimal
 from typing import Any
 
-from google.protobuf import json_format
+from google.protobuf import descriptor_pb2, json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
@@ -208,4 +208,25 @@ def field_names(descriptor: Descriptor) -> tuple[str, ...]:
     return tuple(f.name for f in descriptor.fields)
 
 
-__all__ = ["fill", "from_python", "to_python"]
+def non_string_fields(descriptor: Descriptor, names: Iterable[str]) -> dict[str, str]:
+    """The fields named ``names`` that :func:`to_python` never reads as a string, each
+    with its type: not a ``string``, an enum (read as its value's name) or a
+    ``google.protobuf.StringValue``; repeated fields and maps never are. Names the
+    message lacks are left out."""
+    found: dict[str, str] = {}
+    for name in dict.fromkeys(names):
+        field = descriptor.fields_by_name.get(name)
+        if field is None:
+            continue
+        if _is_map(field) or field.is_repeated:
+            found[name] = "map" if _is_map(field) else "repeated"
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            if field.message_type.full_name != "google.protobuf.StringValue":
+                found[name] = field.message_type.full_name
+        elif field.type not in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_ENUM):
+            found[name] = descriptor_pb2.FieldDescriptorProto.Type.Name(
+                field.type).removeprefix("TYPE_").lower()
+    return found
+
+
+__all__ = ["fill", "from_python", "non_string_fields", "to_python"]

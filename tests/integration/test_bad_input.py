@@ -8,8 +8,9 @@ records, dead letters and their ``idem.*`` headers, committed offsets.
   NUL written by the handler, a NUL in the handler's result) is dead-lettered as
   permanent and its partition moves on: on the batch path, the per-message path and in
   leased mode;
-* keys can't collide (separators inside values, values that differ by spaces), blank key
-  fields are ``MissingKeyField``, over-long keys are ``InvalidKey``, never truncated;
+* keys can't collide (separators inside values, values that differ by spaces; without a
+  model, a number where its text is expected is ``InvalidKey``), blank key fields are
+  ``MissingKeyField``, over-long keys are ``InvalidKey``, never truncated;
 * a dead letter too large for Kafka goes without its value, and a DLQ suffix that is not
   a topic name is refused at start;
 * a fuzz test: one batch of arbitrary messages, every one of which must end succeeded,
@@ -293,6 +294,49 @@ def test_key_field_values_are_kept_apart_and_as_they_are(
     for (_p, offset), (letter,) in letters.items():
         assert_permanent_letter(letter, offset=offset, classes=("MissingKeyField",))
     assert committed(group, topic) == end_offsets(topic)
+
+
+def test_without_a_model_a_number_in_a_key_field_is_refused_not_merged_with_its_text(
+    db: DB, topics: Topics, group: str
+) -> None:
+    """A handler with model=None gets the JSON's dict: ``{"tenant": 7}`` and
+    ``{"tenant": "7"}`` are two intents, which ``str()`` would give one key ("7:raw:a"),
+    the second answered as a duplicate of the first. The number is refused instead
+    (InvalidKey, permanent, naming the field), the string takes effect once."""
+    topic = topics(partitions=1)
+    app = App("raw-keys", **app_settings(db, group_id=group))
+
+    @app.handler(topic=topic, key="{tenant}:raw:{order}", hash_fields=("order",),
+                 format="json", name="raw", retry=FAST_RETRY)
+    def raw(msg: dict[str, Any], ctx: Context) -> dict[str, str]:
+        ctx.tx.execute("INSERT INTO payments.ledger (tenant_id, order_id, amount, currency,"
+                       " idempotency_key) VALUES (%s, %s, 1, 'EUR', %s)",
+                       (str(msg["tenant"]), msg["order"], ctx.idempotency_key))
+        return {"tenant": str(msg["tenant"])}
+
+    produce(topic, [(None, json.dumps({"tenant": 7, "order": "a"}).encode()),
+                    (None, json.dumps({"tenant": "7", "order": "a"}).encode())])
+    with InProcess(app):
+        settle(db, group, topic)
+
+    letters = letters_by_offset(topic)
+    assert sorted(letters) == [(0, 0)], state_of(db, group, topic)
+    (letter,) = letters[(0, 0)]
+    h = assert_permanent_letter(letter, offset=0, classes=("InvalidKey",))
+    assert h["idem.error.message"].startswith(
+        "key field 'tenant' holds a JSON number, not a string: without a model a key takes "
+        "strings only"), h["idem.error.message"]
+    assert json.loads(letter.value()) == {"tenant": 7, "order": "a"}  # as it came: replayable
+    assert record_at(db, 0) is None  # refused before any record
+    assert [(r["tenant_id"], r["order_id"], r["idempotency_key"]) for r in db.ledger()] == [
+        ("7", "a", "7:raw:a")]
+    assert [(r["idempotency_key"], r["status"], r["kafka_offset"]) for r in db.records()] == [
+        ("7:raw:a", "succeeded", 1)]
+    assert committed(group, topic) == {0: 2}
+    # The app's producer refuses what its consumer would: before anything is sent.
+    with app.producer() as producer, pytest.raises(errors.InvalidKey, match="'tenant'"):
+        producer.send(topic, {"tenant": 7, "order": "b"})
+    assert end_offsets(topic) == {0: 2}
 
 
 def test_a_key_over_key_max_bytes_is_invalid_and_never_truncated(

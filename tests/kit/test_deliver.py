@@ -359,6 +359,28 @@ def test_an_emit_with_a_bad_key_or_header_names_ctx_emit_and_leaves_no_effect(
     assert letter.idem["idem.error.message"].endswith(why)
 
 
+def test_without_a_model_a_number_in_a_key_field_is_dead_lettered_as_the_consumer_does(
+    kafka_idem_harness: Make,
+) -> None:
+    """The kit builds keys with the member's code: without a model, ``{"order_id": 7}``
+    is an InvalidKey (it would share "7" with ``{"order_id": "7"}``), not a duplicate."""
+    app = App("shop", namespace=f"shop-{uuid.uuid4().hex[:6]}")
+
+    @app.handler(topic="shop.orders", key="{order_id}", hash_fields=("order_id",))
+    def order(msg: dict[str, Any], ctx: Context) -> dict[str, Any]:
+        return {"order_id": msg["order_id"]}
+
+    harness = kafka_idem_harness(app)
+    number = harness.deliver("shop.orders", {"order_id": 7})
+    [letter] = number.dead_letters
+    assert (number.outcome, number.key, number.status) == ("dead_lettered", None, None)
+    assert (letter.kind, letter.idem["idem.error.class"]) == ("permanent", "InvalidKey")
+    assert letter.idem["idem.error.message"].startswith(
+        "key field 'order_id' holds a JSON number, not a string")
+    text = harness.deliver("shop.orders", {"order_id": "7"})
+    assert (text.outcome, text.key, text.result) == ("succeeded", "7", {"order_id": "7"})
+
+
 class Shelved(BaseModel):
     order_id: str
     shelves: list[str]

@@ -4,15 +4,19 @@ the format a handler gets when it names none; a codec object of one's own."""
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import json
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
+import fastavro
 import pytest
 from pydantic import BaseModel
 from typing_extensions import TypedDict
 
 from kafka_idem import App
-from kafka_idem.errors import ConfigError, InvalidPayload, Undecodable
+from kafka_idem.errors import ConfigError, InvalidKey, InvalidPayload, Undecodable
 from tests.conftest import ROOT
 
 
@@ -188,3 +192,94 @@ def test_a_reader_schema_that_fits_the_model_binds() -> None:
     h = register(app, model=Order, schema="payments.ChargeRequested", name="place")
     app.bind_codecs()
     assert h.codec.name == "avro"
+
+
+# --- without a model, a key field the reader schema types as no string ------------------
+
+RAW_SCHEMA = {
+    "type": "record", "name": "raw.Keyed", "fields": [
+        {"name": "text", "type": "string"},
+        {"name": "id", "type": {"type": "string", "logicalType": "uuid"}},
+        {"name": "color", "type": {"type": "enum", "name": "Color", "symbols": ["RED"]}},
+        {"name": "shade", "type": "raw.Color"},  # a named type, referred to
+        {"name": "maybe", "type": ["null", "string"]},
+        {"name": "count", "type": "long"},
+        {"name": "small", "type": "int"},
+        {"name": "ratio", "type": "double"},
+        {"name": "flag", "type": "boolean"},
+        {"name": "raw", "type": "bytes"},
+        {"name": "at", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+        {"name": "either", "type": ["null", "long"]},
+        {"name": "tags", "type": {"type": "array", "items": "string"}},
+        {"name": "attrs", "type": {"type": "map", "values": "string"}},
+        {"name": "inner", "type": {"type": "record", "name": "Inner",
+                                   "fields": [{"name": "label", "type": "string"}]}},
+        {"name": "again", "type": "raw.Inner"},
+        {"name": "hash", "type": {"type": "fixed", "name": "Hash", "size": 2}},
+    ]}
+STRINGS = ("text", "id", "color", "shade", "maybe")
+
+
+def test_the_avro_fields_that_can_never_hold_a_string() -> None:
+    from kafka_idem.codec import non_string_fields
+
+    reader = fastavro.parse_schema(RAW_SCHEMA)
+    names = tuple(f["name"] for f in RAW_SCHEMA["fields"])  # type: ignore[index]
+    assert non_string_fields(reader, names) == {
+        "count": "long", "small": "int", "ratio": "double", "flag": "boolean", "raw": "bytes",
+        "at": "long", "either": "[null, long]", "tags": "array", "attrs": "map",
+        "inner": "record", "again": "raw.Inner", "hash": "fixed"}
+    assert non_string_fields(reader, STRINGS) == {}
+    assert non_string_fields(reader, ("absent",)) == {}  # reader_mismatch's to report
+
+
+def raw_app(tmp_path: Path) -> App:
+    (tmp_path / "keyed.avsc").write_text(json.dumps(RAW_SCHEMA))
+    return App("a", schemas_dir=tmp_path)
+
+
+@pytest.mark.parametrize(("key", "named"), [
+    ("{text}:k:{count}", r"'count' \(long\)"),
+    ("{either}:k:{flag}", r"'either' \(\[null, long\]\), 'flag' \(boolean\)"),
+    ("{at}", r"'at' \(long\)"),
+])
+def test_without_a_model_a_key_field_the_schema_types_as_no_string_fails_at_start(
+    tmp_path: Path, key: str, named: str,
+) -> None:
+    app = raw_app(tmp_path)
+    register(app, model=None, schema="raw.Keyed", name="raw", key=key, hash_fields=("text",))
+    with pytest.raises(ConfigError, match=(
+            rf"^handler 'raw': key field\(s\) {named} of schema 'raw\.Keyed' never hold a "
+            r"string: without a model a key takes strings only, so every message would be "
+            r"dead-lettered; declare model= with the field's type, or build the key with a "
+            r"function \(setting=key\)$")):
+        app.bind_codecs()
+
+
+def test_without_a_model_string_key_fields_of_a_schema_bind_and_build_keys(
+    tmp_path: Path,
+) -> None:
+    app = raw_app(tmp_path)
+    h = register(app, model=None, schema="raw.Keyed", name="raw",
+                 key="{text}:{id}:{color}:{shade}:{maybe}", hash_fields=("count",))
+    app.bind_codecs()
+    record = {"text": "t", "id": "8c7f6e52-0d4e-4d6b-9a51-1f0f2a3b4c5d", "color": "RED",
+              "shade": "RED", "maybe": "m", "count": 7, "small": 1, "ratio": 0.5,
+              "flag": True, "raw": b"x", "at": dt.datetime(2025, 1, 31, tzinfo=dt.UTC),
+              "either": None, "tags": [], "attrs": {}, "inner": {"label": "l"},
+              "again": {"label": "l"}, "hash": b"ab"}
+    assert h.key.build(h.decode(h.encode(record))) == \
+        "t:8c7f6e52-0d4e-4d6b-9a51-1f0f2a3b4c5d:RED:RED:m"
+    with pytest.raises(InvalidKey, match="key field 'maybe' holds a JSON null"):
+        h.key.build(h.decode(h.encode({**record, "maybe": None})))
+    # a key function, and an ordering key (it only orders work), take any field
+    for options in ({"key": lambda p: f"{p['text']}:{p['count']}"},
+                    {"key": "{text}", "ordering_key": "{count}:{flag}"}):
+        other = raw_app(tmp_path)
+        h = register(other, model=None, schema="raw.Keyed", name="raw", hash_fields=("text",),
+                     mode="leased", **options)
+        other.bind_codecs()
+        payload = h.decode(h.encode(record))
+        assert h.key.build(payload) == ("t:7" if callable(options["key"]) else "t")
+        if h.ordering is not None:
+            assert h.ordering.build(payload) == "7:True"

@@ -12,14 +12,19 @@ The rule, for the payments template ``"{tenant_id}:charge:{order_id}"`` (separat
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import string
 import unicodedata
+import uuid
+from decimal import Decimal
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
+from typing_extensions import TypedDict
 
 from kafka_idem import App, errors, keys
 from kafka_idem.errors import ConfigError, MessageError
@@ -192,3 +197,157 @@ def test_keys_contain_no_control_characters(tenant_id: str, order_id: str) -> No
     key = build(tenant_id, order_id)
     assert not [ch for ch in key if unicodedata.category(ch) == "Cc" or ch in LINE_BREAKS]
     assert key.count(":charge:") == 1  # the literal text appears once: the separator
+
+
+# --- without a model: key fields take strings only ---------------------------------------
+#
+# A handler registered with model=None gets the codec's raw value (a dict from JSON): the
+# sender chooses each field's type. str() would give {"tenant": 7} and {"tenant": "7"} one
+# key (true and "True", [1, 2] and "[1, 2]" too), so a key decoded back into more than one
+# tuple of values. A template field must hold a string there: anything else is InvalidKey
+# (permanent: dead-lettered, replayable once the app declares a model).
+
+RAW = "{tenant}:raw:{order}"
+
+
+def raw_key(tenant: Any, order: Any = "a") -> str:
+    return KeyTemplate(RAW, strings_only=True).build({"tenant": tenant, "order": order})
+
+
+@pytest.mark.parametrize(("value", "kind", "shares"), [
+    (7, "number", '(7 and "7" would share a key)'),
+    (-1, "number", '(7 and "7" would share a key)'),
+    (7.5, "number", '(7 and "7" would share a key)'),
+    (Decimal("7.00"), "number", '(7 and "7" would share a key)'),
+    (True, "boolean", '(true and "True" would share a key)'),
+    (False, "boolean", '(true and "True" would share a key)'),
+    ([1, 2], "array", '([1, 2] and "[1, 2]" would share a key)'),
+    ([], "array", '([1, 2] and "[1, 2]" would share a key)'),
+    ({"a": 1}, "object", '({"a": 1} and "{\'a\': 1}" would share a key)'),
+    ({}, "object", '({"a": 1} and "{\'a\': 1}" would share a key)'),
+])
+@pytest.mark.parametrize("where", ["tenant", "order"])
+def test_without_a_model_a_key_field_that_is_not_a_string_is_an_invalid_key(
+    value: Any, kind: str, shares: str, where: str,
+) -> None:
+    payload = {"tenant": "7", "order": "a", where: value}
+    with pytest.raises(errors.InvalidKey) as info:
+        KeyTemplate(RAW, strings_only=True).build(payload)
+    assert info.value.context == {"field": where}
+    assert info.value.message == (
+        f"key field {where!r} holds a JSON {kind}, not a string: without a model a key "
+        f"takes strings only {shares}; declare model= with the field's type, or build the "
+        "key with a function")
+    assert issubclass(errors.InvalidKey, MessageError)  # permanent: dead-lettered
+
+
+def test_without_a_model_a_number_and_its_text_no_longer_share_a_key() -> None:
+    assert raw_key("7") == "7:raw:a"
+    for other in (7, 7.0, Decimal(7)):
+        with pytest.raises(errors.InvalidKey):
+            raw_key(other)
+    assert raw_key("True") == "True:raw:a"
+    with pytest.raises(errors.InvalidKey):
+        raw_key(True)
+    # what the same template built before (and still builds with a model): one key
+    assert KeyTemplate(RAW).build({"tenant": 7, "order": "a"}) == raw_key("7")
+
+
+def test_without_a_model_a_null_is_invalid_and_an_absent_or_blank_field_is_missing() -> None:
+    template = KeyTemplate(RAW, strings_only=True)
+    with pytest.raises(errors.InvalidKey) as null:
+        template.build({"tenant": None, "order": "a"})
+    assert null.value.context == {"field": "tenant"}
+    assert null.value.message == (
+        "key field 'tenant' holds a JSON null, not a string: without a model a key takes "
+        "strings only; declare model= with the field's type, or build the key with a "
+        "function")
+    for payload in ({"order": "a"}, {"tenant": "", "order": "a"}, {"tenant": " \t", "order": "a"}):
+        with pytest.raises(errors.MissingKeyField) as missing:
+            template.build(payload)
+        assert missing.value.context == {"field": "tenant"}
+    # an object payload (not a mapping): an attribute that is None is a null, a missing one absent
+    class Payload:
+        order = "a"
+
+    with pytest.raises(errors.MissingKeyField):
+        template.build(Payload())
+    Payload.tenant = None  # type: ignore[attr-defined]
+    with pytest.raises(errors.InvalidKey):
+        template.build(Payload())
+
+
+def test_without_a_model_strings_are_escaped_as_before_and_a_uuid_is_its_text() -> None:
+    template = KeyTemplate(RAW, strings_only=True)
+    for tenant, order in [("t1", "o9"), ("a:raw:x", "y"), ("50%", "o\n1"), (" 7", "7 ")]:
+        assert template.build({"tenant": tenant, "order": order}) == \
+            KeyTemplate(RAW).build({"tenant": tenant, "order": order})
+    # Avro's uuid logical type: a string on the wire, a UUID once read
+    value = uuid.UUID("8c7f6e52-0d4e-4d6b-9a51-1f0f2a3b4c5d")
+    assert template.build({"tenant": value, "order": "a"}) == f"{value}:raw:a"
+
+
+def test_without_a_model_another_python_type_is_refused_naming_its_type() -> None:
+    with pytest.raises(errors.InvalidKey) as info:
+        raw_key(dt.date(2025, 1, 31))
+    assert info.value.message.startswith(
+        "key field 'tenant' holds a date value, not a string: without a model a key takes "
+        "strings only; declare model=")
+    assert "2025" not in str(info.value)  # never the value
+
+
+def test_a_key_function_is_not_held_to_strings() -> None:
+    template = KeyTemplate(lambda p: f"{p['tenant']}:raw:{p['order']}", strings_only=True)
+    assert template.build({"tenant": 7, "order": "a"}) == "7:raw:a"
+
+
+class _Typed(BaseModel):
+    tenant: int
+    order: str
+
+
+@dataclasses.dataclass
+class _TypedDC:
+    tenant: int
+    order: str
+
+
+class _TypedTD(TypedDict):
+    tenant: int
+    order: str
+
+
+def _raw_handler(app: App, **options: Any) -> Any:
+    return app.handler(**{"topic": "raw", "key": RAW, "hash_fields": ("order",),
+                          "format": "json", **options})(lambda msg, ctx: None)
+
+
+def test_a_handler_without_a_model_refuses_json_numbers_in_its_key() -> None:
+    h = _raw_handler(App("raw"))
+    assert h.key.strings_only
+    assert h.key.build(h.decode(b'{"tenant": "7", "order": "a"}')) == "7:raw:a"
+    for body in (b'{"tenant": 7, "order": "a"}', b'{"tenant": true, "order": "a"}',
+                 b'{"tenant": null, "order": "a"}', b'{"tenant": [1, 2], "order": "a"}',
+                 b'{"tenant": {"a": 1}, "order": "a"}', b'{"tenant": 7.5, "order": "a"}'):
+        with pytest.raises(errors.InvalidKey, match="key field 'tenant' holds a JSON "):
+            h.key.build(h.decode(body))
+    with pytest.raises(errors.MissingKeyField):
+        h.key.build(h.decode(b'{"order": "a"}'))
+
+
+@pytest.mark.parametrize("model", [_Typed, _TypedDC, _TypedTD])
+def test_a_handler_with_a_model_builds_its_keys_as_before(model: Any) -> None:
+    """The upgrade path: ``tenant: int`` gives str(7) = "7", the key the same message had
+    without a model before the rule, so earlier records stay reachable."""
+    h = _raw_handler(App("raw"), model=model)
+    assert not h.key.strings_only
+    assert h.key.build(h.decode(b'{"tenant": 7, "order": "a"}')) == "7:raw:a"
+    assert h.key.build(h.decode(b'{"tenant": "7", "order": "a"}')) == "7:raw:a"
+
+
+def test_an_ordering_key_without_a_model_still_takes_any_value() -> None:
+    """An ordering key only orders work, it never deduplicates: unchanged."""
+    h = _raw_handler(App("raw"), ordering_key="{tenant}", mode="leased", concurrency=4)
+    assert h.ordering is not None and not h.ordering.strings_only
+    payload = h.decode(b'{"tenant": 7, "order": "a"}')
+    assert h.ordering.build(payload) == "7"

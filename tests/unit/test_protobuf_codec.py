@@ -302,6 +302,33 @@ def test_a_model_the_message_cannot_fill_fails_at_registration() -> None:
         handler(App("a"), model=None, hash_fields=("coupon",))
 
 
+def test_without_a_model_a_key_field_that_is_never_read_as_a_string_fails_at_registration(
+) -> None:
+    with pytest.raises(ConfigError, match=(
+            r"^handler 'place': key field\(s\) 'items' \(int32\) of Protobuf message "
+            r"orders\.pb\.OrderPlaced never hold a string: without a model a key takes strings "
+            r"only, so every message would be dead-lettered; declare model= with the field's "
+            r"type, or build the key with a function \(setting=key\)$")):
+        handler(App("a"), model=None, key="{tenant_id}:order:{items}")
+    # the same field, typed by a model, an ordering key or a key function: as before
+    handler(App("a"), key="{tenant_id}:order:{items}")
+    handler(App("a"), model=None, mode="leased", ordering_key="{items}")
+    handler(App("a"), model=None, key=lambda p: f"{p['tenant_id']}:{p['items']}")
+
+
+def test_the_protobuf_fields_that_are_never_read_as_a_string() -> None:
+    from kafka_idem.protobuf_values import non_string_fields
+
+    descriptor = protos.Everything.DESCRIPTOR
+    assert non_string_fields(descriptor, [f.name for f in descriptor.fields]) == {
+        "big": "int64", "huge": "uint64", "ratio": "double", "flag": "bool", "raw": "bytes",
+        "tags": "repeated", "counts": "map", "inner": "tests.pb.Everything.Inner",
+        "at": "google.protobuf.Timestamp", "took": "google.protobuf.Duration",
+        "maybe": "google.protobuf.Int64Value", "extra": "google.protobuf.Struct",
+        "price": "confluent.type.Decimal", "negative": "sint32"}
+    assert non_string_fields(descriptor, ["text", "color", "note", "absent"]) == {}
+
+
 @pytest.mark.parametrize("message", [OrderPlaced, dict, "orders.pb.OrderPlaced"])
 def test_a_codec_needs_a_protobuf_message_class(message: Any) -> None:
     with pytest.raises(ConfigError, match="ProtobufCodec needs a Protobuf message class"):
