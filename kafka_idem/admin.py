@@ -13,6 +13,7 @@ audit row in that same transaction.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -212,8 +213,11 @@ def rerun(
     """``failed -> retryable_failed`` with an audit row, in the caller's transaction.
 
     Refuses a missing key, a ``succeeded`` record, a live ``processing`` record,
-    and anything not ``failed`` (it is already on its way). ``selection`` (e.g. the
-    replay's group and run) is kept in the audit row.
+    and anything not ``failed`` (it is already on its way), except a key
+    *stranded* by a replay (:func:`stranded_by`): its state stays, an audit row
+    says it was taken up again (``"stranded_by"`` in the result names the replay),
+    and the caller sends its message. ``selection`` (e.g. the replay's group and
+    run) is kept in the audit row.
     """
     if not reason.strip():
         raise Refused("a reason is required for a re-run", key=key)
@@ -226,11 +230,41 @@ def rerun(
             raise Refused("the operation already succeeded; a re-run would do it twice", key=key)
         if state == "processing" and rec["lease_until"] > rec["db_now"]:
             raise Refused("the operation is being processed right now (live lease)", key=key)
+        stranded = stranded_by(conn, store, key) if state == "retryable_failed" else None
+        if stranded is not None:
+            audit_id = audit.record(
+                conn, store, actor=actor, action="rerun", key=key, reason=reason,
+                previous_status=state, previous_error=None,
+                selection={**(selection or {}), "stranded_by": stranded})
+            return {"key": key, "previous": rec, "audit_id": audit_id,
+                    "stranded_by": stranded}
         if state != "failed":
             raise Refused(f"the record is {state}, not failed; the consumer retries it", key=key)
         audit_id = _rerun_locked(conn, store, rec, actor=actor, reason=reason,
                                  selection=selection)
     return {"key": key, "previous": rec, "audit_id": audit_id}
+
+
+def stranded_by(conn: Conn, store: Store, key: str) -> dict[str, Any] | None:
+    """The replay that re-ran ``key`` and may never have sent its message, or ``None``.
+
+    A key is *stranded* when it is ``retryable_failed``, its latest audit row is a
+    ``dlq replay`` re-run, and nothing changed the record since (no claim, no
+    attempt): the replay's Kafka transaction may have failed after the re-run
+    committed (an earlier version re-ran a batch's keys before its records were
+    accepted; a crash between the two commits does it still, and a run of the same
+    replay resends them). Sending its dead letter again is safe either way: if the
+    first copy is on its way after all, the second is answered as a duplicate."""
+    rows = store.redrive_states(conn, [(store.ns, key)])
+    if not rows:
+        return None
+    row = rows[0]
+    if not (row["status"] == "retryable_failed" and row["last_action"] == "rerun"
+            and row["last_via"] == "dlq replay" and row["untouched"]):
+        return None
+    return {"group": row["last_group"], "run": row["last_run"],
+            "at": row["last_at"].isoformat() if row["last_at"] is not None else None,
+            "dlq_topic": row["last_topic"]}
 
 
 def rerun_if_failed(
@@ -272,6 +306,113 @@ def topics_seen(conn: Conn, store: Store) -> list[str]:
     return store.topics_seen(conn)
 
 
+RETENTION_FLOOR_SECONDS = 3600.0
+"""The shortest purge window allowed without ``--force`` when a source topic's
+``retention.ms`` cannot be read (broker unreachable, describe_configs failing, the
+topic gone) or no topic is known."""
+
+
+@dataclass(frozen=True)
+class TopicRetention:
+    """A source topic's ``retention.ms`` as the broker reported it (-1: kept forever),
+    or ``None`` and ``why`` it could not be read."""
+
+    topic: str
+    ms: int | None
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class PurgeRisk:
+    """Why a purge window is too short: a source message redelivered from before the
+    window (a restart from an old offset, a group reset, a replay) would find no
+    record and its effect would run again.
+
+    ``retention`` is the topic that decides: the one keeping messages longest (or
+    forever), or one whose retention could not be read (``ms`` ``None``; with no
+    topic at all, ``None``) when the window is under :data:`RETENTION_FLOOR_SECONDS`.
+    """
+
+    window: float
+    retention: TopicRetention | None
+    others: int = 0  # more topics whose retention could not be read
+
+    @property
+    def needed(self) -> float | None:
+        """The shortest window that is not too short; ``None``: none (kept forever)."""
+        if self.retention is None or self.retention.ms is None:
+            return RETENTION_FLOOR_SECONDS
+        if self.retention.ms < 0:
+            return None
+        return self.retention.ms / 1000
+
+    def facts(self, window: str) -> str:
+        """What is too short and why it matters (``window``: as the user typed it)."""
+        r = self.retention
+        if r is None:
+            what = (f"no record names its source topic, so no retention.ms could be read, "
+                    f"and {window} is under the one-hour floor that applies then")
+        elif r.ms is None:
+            more = f" (and of {self.others} more)" if self.others else ""
+            what = (f"the retention of topic {r.topic}{more} could not be read ({r.why}), "
+                    f"and {window} is under the one-hour floor that applies then")
+        elif r.ms < 0:
+            what = (f"topic {r.topic} keeps messages forever (retention.ms=-1), so any "
+                    f"window is too short")
+        else:
+            what = (f"topic {r.topic} keeps messages for {format_duration(r.ms / 1000)} "
+                    f"(retention.ms={r.ms}), longer than the window {window}")
+        return (f"{what}: a source message redelivered from before the window would find no "
+                "record and its effect would run again")
+
+    def way_forward(self) -> str:
+        topic = (f"topic {self.retention.topic}" if self.retention is not None
+                 else "the source topics")
+        force = f"--force if {topic} will never be re-read from before the window"
+        needed = self.needed
+        if needed is None:
+            return f"no window is long enough; give {force}"
+        return f"give --older-than {format_duration(needed)} or longer, or {force}"
+
+    def refusal(self, window: str) -> str:
+        """The one line of a refused purge."""
+        return f"purge --older-than {window}: {self.facts(window)}; {self.way_forward()}"
+
+
+def purge_risk(window: float, retentions: list[TopicRetention]) -> PurgeRisk | None:
+    """Why ``window`` (seconds) is too short for the source topics whose retention is
+    ``retentions`` (:func:`topics_seen`), or ``None`` when it is long enough: at least
+    the longest ``retention.ms`` (a topic kept forever: no window is), and at least
+    :data:`RETENTION_FLOOR_SECONDS` when a topic's retention could not be read or no
+    topic is known. Only ``retention.ms`` is read (not ``retention.bytes``, nor
+    compaction, which keeps a key's latest message whatever its age)."""
+    forever = [r for r in retentions if r.ms is not None and r.ms < 0]
+    if forever:
+        return PurgeRisk(window, forever[0])
+    read = [r for r in retentions if r.ms is not None]
+    longest = max(read, key=lambda r: r.ms or 0, default=None)
+    if longest is not None and longest.ms is not None and longest.ms / 1000 > window:
+        return PurgeRisk(window, longest)
+    unread = [r for r in retentions if r.ms is None]
+    if (unread or not retentions) and window < RETENTION_FLOOR_SECONDS:
+        return PurgeRisk(window, unread[0] if unread else None, others=max(len(unread) - 1, 0))
+    return None
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` as :func:`parse_duration` reads it, in the largest whole unit of
+    d, h, m, s (rounded up to a whole second).
+
+    >>> format_duration(604800), format_duration(5400), format_duration(0.5)
+    ('7d', '90m', '1s')
+    """
+    whole = math.ceil(seconds)
+    for unit in ("d", "h", "m"):
+        if whole and whole % _UNIT[unit] == 0:
+            return f"{whole // _UNIT[unit]}{unit}"
+    return f"{whole}s"
+
+
 def purge_statuses(include_failed: bool) -> list[str]:
     return ["succeeded", "failed"] if include_failed else ["succeeded"]
 
@@ -294,15 +435,19 @@ def purge(
     batch_size: int,
     actor: str,
     reason: str | None = None,
+    force: bool = False,
 ) -> int:
     """Delete old ``succeeded`` (and optionally ``failed``) records in batches.
 
     Each batch is its own transaction with its own audit row, so a long purge
-    never holds many locks and an interrupted one leaves an exact trail.
+    never holds many locks and an interrupted one leaves an exact trail. The
+    window is not checked here (the CLI checks it against the source topics'
+    retention, :func:`purge_risk`); ``force`` (it was purged with ``--force``) is
+    kept in each audit row's selection.
     """
     statuses = purge_statuses(include_failed)
     selection = {"older_than_seconds": older_than, "statuses": statuses,
-                 "namespace": store.namespace}
+                 "namespace": store.namespace, "force": force}
     total = 0
     while True:
         with translate_errors(), conn.transaction():

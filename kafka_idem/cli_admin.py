@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -206,11 +207,15 @@ def _iso_time(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               "and send nothing.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Bulk: print the summary as JSON.")
+@click.option("--trust-unsigned", is_flag=True,
+              help="Where signing keys are configured, also send unsigned dead letters "
+              "(written before signing); a bad signature is never trusted.")
 @click.pass_obj
 def rerun(obj: _Obj, key: str | None, reason: str | None, actor: str | None,
           dlq_topic: str | None, kind: str | None, since: Any, until: Any,
           handler: str | None, namespace: str | None, key_prefix: str | None,
-          limit: int | None, dry_run: bool, no_progress: bool, as_json: bool) -> None:
+          limit: int | None, dry_run: bool, no_progress: bool, as_json: bool,
+          trust_unsigned: bool) -> None:
     """Audited admin re-run of failed keys: failed -> retryable_failed (fresh retry budget),
     and each key's latest dead-lettered message republished so the consumer group runs
     it again.
@@ -218,6 +223,11 @@ def rerun(obj: _Obj, key: str | None, reason: str | None, actor: str | None,
     With KEY, that one key: the state change and its audit row commit only once the
     broker acknowledged the message (if republishing fails, nothing changes: exit 3,
     and a later rerun works); refuses succeeded and live processing records (exit 1).
+    A key a dlq replay re-ran and left untouched since (retryable_failed, its message
+    maybe never sent: "stranded") is taken too: its dead letter is sent again.
+
+    The dead letter sent is the key's latest that says it came from the record's own
+    topic and, where signing keys are configured, whose signature holds.
 
     Without KEY, every failed record the filters select (--kind, --since, --until,
     --handler, --key-prefix, --limit): the DLQ topics are read once, then keys are
@@ -232,15 +242,16 @@ def rerun(obj: _Obj, key: str | None, reason: str | None, actor: str | None,
         if given:
             raise click.UsageError(f"{', '.join(given)}: bulk options; give either KEY or "
                                    "filters")
-        _rerun_one(obj, key, reason or "", actor, dlq_topic, namespace)
+        _rerun_one(obj, key, reason or "", actor, dlq_topic, namespace, trust_unsigned)
         return
     _rerun_bulk(obj, reason, actor, dlq_topic, kind=kind, since=since, until=until,
                 handler=handler, namespace=namespace, key_prefix=key_prefix, limit=limit,
-                dry_run=dry_run, progress=not no_progress, as_json=as_json)
+                dry_run=dry_run, progress=not no_progress, as_json=as_json,
+                trust_unsigned=trust_unsigned)
 
 
 def _rerun_one(obj: _Obj, key: str, reason: str, actor: str | None,
-               dlq_topic: str | None, namespace: str | None) -> None:
+               dlq_topic: str | None, namespace: str | None, trust_unsigned: bool) -> None:
     from confluent_kafka import Producer
 
     from kafka_idem import replay
@@ -254,15 +265,28 @@ def _rerun_one(obj: _Obj, key: str, reason: str, actor: str | None,
                                 key=key)
         store = admin.resolve(conn, _store(s), key, namespace)  # the key's namespace
         rec = store.get(conn, key)
+        stranded = (admin.stranded_by(conn, store, key)
+                    if rec is not None and rec["status"] == "retryable_failed" else None)
         conn.rollback()
         if rec is None:
             raise admin.Refused(f"no record with this key in namespace {store.ns!r}", key=key)
         topic = dlq_topic or f"{rec['kafka_topic']}{s.dlq_suffix}"
+        # Only a dead letter that says it came from the record's own topic, and whose
+        # signature holds where keys are configured: its headers are anyone's who may
+        # write to the DLQ.
+        trusted = replay.Boundary(topic, frozenset({rec["kafka_topic"]}), store.ns,
+                                  secrets=s.signing_keys, trust_unsigned=trust_unsigned)
+        wanted = rec["status"] == "failed" or stranded is not None
         with _dlq_typed(s, dlq_topic):
-            letter = (replay.latest_for_key(s, topic, key, store.ns)
-                      if rec["status"] == "failed" else None)
-        if rec["status"] == "failed" and letter is None:
-            raise admin.Refused(f"no dead-lettered message for this key in {topic}", key=key)
+            letter = (replay.latest_for_key(s, topic, key, store.ns,
+                                            accept=lambda r: trusted.outside(r) is None)
+                      if wanted else None)
+        if wanted and letter is None:
+            raise admin.Refused(
+                f"no dead-lettered message for this key in {topic} that came from "
+                f"{rec['kafka_topic']}" + (" with a valid signature (--trust-unsigned "
+                                           "admits unsigned ones)" if trusted.verifies else ""),
+                key=key)
         if letter is not None and letter.truncated is not None:
             raise admin.Refused(
                 f"its dead letter {topic}[{letter.partition}]@{letter.offset} was written without "
@@ -272,7 +296,8 @@ def _rerun_one(obj: _Obj, key: str, reason: str, actor: str | None,
         with conn.transaction():
             # The record stays locked until the message is acknowledged: a consumer that
             # receives it first waits for this commit; a refused message rolls it all back.
-            admin.rerun(conn, store, key=key, actor=who, reason=reason)
+            done = admin.rerun(conn, store, key=key, actor=who, reason=reason,
+                               selection={"via": "rerun"})
             assert letter is not None
             conf = s.producer_config()
             try:
@@ -283,6 +308,13 @@ def _rerun_one(obj: _Obj, key: str, reason: str, actor: str | None,
                                    "fix the cause and run the same rerun again") from exc
     finally:
         conn.close()
+    if "stranded_by" in done:
+        by = done["stranded_by"]
+        click.echo(plain(f"{key}: retryable_failed since replay {by['group']} (run {by['run']}) "
+                         f"re-ran it at {by['at']}, and untouched since (its message may never "
+                         f"have been sent); message republished to {target} from "
+                         f"{topic}[{letter.partition}]@{letter.offset} by {who}"))
+        return
     click.echo(plain(f"{key}: failed -> retryable_failed by {who}; message republished to "
                      f"{target} from {topic}[{letter.partition}]@{letter.offset}"))
 
@@ -299,7 +331,7 @@ def _dlq_typed(s: Settings, dlq_topic: str | None) -> AbstractContextManager[Non
 def _rerun_bulk(obj: _Obj, reason: str | None, actor: str | None, dlq_topic: str | None, *,
                 kind: str | None, since: Any, until: Any, handler: str | None,
                 namespace: str | None, key_prefix: str | None, limit: int | None,
-                dry_run: bool, progress: bool, as_json: bool) -> None:
+                dry_run: bool, progress: bool, as_json: bool, trust_unsigned: bool) -> None:
     from kafka_idem.replay.bulk import Filter, bulk_rerun
 
     flt = Filter(kind=kind, handler=handler, since=since, until=until,
@@ -316,7 +348,8 @@ def _rerun_bulk(obj: _Obj, reason: str | None, actor: str | None, dlq_topic: str
             conn.rollback()
         with _dlq_typed(s, dlq_topic):
             summary = bulk_rerun(s, conn, _store(s), flt, dlq_topic=dlq_topic, actor=who,
-                                 reason=reason, dry_run=dry_run, progress=progress)
+                                 reason=reason, dry_run=dry_run, progress=progress,
+                                 trust_unsigned=trust_unsigned)
     finally:
         conn.close()
     if as_json:
@@ -345,22 +378,34 @@ def _rerun_bulk(obj: _Obj, reason: str | None, actor: str | None, dlq_topic: str
 
 
 @click.command()
-@click.option("--older-than", required=True, help="Age of records to delete, e.g. 30d.")
+@click.option("--older-than", required=True, help="Age of records to delete, e.g. 30d: at "
+              "least the longest retention.ms of their source topics (one hour when it "
+              "cannot be read), else refused without --force.")
 @click.option("--include-failed", is_flag=True, help="Also purge old failed records.")
 @click.option("--batch-size", type=click.IntRange(1, 100_000), default=5000, show_default=True)
 @click.option("--actor", default=None, help="Who (default: KAFKA_IDEM_ACTOR or the OS user).")
 @click.option("--reason", default=None, help="Why (kept in the audit trail).")
 @click.option("--namespace", help=_NAMESPACE_HELP)
 @click.option("--dry-run", is_flag=True,
-              help="Count what would be deleted, by status; delete and audit nothing.")
+              help="Count what would be deleted, by status, and say why the window is too "
+              "short if it is; delete and audit nothing.")
+@click.option("--force", is_flag=True,
+              help="Purge although the window is shorter than a source topic's retention: "
+              "only if those topics will never be re-read from before the window (kept in "
+              "the audit trail).")
 @click.pass_obj
 def purge(obj: _Obj, older_than: str, include_failed: bool, batch_size: int,
           actor: str | None, reason: str | None, namespace: str | None,
-          dry_run: bool) -> None:
+          dry_run: bool, force: bool) -> None:
     """Retention: delete succeeded (and with --include-failed, failed) records older than
     the window, in audited batches. Never touches processing or retryable_failed records.
-    Warns when the window is shorter than a source topic's retention. --dry-run counts
-    what would go. Exit 1 for an unknown --namespace."""
+
+    A record purged while its source message can still be redelivered lets that
+    message run its effect again, so a window shorter than the longest retention.ms of
+    the records' source topics (any window when one keeps messages forever; under one
+    hour when the retention cannot be read) is refused (exit 1, nothing deleted)
+    unless --force. --dry-run counts what would go and says why the window is too
+    short; it is never refused. Exit 1 for an unknown --namespace."""
     s = obj.settings()
     seconds = _duration(older_than, "--older-than")
     store = _store(s) if namespace is None else _store(s).scoped(namespace)
@@ -368,15 +413,20 @@ def purge(obj: _Obj, older_than: str, include_failed: bool, batch_size: int,
     try:
         if namespace is not None:
             admin.require_namespace(conn, store, namespace)
-        _warn_retention(s, admin.topics_seen(conn, store), seconds)
+        topics = admin.topics_seen(conn, store)
         conn.rollback()
+        risk = admin.purge_risk(seconds, read_retention(s, topics))
         if dry_run:
             counts = admin.purge_preview(conn, store, older_than=seconds,
                                          include_failed=include_failed)
         else:
+            if risk is not None and not force:
+                raise admin.Refused(risk.refusal(older_than))
+            if risk is not None:
+                warn(f"warning: {risk.facts(older_than)}; purging anyway (--force)")
             deleted = admin.purge(conn, store, older_than=seconds, include_failed=include_failed,
                                   batch_size=batch_size, actor=actor or audit.default_actor(),
-                                  reason=reason)
+                                  reason=reason, force=force)
     finally:
         conn.close()
     scope = f" in namespace {namespace}" if namespace is not None else ""
@@ -385,6 +435,12 @@ def purge(obj: _Obj, older_than: str, include_failed: bool, batch_size: int,
                        for status in admin.purge_statuses(include_failed))
         click.echo(plain(f"dry run: would purge {sum(counts.values())} records older than "
                          f"{older_than}{scope} ({by}); nothing deleted"))
+        if risk is not None:
+            click.echo(plain(
+                f"dry run: with --force it would purge anyway: {risk.facts(older_than)}"
+                if force else
+                f"dry run: a purge would be refused without --force: "
+                f"{risk.refusal(older_than)}"))
         return
     click.echo(plain(f"purged {deleted} records older than {older_than}{scope}"))
 
@@ -396,32 +452,64 @@ def _duration(text: str, option: str) -> float:
         raise click.BadParameter(str(exc), param_hint=f"'{option}'") from exc
 
 
-def _warn_retention(s: Settings, topics: list[str], window: float) -> None:
-    """A duplicate older than the window would run again: say so when the topic keeps
-    messages longer than the window."""
+RETENTION_READ_SECONDS = 10.0
+"""How long ``purge`` waits for the source topics' retention.ms, at most."""
+
+
+def read_retention(s: Settings, topics: list[str], *,
+                   timeout: float = RETENTION_READ_SECONDS) -> list[admin.TopicRetention]:
+    """Each topic's ``retention.ms`` as the broker reports it, read within ``timeout``
+    seconds in all; a topic whose retention could not be read (broker unreachable or
+    silent, describe_configs failing, the topic gone) has ``ms`` ``None`` and why.
+    Gives up at once when librdkafka reports every broker down (a closed port, a
+    host that does not resolve), instead of waiting out the timeout."""
     if not topics:
-        return
+        return []
+    from confluent_kafka import KafkaError
     from confluent_kafka.admin import (  # type: ignore[attr-defined]
         AdminClient,
         ConfigResource,
     )
 
-    client = AdminClient(s.admin_config())
-    resources = [ConfigResource(ConfigResource.Type.TOPIC, t) for t in topics]
+    down: list[str] = []
+
+    def on_error(err: KafkaError) -> None:
+        if err.code() == KafkaError._ALL_BROKERS_DOWN:
+            down.append(err.str())
+
+    # librdkafka's own log off: an unreachable broker is said once, in the reason.
+    conf: dict[str, Any] = {**s.admin_config(), "log_level": 0, "error_cb": on_error}
+    client = AdminClient(conf)
+    resources = {t: ConfigResource(ConfigResource.Type.TOPIC, t) for t in topics}
     try:
-        futures = client.describe_configs(resources, request_timeout=10)
-    except Exception as exc:  # the warning is advisory; never block retention on it
-        warn(f"warning: could not read topic retention: {exc}")
-        return
-    for res, fut in futures.items():
-        try:
-            config = fut.result(timeout=10)
-        except Exception:  # topic deleted since: nothing to compare
+        futures = client.describe_configs(list(resources.values()), request_timeout=timeout)
+    except Exception as exc:  # unread: the one-hour floor applies
+        why = f"describe_configs failed: {_kafka_text(exc)}"
+        return [admin.TopicRetention(t, None, why) for t in topics]
+    deadline = time.monotonic() + timeout
+    while (not down and time.monotonic() < deadline
+           and not all(f.done() for f in futures.values())):
+        client.poll(0.05)
+    where = f"Kafka at {s.bootstrap_servers}"
+    out: list[admin.TopicRetention] = []
+    for topic, res in resources.items():
+        fut = futures[res]
+        if not fut.done():
+            why = (f"{where} is unreachable: {down[0]}" if down
+                   else f"{where} did not answer within {timeout:g}s")
+            out.append(admin.TopicRetention(topic, None, why))
             continue
-        retention_ms = int(config["retention.ms"].value)
-        if retention_ms < 0 or retention_ms / 1000 > window:
-            shown = "forever" if retention_ms < 0 else f"{retention_ms / 86_400_000:.1f} days"
-            warn(
-                f"warning: topic {res.name} keeps messages for {shown}, longer than the purge "
-                f"window; a duplicate older than the window would be processed again"
-            )
+        try:
+            entry = fut.result(timeout=0)["retention.ms"]
+            out.append(admin.TopicRetention(topic, int(entry.value)))
+        except Exception as exc:  # the topic gone, not authorized, no retention.ms
+            out.append(admin.TopicRetention(topic, None, f"{where}: {_kafka_text(exc)}"))
+    return out
+
+
+def _kafka_text(exc: BaseException) -> str:
+    """A Kafka error's own words (``Broker: Unknown topic or partition``)."""
+    err = exc.args[0] if exc.args else None
+    words = getattr(err, "str", None)
+    text = words() if callable(words) else str(exc)
+    return str(text) or type(exc).__name__

@@ -28,6 +28,8 @@ from kafka_idem.cli_table import Grid, emit
 from kafka_idem.cli_text import plain, to_json
 from kafka_idem.dlq import ERROR_KINDS
 from kafka_idem.settings import Settings
+from kafka_idem.signing import MEANING, verify
+from kafka_idem.store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -118,6 +120,15 @@ def _typed(s: Settings, dlq_topic: str | None, source_topic: str | None,
                      f"{s.dlq_suffix!r}; --dlq TOPIC names a DLQ itself"})
 
 
+def _app(app_spec: str | None) -> App | None:
+    """The app given with --app, imported."""
+    if not app_spec:
+        return None
+    from kafka_idem.cli import load_app
+
+    return load_app(app_spec, param_hint="'--app'")
+
+
 def _option(name: str, value: object | None) -> str | None:
     return None if value is None else f"{name} {value}"
 
@@ -158,13 +169,20 @@ def dlq() -> None:
 @_selection_options
 @click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True,
               help="At most this many records.")
+@click.option("--app", "app_spec", metavar="MODULE:APP",
+              help="Also say, per record, whether a replay with --app would trust it "
+              "(column trust: ok, or why not).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (a JSON list).")
 @click.pass_obj
 def list_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, limit: int,
-          as_json: bool, **opts: Any) -> None:
-    """List DLQ records (position, time, error kind and class, key, handler, attempts)."""
-    s = obj.settings()
+          app_spec: str | None, as_json: bool, **opts: Any) -> None:
+    """List DLQ records (position, time, error kind and class, key, handler, attempts,
+    whether its signature holds; with --app, whether a replay would trust it)."""
+    app = _app(app_spec)
+    s = obj.settings(app)
     topic = _dlq_topic(s, dlq_topic, source_topic)
+    with _typed(s, dlq_topic, source_topic, app=_option("--app", app_spec)):
+        boundary = replay.Boundary.of(s, topic, app=app) if app is not None else None
     selection = _selection(opts)
     records: list[replay.DlqRecord] = []
     more = False
@@ -182,20 +200,45 @@ def list_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, limit: 
     if not records:
         _nothing(f"no record of {topic} matches")
     records.sort(key=lambda r: (r.partition, r.offset))
+    keys = s.signing_keys
+    trust = _trust(s, boundary, records)
     if as_json:
-        _echo_json([r.to_json() for r in records])
+        _echo_json([{**r.to_json(), "signature": _signature(keys, r),
+                     **({"trust": trust[i]} if trust else {})}
+                    for i, r in enumerate(records)])
         return
-    table = Grid(LIST_COLUMNS, title=f"{topic}: {len(records)} record(s)"
+    columns = LIST_COLUMNS + (["trust"] if boundary is not None else [])
+    table = Grid(columns, title=f"{topic}: {len(records)} record(s)"
                  + (" (--limit reached)" if more else ""))
-    for r in records:
+    for i, r in enumerate(records):
+        verdict = [trust[i]] if trust else []
         table.add(r.partition, r.offset, _time(r.last_failure_at), r.kind, r.error_class,
                   r.idempotency_key, r.namespace or "", r.handler, r.attempts,
-                  _short(r.error_message))
+                  _short(r.error_message), _signature(keys, r), *verdict)
     emit(table)
 
 
 LIST_COLUMNS = ["partition", "offset", "last failure (UTC)", "kind", "class", "key",
-                "namespace", "handler", "attempts", "message"]
+                "namespace", "handler", "attempts", "message", "signature"]
+
+
+def _trust(s: Settings, boundary: replay.Boundary | None,
+           records: list[replay.DlqRecord]) -> list[str]:
+    """Per record, what a replay with --app would say of it ("ok" or why not); the
+    request hashes come from the store (empty without --app)."""
+    if boundary is None:
+        return []
+    conn = store_connection(s)
+    try:
+        states = boundary.states(conn, Store(schema=s.schema_name, table=s.table), records)
+    finally:
+        conn.close()
+    return [boundary.verdict(r, states.get(r.idempotency_key or "")) for r in records]
+
+
+def _signature(keys: tuple[bytes, ...], rec: replay.DlqRecord) -> str:
+    """valid, invalid, unsigned, or unverifiable (no signing key configured)."""
+    return verify(keys, rec.headers, rec.key, rec.value)
 
 
 @dlq.command()
@@ -206,37 +249,44 @@ LIST_COLUMNS = ["partition", "offset", "last failure (UTC)", "kind", "class", "k
               "handler's codec with --app (else JSON text, parsed); when it does not "
               "decode, its text if it is UTF-8, else base64.")
 @click.option("--app", "app_spec", metavar="MODULE:APP",
-              help="The app whose handler of the record's original topic decodes --payload.")
+              help="The app whose DLQ this is: its handler of the record's original topic "
+              "decodes --payload, and the record's trust is judged as a replay with --app "
+              "would (topic, namespace, whether its value builds its key).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_obj
 def show(obj: _Obj, dlq_topic: str | None, source_topic: str | None, partition: int,
          offset: int, payload: bool, app_spec: str | None, as_json: bool) -> None:
-    """Show one DLQ record: every header, the Kafka key and the value's size (with
-    --payload, the value itself)."""
-    if app_spec and not payload:
-        raise click.UsageError("--app decodes the value: give it with --payload")
-    app = None
-    if app_spec:
-        from kafka_idem.cli import load_app
-
-        app = load_app(app_spec, param_hint="'--app'")
+    """Show one DLQ record: every header, the Kafka key, the value's size (with
+    --payload, the value itself) and whether its signature holds (with --app, whether
+    a replay would trust it)."""
+    app = _app(app_spec)
     s = obj.settings(app)
     topic = _dlq_topic(s, dlq_topic, source_topic)
-    with _typed(s, dlq_topic, source_topic,
-                         partition=_option("--partition", partition)):
+    with _typed(s, dlq_topic, source_topic, partition=_option("--partition", partition),
+                app=_option("--app", app_spec)):
+        boundary = replay.Boundary.of(s, topic, app=app) if app is not None else None
         rec = replay.read_one(s, topic, partition, offset)
     if rec is None:
         _nothing(f"no record at {topic}[{partition}]@{offset}")
         return
     shown = replay.payload_view(rec, app) if payload else None
+    signature = _signature(s.signing_keys, rec)
+    trust = _trust(s, boundary, [rec])[0] if boundary is not None else None
     if as_json:
-        _echo_json({**rec.to_json(), **({"payload": shown} if shown is not None else {})})
+        _echo_json({**rec.to_json(), "signature": signature,
+                    **({"trust": trust} if trust is not None else {}),
+                    **({"payload": shown} if shown is not None else {})})
         return
     size = "null" if rec.value is None else f"{len(rec.value)} bytes"
     click.echo(plain(f"{topic}[{partition}]@{offset}"))
     click.echo(plain(f"timestamp:  {rec.timestamp.isoformat() if rec.timestamp else '-'}"))
     click.echo(plain(f"kafka key:  {replay.display_bytes(rec.key)}"))
     click.echo(f"value:      {size}")
+    click.echo(f"signature:  {signature} ({MEANING[signature]})")
+    if trust is not None:
+        click.echo(plain(f"trust:      {trust}" + (
+            f" ({replay.REASONS[trust]})" if trust in replay.REASONS else
+            " (a replay with --app would act on it)")))
     table = Grid(["name", "value"], title="headers")
     for name, value in rec.headers:
         table.add(name, replay.display_bytes(value))
@@ -275,6 +325,15 @@ def _echo_payload(shown: dict[str, Any]) -> None:
               "required when the replay re-runs failed keys.")
 @click.option("--include-permanent", is_flag=True,
               help="Also re-run keys that failed permanently (default: only exhausted ones).")
+@click.option("--app", "app_spec", metavar="MODULE:APP",
+              help="The app whose DLQ this is: the boundary of the replay. Records go back "
+              "only to the topics of its handlers that dead-letter here, only keys of its "
+              "namespace are re-run, and a record's value must build the key it names. "
+              "Without it: the DLQ's own source topic, and keys re-run only with --namespace.")
+@click.option("--trust-unsigned", is_flag=True,
+              help="Where signing keys are configured (KAFKA_IDEM_DLQ_SIGNING_KEYS), also act "
+              "on unsigned records (written before signing); a bad signature is never "
+              "trusted.")
 @click.option("--actor", help="Who replays (default: KAFKA_IDEM_ACTOR or the OS user).")
 @click.option("--group", help="The replay's own consumer group (default: derived from the "
               "DLQ, the filters and --to, so the same replay resumes where it stopped).")
@@ -286,7 +345,8 @@ def _echo_payload(shown: dict[str, Any]) -> None:
 @click.pass_obj
 def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_topic: str | None,
             dry_run: bool, rate: float | None, limit: int | None, reason: str | None,
-            include_permanent: bool, actor: str | None, group: str | None,
+            include_permanent: bool, app_spec: str | None, trust_unsigned: bool,
+            actor: str | None, group: str | None,
             prefix: str | None, no_progress: bool, as_json: bool, **opts: Any) -> None:
     """Re-drive matching DLQ records: republish them to their original topic (or --to).
 
@@ -301,6 +361,15 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
     idem.replay.group) is skipped, and one of any replay's as-is copy too; records
     without idem.* headers are reported and left alone.
 
+    Only records inside the replay's boundary are acted on; the others are skipped
+    as untrusted, each reported with its position and reason: a bad signature (or
+    none, where signing keys are configured, unless --trust-unsigned), a topic that
+    is not a source topic of this DLQ (the app's handlers with --app, else the DLQ's
+    name less the suffix), a namespace that is not the replay's (--app's, or
+    --namespace; without one no key is re-run), a value that does not build its key
+    (with --app). A record whose target cannot take it (no such topic or partition,
+    too large, not authorised) is skipped as unsendable and the batch goes on.
+
     Key and value bytes are unchanged; idem.replay.* headers record when, who and
     from which DLQ position. Each batch and the replay's position are committed in
     one Kafka transaction, so an interrupted replay, run again with the same
@@ -309,7 +378,8 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
     """
     if prefix is not None:
         obj.overrides["name_prefix"] = prefix
-    s = obj.settings()
+    app = _app(app_spec)
+    s = obj.settings(app)
     topic = _dlq_topic(s, dlq_topic, source_topic)
     store_connection(s).close()  # a store never migrated: say so (exit 2) before any read
     selection = _selection(opts)
@@ -324,18 +394,23 @@ def replay_(obj: _Obj, /, dlq_topic: str | None, source_topic: str | None, to_to
 
     typed = _typed(s, dlq_topic, source_topic, partition=_option("--partition", opts["partition"]),
                    to_topic=_option("--to", to_topic), limit=_option("--limit", limit),
-                   rate=_option("--rate", rate))
+                   rate=_option("--rate", rate), app=_option("--app", app_spec),
+                   namespace=_option("--namespace", opts["namespace"]))
     with typed:
         summary = replay.replay(  # a refusal (no --reason...): one line, exit 1 (cli_errors)
             s, None, topic, selection, to_topic=to_topic, dry_run=dry_run, rate=rate,
             limit=limit, actor=actor or audit.default_actor(), progress=not no_progress,
             group=group, on_action=on_action if dry_run else None,
-            include_permanent=include_permanent, reason=reason,
+            include_permanent=include_permanent, reason=reason, app=app,
+            trust_unsigned=trust_unsigned,
         )
     if as_json:
         _echo_json({**summary.to_json(), **({"would_send_records": would} if dry_run else {})})
     else:
         _echo_summary(summary)
+    if not summary.verified:
+        warn("note: no signing key configured (KAFKA_IDEM_DLQ_SIGNING_KEYS): the records' "
+             "headers could not be verified; only the topic and namespace boundary applied")
     if dry_run and summary.total("rerun") and not (reason or "").strip():
         warn(f"note: re-running these {summary.total('rerun')} failed key(s) needs "
              "--reason TEXT; without it the replay is refused")
@@ -376,6 +451,12 @@ def _echo_summary(summary: replay.ReplaySummary) -> None:
     for kind, per in sorted(summary.by_kind.items()):
         parts = ", ".join(f"{_OUTCOME_NAMES[o]} {per[o]}" for o in replay.OUTCOMES if per.get(o))
         click.echo(plain(f"  {kind}: {parts}"))
+    if summary.untrusted:
+        click.echo(plain("untrusted: " + ", ".join(
+            f"{why} {n}" for why, n in sorted(summary.untrusted.items()))))
+    for item in summary.unsendable:
+        click.echo(plain(f"unsendable: {summary.dlq_topic}[{item['partition']}]@"
+                         f"{item['offset']}: {item['reason']}"))
     click.echo(plain(f"targets: {targets}"))
     click.echo(plain(f"replay group: {summary.group}"))
     if summary.limited:
@@ -388,7 +469,8 @@ _OUTCOME_NAMES = {
     "skipped_in_progress": "skipped in progress", "skipped_duplicate": "skipped duplicate",
     "skipped_truncated": "skipped truncated", "skipped_ambiguous": "skipped ambiguous",
     "skipped_foreign": "skipped foreign", "skipped_replayed": "skipped replayed",
-    "skipped_conflict": "skipped conflict",
+    "skipped_conflict": "skipped conflict", "skipped_untrusted": "skipped untrusted",
+    "skipped_unsendable": "skipped unsendable",
 }
 
 

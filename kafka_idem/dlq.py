@@ -19,6 +19,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from kafka_idem.errors import DeadLetterError
+from kafka_idem.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ REQUIRED_HEADERS = (
     "idem.handler",
 )
 # Also set: "idem.namespace" (the app's namespace: records from before namespaces
-# lack it) and, when a key could be built, "idem.key".
+# lack it), when a key could be built "idem.key", and where signing keys are
+# configured "idem.signature" (kafka_idem.signing), last.
 
 
 def bounded(text: str, limit: int) -> str:
@@ -150,10 +152,19 @@ class DeadLetter:
 class DeadLetterer:
     """Produces DLQ records and waits for their acknowledgements."""
 
-    def __init__(self, producer: Producer, *, header_limit: int, timeout: float = 30.0) -> None:
+    def __init__(self, producer: Producer, *, header_limit: int, timeout: float = 30.0,
+                 signing_keys: Sequence[bytes] = ()) -> None:
+        """``signing_keys``: the ``dlq_signing_keys`` setting; the first signs each record."""
         self.producer = producer
         self.header_limit = header_limit
         self.timeout = timeout
+        self.signer = Signer(signing_keys) if signing_keys else None
+
+    def _signed(self, rec: Record) -> Record:
+        if self.signer is None:
+            return rec
+        signature = self.signer.header(rec.headers, rec.key, rec.value)
+        return Record(rec.topic, rec.key, rec.value, [*rec.headers, signature])
 
     def send(self, letters: Sequence[DeadLetter]) -> list[BaseException | None]:
         """Produce all, flush, and return per letter ``None`` (acknowledged) or the error.
@@ -162,10 +173,12 @@ class DeadLetterer:
         limit plus our headers) is sent again without its payload: see
         :meth:`DeadLetter.slim`. Every message thus ends on the DLQ, and the
         record says what it lacks."""
-        outcome = self._send([letter.record(self.header_limit) for letter in letters])
+        outcome = self._send([self._signed(letter.record(self.header_limit))
+                              for letter in letters])
         too_big = [i for i, err in enumerate(outcome) if _too_large(err)]
         if too_big:
-            again = self._send([letters[i].slim(self.header_limit) for i in too_big])
+            again = self._send([self._signed(letters[i].slim(self.header_limit))
+                                for i in too_big])
             for i, err in zip(too_big, again, strict=True):
                 outcome[i] = err
         return [

@@ -142,7 +142,8 @@ class Runner:
         self._start_at = (str(conf["group.id"]), str(conf.get("auto.offset.reset", "latest")))
         self.consumer = Consumer(conf)
         self.producer = Producer({**s.producer_config(), "error_cb": self._on_error})
-        self.dlq = DeadLetterer(self.producer, header_limit=s.error_message_max)
+        self.dlq = DeadLetterer(self.producer, header_limit=s.error_message_max,
+                                signing_keys=s.signing_keys)
         self._check_topics()
         if self.leases is not None:
             self.leases.start()

@@ -27,6 +27,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 from kafka_idem.errors import ConfigError
 from kafka_idem.kafka_logs import KAFKA_LOG
 from kafka_idem.redact import option_secrets, redact, redact_options, secrets_in
+from kafka_idem.signing import MIN_KEY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,14 @@ class Settings(BaseSettings):
         True, description="Run local-mode batches on the optimistic batch path (see batch.py)."
     )
     dlq_suffix: str = Field(".dlq", min_length=1, description="Default DLQ topic suffix.")
+    dlq_signing_keys: SecretStr | None = Field(
+        None,
+        description="Keys that sign dead letters (secret): a comma-separated list, each at "
+        f"least {MIN_KEY_BYTES} bytes. The first signs every dead letter (header "
+        "idem.signature, HMAC-SHA256); all of them verify, so a key is rotated by putting the "
+        "new one first. With keys, dlq replay acts only on records whose signature holds "
+        "(--trust-unsigned admits unsigned ones written before).",
+    )
     name_prefix: str = Field(
         "", description="Put before every topic, consumer group and transactional id that "
         "kafka-idem's own tools create (verify, dlq replay, the DLQ readers), for clusters "
@@ -328,6 +337,25 @@ class Settings(BaseSettings):
             ) from None
         return value
 
+    @field_validator("dlq_signing_keys", mode="before")
+    @classmethod
+    def _signing_keys(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple):  # App(dlq_signing_keys=[...]) from code
+            value = ",".join(v.get_secret_value() if isinstance(v, SecretStr) else str(v)
+                             for v in value)
+        raw = value.get_secret_value() if isinstance(value, SecretStr) else value
+        if raw is None or (isinstance(raw, str) and not raw.strip()):
+            return None
+        if not isinstance(raw, str):
+            raise ValueError("a comma-separated list of keys")
+        for i, key in enumerate(raw.split(",")):
+            size = len(key.strip().encode("utf-8"))
+            if size < MIN_KEY_BYTES:  # the key itself is never echoed
+                raise ValueError(
+                    f"key {i + 1} of the list is {size} bytes; each key needs at least "
+                    f"{MIN_KEY_BYTES} (e.g. `openssl rand -hex 32`)")
+        return raw
+
     @field_validator("dlq_suffix", "name_prefix")
     @classmethod
     def _topic_suffix(cls, value: str) -> str:
@@ -378,6 +406,14 @@ class Settings(BaseSettings):
     @property
     def dsn(self) -> str:
         return self.database_url.get_secret_value()
+
+    @property
+    def signing_keys(self) -> tuple[bytes, ...]:
+        """``dlq_signing_keys`` as bytes, the signing one first (empty: none configured)."""
+        if self.dlq_signing_keys is None:
+            return ()
+        raw = self.dlq_signing_keys.get_secret_value()
+        return tuple(k.strip().encode("utf-8") for k in raw.split(","))
 
     def consumer_config(self, group_id: str | None = None) -> dict[str, Any]:
         group = group_id or self.group_id
@@ -436,6 +472,7 @@ class Settings(BaseSettings):
             self.schema_registry)
         if self.schema_registry_url:
             found += secrets_in(self.schema_registry_url)
+        found += [k.decode("utf-8") for k in self.signing_keys]
         return found
 
 

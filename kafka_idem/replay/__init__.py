@@ -19,6 +19,10 @@ transaction (the steps are in :mod:`kafka_idem.replay.run`).
 * :mod:`~kafka_idem.replay.republishing` — :func:`republish` with lineage headers,
   the target topic, :class:`TokenBucket`, :class:`Deliveries` (delivery reports
   latched) and :func:`republish_acknowledged`;
+* :mod:`~kafka_idem.replay.trust` — :class:`Boundary`: which records a replay may
+  act on (signature, topic, namespace, key), the reasons in :data:`REASONS`;
+* :mod:`~kafka_idem.replay.targets` — :class:`Targets`: whether a target can take
+  a record (topic, partition, size), and which delivery errors are a record's own;
 * :mod:`~kafka_idem.replay.redrive` — what the replay does with each record (the
   re-drive's decisions, :data:`OUTCOMES` and :data:`WHY`);
 * :mod:`~kafka_idem.replay.run` — :func:`replay`: the resumable, transactional,
@@ -60,22 +64,27 @@ from kafka_idem.replay.run import (
     replay,
     replay_group,
 )
+from kafka_idem.replay.targets import Targets
+from kafka_idem.replay.trust import REASONS, Boundary
 
 __all__ = [
     "BATCH_SIZE",
     "OUTCOMES",
     "READER_GROUP",
+    "REASONS",
     "REPLAY_GROUP_PREFIX",
     "SENDS",
     "SKIPS",
     "STALL_SECONDS",
     "TIMEOUT",
     "WHY",
+    "Boundary",
     "Deliveries",
     "DlqRecord",
     "Header",
     "ReplaySummary",
     "Selection",
+    "Targets",
     "TokenBucket",
     "delivery_wait",
     "display_bytes",

@@ -18,7 +18,7 @@ never re-run twice.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ from kafka_idem.replay.progress import Progress
 from kafka_idem.replay.reading import kafka_errors, scan
 from kafka_idem.replay.records import DlqRecord, Selection, dlq_topic_for
 from kafka_idem.replay.republishing import Deliveries, delivery_wait, republish
+from kafka_idem.replay.trust import Boundary
 from kafka_idem.settings import Settings
 from kafka_idem.store import Conn, Store
 
@@ -96,10 +97,12 @@ def _latest(rec: DlqRecord) -> tuple[dt.datetime, dt.datetime, int, int]:
     return (rec.last_failure_at or epoch, rec.timestamp or epoch, rec.partition, rec.offset)
 
 
-def latest_letters(settings: Settings,
-                   topics: dict[str, set[RecordId]]) -> dict[RecordId, DlqRecord]:
-    """Each (namespace, key)'s latest dead letter: every DLQ topic read once, to its
-    current end. A dead letter from before namespaces counts for its key in any."""
+def latest_letters(settings: Settings, topics: dict[str, set[RecordId]],
+                   accept: Callable[[DlqRecord, RecordId], bool] | None = None,
+                   ) -> dict[RecordId, DlqRecord]:
+    """Each (namespace, key)'s latest dead letter that ``accept`` takes: every DLQ topic
+    read once, to its current end. A dead letter from before namespaces counts for
+    its key in any."""
     found: dict[RecordId, DlqRecord] = {}
     for topic, wanted in sorted(topics.items()):
         spaces: dict[str, set[str]] = {}  # key -> the namespaces it is wanted in
@@ -113,7 +116,9 @@ def latest_letters(settings: Settings,
                     continue
                 for ns in ([rec.namespace] if rec.namespace is not None else spaces[k]):
                     rid = (ns, k)
-                    if rid in wanted and (rid not in found or _latest(rec) > _latest(found[rid])):
+                    if rid not in wanted or (accept is not None and not accept(rec, rid)):
+                        continue
+                    if rid not in found or _latest(rec) > _latest(found[rid]):
                         found[rid] = rec
         finally:
             records.close()
@@ -132,9 +137,12 @@ def bulk_rerun(
     dry_run: bool,
     progress: bool = False,
     batch_size: int = BATCH,
+    trust_unsigned: bool = False,
 ) -> BulkSummary:
     """See the module doc. Raises :class:`admin.Refused` without a reason (unless a dry
-    run), before anything is read or changed."""
+    run), before anything is read or changed. A key's dead letter is taken only if it
+    says it came from the key's record's own topic and, where signing keys are
+    configured, its signature holds (``trust_unsigned``: or it has none)."""
     if not dry_run and (reason is None or not reason.strip()):
         raise admin.Refused("a reason is required for a re-run: give --reason TEXT "
                             "(kept in the audit trail)")
@@ -142,10 +150,19 @@ def bulk_rerun(
     rows = select_failed(conn, store, flt)
     summary.selected = len(rows)
     topics: dict[str, set[RecordId]] = {}
+    source: dict[RecordId, str] = {}
     for row in rows:
         topic = dlq_topic or dlq_topic_for(settings, row["kafka_topic"])
-        topics.setdefault(topic, set()).add((row["namespace"], row["idempotency_key"]))
-    letters = latest_letters(settings, topics)
+        rid = (row["namespace"], row["idempotency_key"])
+        topics.setdefault(topic, set()).add(rid)
+        source[rid] = row["kafka_topic"]
+
+    def trusted(rec: DlqRecord, rid: RecordId) -> bool:
+        boundary = Boundary(rec.dlq_topic, frozenset({source[rid]}), rid[0],
+                            secrets=settings.signing_keys, trust_unsigned=trust_unsigned)
+        return boundary.outside(rec) is None
+
+    letters = latest_letters(settings, topics, trusted)
     ready: list[tuple[str, DlqRecord]] = []
     for row in rows:
         ns, k = row["namespace"], row["idempotency_key"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -148,10 +148,13 @@ def read_one(settings: Settings, dlq_topic: str, partition: int, offset: int) ->
 
 
 def latest_for_key(settings: Settings, dlq_topic: str, key: str,
-                   namespace: str | None = None) -> DlqRecord | None:
+                   namespace: str | None = None,
+                   accept: Callable[[DlqRecord], bool] | None = None) -> DlqRecord | None:
     """The most recently dead-lettered record of idempotency key ``key`` (in
-    ``namespace``: a record from before namespaces matches any), or ``None``."""
-    found = list(scan(settings, dlq_topic, Selection(key=key, namespace=namespace)))
+    ``namespace``: a record from before namespaces matches any) that ``accept``
+    takes (e.g. one whose signature holds), or ``None``."""
+    found = [r for r in scan(settings, dlq_topic, Selection(key=key, namespace=namespace))
+             if accept is None or accept(r)]
     if not found:
         return None
     epoch = dt.datetime.min.replace(tzinfo=dt.UTC)

@@ -1,20 +1,26 @@
 """The re-drive's decisions: what a replay does with each dead letter it reads.
 
-Per batch of DLQ records (:func:`decide`): the state of each (namespace, key) the
-records name is read in one query, and each record gets one outcome
-(:data:`OUTCOMES`, explained in :data:`WHY`): a ``failed`` key is re-run
-(:func:`rerun_failed`, audited, committed before anything is sent) and its latest
-dead letter sent once; a succeeded key is skipped; a key in the consumer's hands is
-left to it; a record without a record (undecodable, invalid) is sent as it is,
-once (a payload conflict only once its key's record is gone: it would conflict
-again); the dead letter of a copy a replay sent is not sent again by that replay
-(nor, when it would go as it is, by any); a record written by someone else is left
-alone. :mod:`~kafka_idem.replay.run`
-sends what was decided, in a Kafka transaction with the replay's position.
+Per batch of DLQ records (:func:`decide`): a record outside the replay's
+:class:`~kafka_idem.replay.trust.Boundary` (bad or missing signature, another
+topic or namespace, a value that does not build its key) is skipped as
+``skipped_untrusted``; the state of each (namespace, key) the others name is read
+in one query, and each record gets one outcome (:data:`OUTCOMES`, explained in
+:data:`WHY`): a ``failed`` key is re-run (:func:`rerun_failed`, audited, committed
+only once its message is in the replay's Kafka transaction) and its latest dead
+letter sent once; a succeeded key is skipped; a key in the consumer's hands is left
+to it; a record without a record (undecodable, invalid) is sent as it is, once (a
+payload conflict only once its key's record is gone: it would conflict again); the
+dead letter of a copy a replay sent is not sent again by that replay (nor, when it
+would go as it is, by any); a record written by someone else is left alone; a
+record whose target cannot take it (no such topic or partition, too large) is
+skipped as ``skipped_unsendable`` before its key is re-run.
+:mod:`~kafka_idem.replay.run` sends what was decided, in a Kafka transaction with
+the replay's position.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 from collections.abc import Sequence
@@ -25,6 +31,8 @@ from kafka_idem import admin
 from kafka_idem.dlq import PREFIX
 from kafka_idem.replay.records import DlqRecord, Selection
 from kafka_idem.replay.republishing import target_of
+from kafka_idem.replay.targets import Targets
+from kafka_idem.replay.trust import REASONS, Boundary
 from kafka_idem.store import Conn, Store, translate_errors
 
 log = logging.getLogger("kafka_idem.replay")
@@ -35,7 +43,7 @@ RecordId = tuple[str, str]  # (namespace, idempotency key): a record in the stor
 SENDS = ("rerun", "resend", "as_is")
 SKIPS = ("skipped_succeeded", "skipped_permanent", "skipped_in_progress", "skipped_duplicate",
          "skipped_truncated", "skipped_ambiguous", "skipped_foreign", "skipped_replayed",
-         "skipped_conflict")
+         "skipped_conflict", "skipped_untrusted", "skipped_unsendable")
 OUTCOMES = SENDS + SKIPS
 WHY = {
     "rerun": "failed key: audited re-run, its latest dead letter sent",
@@ -54,9 +62,16 @@ WHY = {
                         "as-is): sent again it would only come back",
     "skipped_conflict": "payload conflict: its key's record holds another payload, it "
                         "would conflict again (`kafka-idem purge` the key to let it in)",
+    "skipped_untrusted": "outside the replay's boundary (signature, topic, namespace or key: "
+                         "see untrusted)",
+    "skipped_unsendable": "its target cannot take it (no such topic or partition, too "
+                          "large, not authorised): see unsendable",
 }
 FOREIGN = "(foreign)"
 NO_KIND = "(none)"
+
+
+Position = tuple[int, int]  # (DLQ partition, offset)
 
 
 @dataclass
@@ -67,11 +82,39 @@ class Batch:
     matched: int = 0
     send: list[tuple[DlqRecord, str]] = field(default_factory=list)
     actions: dict[int, str] = field(default_factory=dict)  # id(record) -> one of SENDS
-    rerun: list[DlqRecord] = field(default_factory=list)  # failed keys to re-run first
-    outcomes: list[tuple[str, str]] = field(default_factory=list)  # (kind, outcome)
+    rerun: list[DlqRecord] = field(default_factory=list)  # failed keys to re-run
+    outcomes: dict[Position, tuple[str, str]] = field(default_factory=dict)  # (kind, outcome)
+    reasons: dict[Position, str] = field(default_factory=dict)  # untrusted / unsendable: why
     redriven: set[RecordId] = field(default_factory=set)
     namespace: dict[int, str] = field(default_factory=dict)  # id(record) -> its key's
     positions: dict[int, int] = field(default_factory=dict)
+
+    def skip(self, rec: DlqRecord, outcome: str, reason: str | None = None) -> None:
+        """Take a record decided to be sent off the batch: it is skipped with ``outcome``
+        (and ``reason``), its key neither re-run nor counted as re-driven."""
+        self.send = [(r, t) for r, t in self.send if r is not rec]
+        self.rerun = [r for r in self.rerun if r is not rec]
+        self.actions.pop(id(rec), None)
+        ns = self.namespace.pop(id(rec), None)
+        if ns is not None and rec.idempotency_key is not None:
+            self.redriven.discard((ns, rec.idempotency_key))
+        self.outcomes[(rec.partition, rec.offset)] = (rec.kind or NO_KIND, outcome)
+        if reason is not None:
+            self.reasons[(rec.partition, rec.offset)] = reason
+            _log_skip(rec, outcome, reason)
+
+
+def _log_skip(rec: DlqRecord, outcome: str, reason: str) -> None:
+    """One line per record a replay leaves out for its trust or its target: the
+    position, the reason and what the record claimed (plain values: the CLI escapes)."""
+    what = "untrusted" if outcome == "skipped_untrusted" else "unsendable"
+    why = REASONS.get(reason, reason)
+    log.warning(
+        "not replayed (%s: %s): %s[%s]@%s names topic %s, namespace %s, key %s; %s",
+        what, reason.split(":")[0], rec.dlq_topic, rec.partition, rec.offset,
+        rec.original_topic, rec.namespace, rec.idempotency_key, why,
+        extra={"action": f"replay_{what}", "reason": reason, "key": rec.idempotency_key},
+    )
 
 
 def is_foreign(rec: DlqRecord) -> bool:
@@ -85,10 +128,10 @@ def _latest_key(rec: DlqRecord) -> tuple[dt.datetime, dt.datetime, int, int]:
 
 
 def _states(conn: Conn, store: Store, records: Sequence[DlqRecord],
-            selection: Selection) -> dict[int, list[dict[str, Any]]]:
+            namespace: str | None) -> dict[int, list[dict[str, Any]]]:
     """``{id(record): [state, ...]}``: the record of its key in its namespace (one at
     most), or for a dead letter from before namespaces, in every namespace it may be
-    in (the selection's, else all: the caller refuses to guess between several)."""
+    in (the replay's, else all: the caller refuses to guess between several)."""
     # A key PostgreSQL cannot hold (a NUL, from a DLQ record written by an older version)
     # has no record: nothing to look up.
     keyed = [r for r in records
@@ -103,8 +146,8 @@ def _states(conn: Conn, store: Store, records: Sequence[DlqRecord],
             if rec.namespace is not None:
                 wanted.add((rec.namespace, rec.idempotency_key))
                 continue
-            if selection.namespace is not None:
-                wanted.add((selection.namespace, rec.idempotency_key))
+            if namespace is not None:
+                wanted.add((namespace, rec.idempotency_key))
                 continue
             if everywhere is None:
                 everywhere = store.namespaces(conn)
@@ -116,7 +159,7 @@ def _states(conn: Conn, store: Store, records: Sequence[DlqRecord],
     out: dict[int, list[dict[str, Any]]] = {}
     for rec in keyed:
         found = by_key.get(rec.idempotency_key or "", [])
-        ns = rec.namespace if rec.namespace is not None else selection.namespace
+        ns = rec.namespace if rec.namespace is not None else namespace
         out[id(rec)] = [f for f in found if ns is None or f["namespace"] == ns]
     return out
 
@@ -166,12 +209,14 @@ def classify(rec: DlqRecord, states: list[dict[str, Any]], *, group: str,
 
 @dataclass
 class _Decided:
-    """Each matching record's outcome, and which dead letter of a re-driven key is its
-    latest (the one sent)."""
+    """Each matching record's outcome (and why, for the untrusted and the unsendable),
+    and which dead letter of a re-driven key is its latest (the one sent)."""
 
-    outcome: dict[tuple[int, int], str] = field(default_factory=dict)
+    outcome: dict[Position, str] = field(default_factory=dict)
+    reason: dict[Position, str] = field(default_factory=dict)
     ident: dict[int, RecordId] = field(default_factory=dict)  # id(record) -> its record
     latest: dict[RecordId, DlqRecord] = field(default_factory=dict)
+    target: dict[int, str] = field(default_factory=dict)  # id(record) -> where it goes
 
 
 def decide(
@@ -179,7 +224,8 @@ def decide(
     store: Store,
     msgs: Sequence[Any],
     selection: Selection,
-    to_topic: str | None,
+    boundary: Boundary,
+    targets: Targets,
     remaining: int | None,
     *,
     group: str,
@@ -187,16 +233,34 @@ def decide(
     redriven: set[RecordId],
     starts: dict[int, int],
 ) -> Batch:
-    """Steps 1-2: which records of the batch go where, cut at the limit."""
+    """Steps 1-2: which records of the batch go where, cut at the limit. Whether a
+    record is inside the boundary and whether its target can take it are decided here,
+    before anything is re-run or sent, so a dry run counts what a real run does."""
     records = [DlqRecord.from_message(m) for m in msgs]
+    # The replay's namespace is its boundary, not a filter: a record naming another
+    # namespace is matched by the other filters and counted as untrusted.
+    selection = dataclasses.replace(selection, namespace=None)
     matching = [r for r in records if not is_foreign(r) and selection.matches(r)]
-    states = _states(conn, store, matching, selection)
+    outside = {id(r): why for r in matching if (why := boundary.outside(r)) is not None}
+    states = _states(conn, store, [r for r in matching if id(r) not in outside],
+                     boundary.namespace)
     decided = _Decided()
     for rec in matching:
+        pos = (rec.partition, rec.offset)
         found = states.get(id(rec), [])
-        what = classify(rec, found, group=group, include_permanent=include_permanent,
-                        redriven=redriven, starts=starts)
-        decided.outcome[(rec.partition, rec.offset)] = what
+        what, why = _judge(rec, found, outside.get(id(rec)), boundary, group=group,
+                           include_permanent=include_permanent, redriven=redriven,
+                           starts=starts)
+        if what in SENDS:
+            target = target_of(rec, boundary.to_topic)
+            unsendable = targets.unsendable(rec, target, to_topic=boundary.to_topic)
+            if unsendable is not None:
+                what, why = "skipped_unsendable", unsendable
+            else:
+                decided.target[id(rec)] = target
+        decided.outcome[pos] = what
+        if why is not None:
+            decided.reason[pos] = why
         if what in ("rerun", "resend"):
             rid = decided.ident[id(rec)] = (found[0]["namespace"], found[0]["idempotency_key"])
             held = decided.latest.get(rid)
@@ -210,11 +274,27 @@ def decide(
                 ", ".join(repr(f["namespace"]) for f in found),
                 extra={"action": "replay_skipped", "key": rec.idempotency_key},
             )
-    return _batch(records, decided, selection, to_topic, remaining)
+    return _batch(records, decided, selection, remaining)
+
+
+def _judge(rec: DlqRecord, found: list[dict[str, Any]], outside: str | None,
+           boundary: Boundary, *, group: str, include_permanent: bool,
+           redriven: set[RecordId], starts: dict[int, int]) -> tuple[str, str | None]:
+    """One matching record's outcome and, for an untrusted one, why."""
+    if outside is not None:
+        return "skipped_untrusted", outside
+    what = classify(rec, found, group=group, include_permanent=include_permanent,
+                    redriven=redriven, starts=starts)
+    if what in ("rerun", "resend"):
+        if boundary.namespace is None:
+            return "skipped_untrusted", "no_namespace"
+        if not boundary.key_holds(rec, found[0]):
+            return "skipped_untrusted", "key_mismatch"
+    return what, None
 
 
 def _batch(records: Sequence[DlqRecord], decided: _Decided, selection: Selection,
-           to_topic: str | None, remaining: int | None) -> Batch:
+           remaining: int | None) -> Batch:
     """The records in order, up to the limit: what each one does, once per key."""
     batch = Batch()
     for rec in records:
@@ -222,18 +302,19 @@ def _batch(records: Sequence[DlqRecord], decided: _Decided, selection: Selection
             break  # the rest stays for the next run: its position is not committed
         batch.scanned += 1
         batch.positions[rec.partition] = rec.offset + 1
+        pos = (rec.partition, rec.offset)
         if is_foreign(rec):
             log.warning(
                 "left alone: %s[%s]@%s has no idem.* headers (not written by kafka_idem)",
                 rec.dlq_topic, rec.partition, rec.offset,
                 extra={"action": "replay_foreign"},
             )
-            batch.outcomes.append((FOREIGN, "skipped_foreign"))
+            batch.outcomes[pos] = (FOREIGN, "skipped_foreign")
             continue
         if not selection.matches(rec):
             continue
         batch.matched += 1
-        what = decided.outcome[(rec.partition, rec.offset)]
+        what = decided.outcome[pos]
         if what in ("rerun", "resend"):
             rid = decided.ident[id(rec)]
             if decided.latest[rid] is not rec or rid in batch.redriven:
@@ -243,7 +324,10 @@ def _batch(records: Sequence[DlqRecord], decided: _Decided, selection: Selection
                 batch.namespace[id(rec)] = rid[0]
                 if what == "rerun":
                     batch.rerun.append(rec)
-        batch.outcomes.append((rec.kind or NO_KIND, what))
+        batch.outcomes[pos] = (rec.kind or NO_KIND, what)
+        if pos in decided.reason:
+            batch.reasons[pos] = decided.reason[pos]
+            _log_skip(rec, what, decided.reason[pos])
         if what == "skipped_truncated":
             # Sent without its value (too large for the DLQ): replaying an empty value
             # would only dead-letter it again. Its value is still in the source topic.
@@ -254,39 +338,30 @@ def _batch(records: Sequence[DlqRecord], decided: _Decided, selection: Selection
                 extra={"action": "replay_skipped", "key": rec.idempotency_key},
             )
         if what in SENDS:
-            batch.send.append((rec, target_of(rec, to_topic)))
+            batch.send.append((rec, decided.target[id(rec)]))
             batch.actions[id(rec)] = what
     return batch
 
 
 def rerun_failed(conn: Conn, store: Store, batch: Batch, *, group: str, run: str, actor: str,
-           reason: str | None) -> None:
-    """Step 3: the batch's failed keys re-run, committed before anything is sent. A key
-    that left ``failed`` since step 2 (another operator re-ran it) is not sent."""
-    if reason is None or not reason.strip():
-        raise admin.Refused(
-            f"{len(batch.rerun)} failed key(s) to re-run (e.g. "
-            f"{batch.rerun[0].idempotency_key}): give --reason TEXT (kept in the audit "
-            "trail); nothing of this batch was sent")
-    gone: set[int] = set()
-    with conn.transaction():
-        for rec in batch.rerun:
-            assert rec.idempotency_key is not None
-            done = admin.rerun_if_failed(
-                conn, store.scoped(batch.namespace[id(rec)]), key=rec.idempotency_key,
-                actor=actor, reason=reason,
-                selection={"via": "dlq replay", "group": group, "run": run,
-                           "dlq_topic": rec.dlq_topic, "partition": rec.partition,
-                           "offset": rec.offset},
-            )
-            if done is None:
-                gone.add(id(rec))
-    if gone:
-        batch.send = [(r, t) for r, t in batch.send if id(r) not in gone]
-        for rec in batch.rerun:
-            if id(rec) in gone:
-                assert rec.idempotency_key is not None
-                batch.outcomes.remove((rec.kind or NO_KIND, "rerun"))
-                batch.outcomes.append((rec.kind or NO_KIND, "skipped_in_progress"))
-                batch.redriven.discard((batch.namespace[id(rec)], rec.idempotency_key))
-    batch.rerun = [r for r in batch.rerun if id(r) not in gone]
+                 reason: str | None) -> list[DlqRecord]:
+    """Step 4: re-run the batch's failed keys in the caller's open transaction (its
+    commit comes only once their messages are in the replay's Kafka transaction);
+    return the records whose key left ``failed`` since step 2 (another operator re-ran
+    it): their messages must not go, so the caller starts the batch's sending again
+    without them."""
+    gone: list[DlqRecord] = []
+    for rec in batch.rerun:
+        if reason is None or not reason.strip():
+            raise admin.Refused("a reason is required for a re-run", key=rec.idempotency_key)
+        assert rec.idempotency_key is not None
+        done = admin.rerun_if_failed(
+            conn, store.scoped(batch.namespace[id(rec)]), key=rec.idempotency_key,
+            actor=actor, reason=reason,
+            selection={"via": "dlq replay", "group": group, "run": run,
+                       "dlq_topic": rec.dlq_topic, "partition": rec.partition,
+                       "offset": rec.offset},
+        )
+        if done is None:
+            gone.append(rec)
+    return gone

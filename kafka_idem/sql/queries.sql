@@ -386,22 +386,27 @@ WHERE t.ctid = v.tid AND t.owner_token = v.token
 -- with the key's latest audit row there (a key this replay re-ran in an interrupted
 -- run shows action 'rerun' and this replay's group). One scan of the audit trail per
 -- batch; audit rows from before namespaces (NULL) count for the key's namespace.
+-- untouched: nothing changed the record since that audit row (no claim, no attempt):
+-- a re-run whose message may never have been sent (see `rerun` of a stranded key).
 WITH found AS (
-    SELECT r.namespace, r.idempotency_key, r.status, r.error_kind
+    SELECT r.namespace, r.idempotency_key, r.status, r.error_kind, r.request_hash,
+           r.updated_at
     FROM unnest(%(nss)s::text[], %(keys)s::text[]) AS w(ns, key)
     JOIN {table} r ON r.namespace = w.ns AND r.idempotency_key = w.key
 ), latest AS (
     SELECT DISTINCT ON (f.namespace, f.idempotency_key)
-           f.namespace, f.idempotency_key, a.action, a.selection
+           f.namespace, f.idempotency_key, a.action, a.selection, a.at
     FROM found f
     JOIN {audit} a ON a.idempotency_key = f.idempotency_key
                   AND (a.namespace = f.namespace OR a.namespace IS NULL)
     ORDER BY f.namespace, f.idempotency_key, a.id DESC
 )
-SELECT f.namespace, f.idempotency_key, f.status, f.error_kind,
-       l.action AS last_action,
+SELECT f.namespace, f.idempotency_key, f.status, f.error_kind, f.request_hash,
+       l.action AS last_action, l.at AS last_at,
+       l.selection ->> 'via' AS last_via, l.selection ->> 'run' AS last_run,
        l.selection ->> 'group' AS last_group, l.selection ->> 'dlq_topic' AS last_topic,
-       l.selection ->> 'partition' AS last_partition, l.selection ->> 'offset' AS last_offset
+       l.selection ->> 'partition' AS last_partition, l.selection ->> 'offset' AS last_offset,
+       f.updated_at <= l.at AS untouched
 FROM found f
 LEFT JOIN latest l USING (namespace, idempotency_key);
 

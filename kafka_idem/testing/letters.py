@@ -78,11 +78,11 @@ class MemoryProducer:
 class LetterBox:
     """Where a harness's dead letters go: produced with the runner's own code."""
 
-    def __init__(self, *, header_limit: int) -> None:
+    def __init__(self, *, header_limit: int, signing_keys: tuple[bytes, ...] = ()) -> None:
         self.producer = MemoryProducer()
         # DeadLetterer calls only produce() and flush(), which MemoryProducer has.
         self.dlq = DeadLetterer(self.producer,  # type: ignore[arg-type]
-                                header_limit=header_limit)
+                                header_limit=header_limit, signing_keys=signing_keys)
         self.metrics = Metrics()
 
     def send(self, results: dict[TP, list[Result]]) -> list[CapturedLetter]:

@@ -77,7 +77,8 @@ class Sandbox:
         self.dsn = app.settings.dsn
         s = self.app.settings
         self.store = Store(schema=s.schema_name, table=s.table, namespace=self.app.namespace)
-        self.letters = LetterBox(header_limit=s.error_message_max)
+        self.letters = LetterBox(header_limit=s.error_message_max,
+                                 signing_keys=s.signing_keys)
         self._procs: list[KitProcessor] = []
         self._main: KitProcessor | None = None
         self._kit = kit

@@ -32,7 +32,8 @@ from confluent_kafka.admin import (
 )
 from psycopg import sql
 
-from consumers.payments import SCHEMA, ChargeRequested, build_app, charge, encode_charge
+from consumers.payments import encode_charge
+from tests.apps.mixed import build as mixed_app
 from tests.conftest import (
     ADMIN_DSN,
     BOOTSTRAP,
@@ -148,6 +149,13 @@ class MixedRun:
     def by_kafka_key(self) -> dict[bytes, Any]:
         return {m.key(): m for m in self.dlq_records}
 
+    def env(self) -> dict[str, str]:
+        """What ``--app`` :data:`MIXED_APP` needs to name this run's topics."""
+        return {"MIXED_CHARGES": self.charges, "MIXED_REFUNDS": self.refunds}
+
+
+MIXED_APP = "tests.apps.mixed:app"  # the mixed run's app, for --app
+
 
 FIRST_WAVE_CHARGES: list[tuple[bytes | str | None, bytes]] = [
     (b"o1", encode_charge("t1", "o1", "10.00")),
@@ -221,10 +229,7 @@ def mixed(admin: AdminClient, template_db: str) -> Iterator[MixedRun]:
     name = _create_db(template_db)
     group = f"g-{uuid.uuid4().hex[:10]}"
     try:
-        app = build_app(topic=charges, **app_settings(DB(name), group_id=group))
-        app.handler(topic=refunds, model=ChargeRequested, key="{tenant_id}:refund:{order_id}",
-                    hash_fields=("amount", "currency"), schema=SCHEMA, dlq_topic=dlq,
-                    name="refund")(charge)
+        app = mixed_app(charges, refunds, **app_settings(DB(name), group_id=group))
         # The original o1 must succeed before its conflicting twin arrives (same key, same
         # partition, so order holds); everything else can go at once.
         produce_with_headers(charges, [(k, v, TRACE if k == b"o6" else None)

@@ -101,7 +101,8 @@ def test_dlq_show_shows_every_header_as_written(hostile: Hostile) -> None:
 
 def test_dlq_replay_dry_run_shows_keys_as_written(hostile: Hostile) -> None:
     out = assert_plain(kafka_idem("dlq", "replay", "--dlq", hostile.dlq, "--dry-run",
-                                  "--include-permanent", "--no-progress", db=hostile.db))
+                                  "--include-permanent", "--namespace", "tests",
+                                  "--no-progress", db=hostile.db))
     assert f"key={KEY_SHOWN}" in out
 
 

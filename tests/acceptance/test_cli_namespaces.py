@@ -128,8 +128,10 @@ def test_two_apps_on_one_store_each_run_their_own_handler_for_every_key(
         assert len(r.err.strip().splitlines()) == 1, (args, r.err)
         assert "no records in namespace 'nope'" in r.err, (args, r.err)
 
-    # purge of one namespace leaves the other alone
-    purged = kafka_idem("purge", "--older-than", "0s", "--namespace", "twin-b", db=db)
+    # purge of one namespace leaves the other alone (--force: a window of 0s is shorter
+    # than the topic's retention)
+    purged = kafka_idem("purge", "--older-than", "0s", "--namespace", "twin-b", "--force",
+                        db=db)
     assert purged.code == 0, purged.err
     assert "purged 10 records" in purged.out
     assert {ns for ns, _ in records(db)} == {"twin-a"}
@@ -166,7 +168,8 @@ def test_replay_re_drives_one_app_s_failed_keys_when_another_app_did_them(
     with psycopg.connect(db.dsn, autocommit=True) as conn:  # the fix
         conn.execute("DELETE FROM twin.blocked")
     r = kafka_idem("dlq", "replay", "--dlq", f"{topic}.dlq", "--kind", "exhausted",
-                   "--reason", "unblocked", "--no-progress", "--json", db=db)
+                   "--namespace", "twin-a", "--reason", "unblocked", "--no-progress", "--json",
+                   db=db)
     assert r.code == 0, r.err
     assert (r.json()["rerun"], r.json()["skipped_succeeded"], r.json()["sent"]) == (5, 0, 5)
     # (the replay's records come in a Kafka transaction: its marker is never consumed)

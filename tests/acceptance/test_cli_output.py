@@ -45,7 +45,8 @@ RECORD_FIELDS = {"idempotency_key", "namespace", "status", "request_hash", "atte
 DLQ_FIELDS = {"dlq_topic", "partition", "offset", "timestamp", "namespace", "idempotency_key",
               "kind", "error_class", "error_message", "handler", "consumer_group", "attempts",
               "original_topic", "original_partition", "original_offset", "truncated",
-              "first_failure_at", "last_failure_at", "kafka_key", "value_size", "headers"}
+              "first_failure_at", "last_failure_at", "kafka_key", "value_size", "headers",
+              "signature"}
 
 
 @dataclass
@@ -227,7 +228,7 @@ def test_dlq_commands_write_no_raw_librdkafka_line(failed: Failed) -> None:
     boot = f"127.0.0.1:{closed_port()},{BOOTSTRAP}"
     for args in (("dlq", "list", "--dlq", failed.dlq),
                  ("dlq", "replay", "--dlq", failed.dlq, "--include-permanent", "--reason",
-                  "test", "--no-progress")):
+                  "test", "--namespace", "payments", "--no-progress")):
         r = kafka_idem("--bootstrap-servers", boot, *args, db=failed.db)
         assert r.code == 0, (args, r.err)
         assert [ln for ln in r.err.splitlines() if RAW_RDKAFKA.match(ln)] == [], r.err
@@ -241,8 +242,8 @@ def test_dlq_replay_names_its_group_and_transactional_id_inside_the_prefix(
     the replay's group (its transactional id too) starts with it, and no group outside
     it appears on the broker (scripts/acl_check.py runs this on a broker with such ACLs)."""
     flag = kafka_idem("dlq", "replay", "--dlq", failed.dlq, "--include-permanent",
-                      "--reason", "INC-1", "--prefix", "team-a.", "--no-progress", "--json",
-                      db=failed.db)
+                      "--reason", "INC-1", "--prefix", "team-a.", "--namespace", "payments",
+                      "--no-progress", "--json", db=failed.db)
     assert flag.code == 0, flag.err
     group = flag.json()["group"]
     assert group.startswith(f"team-a.kafka-idem-replay.{failed.dlq}."), group

@@ -10,18 +10,20 @@ rows, ledger rows, DLQ sizes, committed offsets.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+import pytest
 
 from consumers.payments import encode_charge
+from kafka_idem import replay
+from kafka_idem.replay import Selection
+from kafka_idem.replay import run as run_module
+from kafka_idem.settings import Settings
 from tests.acceptance.conftest import (
-    KAFKA_IDEM,
     Result,
     headers_of,
     kafka_idem,
@@ -32,7 +34,6 @@ from tests.apps.stock import CREATE
 from tests.conftest import (
     BOOTSTRAP,
     DB,
-    ROOT,
     Members,
     Topics,
     committed,
@@ -59,7 +60,10 @@ class Exhausted:
     member: subprocess.Popen[bytes] | None
 
     def replay(self, db: DB, *args: str) -> Result:
-        return kafka_idem("dlq", "replay", "--dlq", self.dlq, "--no-progress", *args, db=db)
+        """``dlq replay`` of the DLQ within its app (``--app``: its handler's topic, its
+        namespace, values that build their keys)."""
+        return kafka_idem("dlq", "replay", "--dlq", self.dlq, "--app", STOCK, "--no-progress",
+                          *args, db=db, env={"PAYMENTS_TOPIC": self.topic})
 
 
 def env(db: DB, topic: str) -> dict[str, str]:
@@ -199,51 +203,59 @@ def test_replay_while_the_consumer_group_runs(
 
 
 def test_a_replay_killed_after_its_database_commit_and_run_again_loses_no_key(
-    db: DB, topics: Topics, members: Members, group: str
+    db: DB, topics: Topics, members: Members, group: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A replay dies after a batch's re-runs committed in the database and before its
+    Kafka transaction (the records and the position) committed: the keys are
+    ``retryable_failed`` with no message on the way ("stranded"). ``rerun KEY`` takes
+    one back, naming the replay; the same replay run again sends the others
+    ("resend"); nothing is sent twice and every key succeeds once."""
     ex = exhaust(db, topics, members, group, n=6, doubled=1)
     fix(db)
-    args = ("--kind", "exhausted", "--reason", REASON)
-    replay_group = ex.replay(db, *args, "--dry-run", "--json").json()["group"]
-    # --rate 1: one record per batch; each batch commits its re-runs in the database,
-    # then waits about a second for its token inside the Kafka transaction.
-    proc = subprocess.Popen(
-        [*KAFKA_IDEM, "--database-url", db.dsn, "--bootstrap-servers", BOOTSTRAP,
-         "dlq", "replay", "--dlq", ex.dlq, "--rate", "1", "--no-progress", *args],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "KAFKA_IDEM_ACTOR": "acceptance"},
-    )
+    selection = Selection(kind="exhausted", namespace="stock")
+    settings = Settings(database_url=db.dsn, bootstrap_servers=BOOTSTRAP)
 
-    def rerun_not_sent() -> list[dict[str, Any]]:
-        """Re-runs committed in the database for DLQ positions the replay's Kafka
-        transactions have not passed: re-run, their message not sent."""
-        done = committed(replay_group, ex.dlq)
-        return [r for r in reruns(db) if r["selection"]["offset"] >= max(
-            done.get(r["selection"]["partition"], 0), 0)]
+    def killed(_producer: Any) -> None:
+        raise KeyboardInterrupt("killed between the two commits")
 
-    try:
-        wait_for(lambda: len(reruns(db)) >= 2 and rerun_not_sent(), interval=0.02,
-                 what="a batch re-run in the database, not yet sent")
-        assert proc.poll() is None, "the replay must still be running when it is killed"
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=10) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    stranded = rerun_not_sent()
-    assert stranded, "the kill must land between the database commit and the Kafka commit"
-    assert all(db.record(r["idempotency_key"])["status"] == "retryable_failed"  # type: ignore[index]
-               for r in stranded)
+    monkeypatch.setattr(run_module, "_commit", killed)
+    with pytest.raises(KeyboardInterrupt):
+        replay.replay(settings, None, ex.dlq, selection, actor="acceptance", reason=REASON)
+    monkeypatch.undo()
+    stranded = {r["idempotency_key"] for r in reruns(db)}
+    assert stranded == set(ex.keys)  # one batch: every key re-run, none sent
+    assert replayed(ex.topic) == []
+    assert all(db.record(k)["status"] == "retryable_failed"  # type: ignore[index]
+               for k in stranded)
 
-    resumed = ex.replay(db, *args, "--json")
+    # One key by hand: rerun takes a stranded key and says which replay stranded it.
+    one = sorted(stranded)[0]
+    by_hand = kafka_idem("rerun", one, "--reason", REASON, db=db)
+    assert by_hand.code == 0, by_hand.err
+    assert "retryable_failed since replay kafka-idem-replay." in by_hand.out
+    [row] = [r for r in reruns(db) if r["idempotency_key"] == one and
+             r["selection"].get("stranded_by")]
+    assert row["previous_status"] == "retryable_failed"
+    assert row["selection"]["stranded_by"]["group"].startswith(f"kafka-idem-replay.{ex.dlq}.")
+    assert kafka_idem("rerun", one, "--reason", REASON, db=db).code == 1  # not twice
+
+    resumed = kafka_idem("dlq", "replay", "--dlq", ex.dlq, "--kind", "exhausted",
+                         "--namespace", "stock", "--reason", REASON, "--no-progress", "--json",
+                         db=db)
     assert resumed.code == 0, resumed.err
     summary = resumed.json()
-    assert summary["resend"] == len(stranded)
+    assert summary["resend"] == len(stranded) - 1
+    # the one rerun sent: each of its dead letters left to the consumer
+    assert summary["skipped_in_progress"] == sum(
+        headers_of(m).get("idem.key") == one for m in read_all(ex.dlq))
     assert failed_keys(db) == set()
+    assert Counter(m.key() for m in replayed(ex.topic)) == {
+        k.rsplit(":", 1)[1].encode(): 1 for k in ex.keys}
 
     members.start(STOCK, env(db, ex.topic), group=group)
-    assert_each_key_succeeded_once(db, ex, summary)
+    wait_for(lambda: all((db.record(k) or {}).get("status") == "succeeded" for k in ex.keys),
+             timeout=90, what="every key succeeded")
+    assert db.ledger_counts() == {k: 1 for k in ex.keys}
 
 
 def test_dry_run_counts_equal_the_real_run_and_foreign_records_are_left_alone(

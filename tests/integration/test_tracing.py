@@ -122,7 +122,7 @@ def test_a_span_per_message_continues_the_producers_trace_to_the_dlq_and_the_rep
     spans.clear()
     s = app.settings
     summary = replay.replay(s, None, f"{topic}.dlq", Selection(), actor="test",
-                            include_permanent=True, reason="tracing test")
+                            include_permanent=True, reason="tracing test", app=app)
     assert summary.sent == 1
     (replay_span,) = [x for x in spans.get_finished_spans() if x.name == f"replay {topic}"]
     assert replay_span.kind is SpanKind.PRODUCER
