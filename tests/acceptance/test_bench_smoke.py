@@ -76,3 +76,20 @@ def test_the_floor_runs_its_work_exactly_once() -> None:
         left = conn.execute("SELECT count(*) FROM information_schema.schemata"
                             " WHERE schema_name LIKE 'bench_floor_%'").fetchone()
     assert left == (0,), "the floor's schema was left behind"
+
+
+def test_the_dead_letter_bench_checks_every_letter_and_its_signature(tmp_path: Path) -> None:
+    """``python -m bench.deadletters`` at its tiniest: one unsigned and one signed run,
+    each message dead-lettered once and every signed letter verified (it exits 1
+    otherwise), its figures in the JSON it writes."""
+    results = tmp_path / "dl.json"
+    env = {**os.environ, "KAFKA_IDEM_BOOTSTRAP_SERVERS": BOOTSTRAP,
+           "KAFKA_IDEM_DATABASE_URL": ADMIN_DSN, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    env.pop("KAFKA_IDEM_DLQ_SIGNING_KEYS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.deadletters", "--messages", "40", "--pairs", "1",
+         "--micro-calls", "200", "--timeout", "120", "--results", str(results)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    said = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, said
+    assert results.exists(), said
