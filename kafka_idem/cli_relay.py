@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import signal
 import threading
-from types import FrameType
 
 from kafka_idem.app import App
 from kafka_idem.cli_errors import ServiceError
-from kafka_idem.consume import log
 from kafka_idem.errors import ConfigError
 from kafka_idem.health import Health
 from kafka_idem.metrics import Metrics
 from kafka_idem.migrate import require_current
 from kafka_idem.outbox import Relay
 from kafka_idem.settings import Settings
+from kafka_idem.shutdown import GRACE, Shutdown
 from kafka_idem.store import connect
 
 
@@ -40,13 +38,13 @@ def run_relay(app: App, settings: Settings, *, max_seconds: float | None = None)
                                f"{settings.metrics_port}: {exc.strerror or exc}") from exc
     stop = threading.Event()
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("stopping", extra={"action": "stopping", "kind": signal.Signals(signum).name})
+    def on_stop() -> None:
         health.stopping()
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # The relay finishes its rounds and leaves; a stop still running drain_seconds + 2 s
+    # later, or a second signal, ends the process at once (its rounds are fenced).
+    Shutdown(on_stop=on_stop, bound=settings.drain_seconds + GRACE).install()
     if max_seconds:
         timer = threading.Timer(max_seconds, stop.set)
         timer.daemon = True

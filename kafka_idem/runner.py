@@ -41,10 +41,8 @@ it handed out.
 from __future__ import annotations
 
 import gc
-import signal
 import threading
 import time
-from types import FrameType
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
@@ -68,6 +66,7 @@ from kafka_idem.health import Health
 from kafka_idem.lease import LeaseKeeper
 from kafka_idem.metrics import Metrics, Sampler
 from kafka_idem.outbox.relay import Relay, RelayThread
+from kafka_idem.shutdown import GRACE, Shutdown
 from kafka_idem.store import Store, connect
 
 
@@ -113,6 +112,7 @@ class Runner:
         self.sampler = Sampler(
             self.metrics, lambda: sample_store(s, self.store), interval=s.metrics_sample_seconds
         )
+        self._shutdown: Shutdown | None = None  # install_signal_handlers (kafka-idem run)
         self.relay: RelayThread | None = None  # an app with event topics publishes its outbox
         if s.outbox_relay and app.event_topics:
             self.relay = RelayThread(Relay(app, metrics=self.metrics, health=self.health))
@@ -123,13 +123,15 @@ class Runner:
 
     # --- lifecycle -----------------------------------------------------------
 
-    def install_signal_handlers(self) -> None:
-        def stop(signum: int, _frame: FrameType | None) -> None:
-            log.info("stopping", extra={"action": "stopping", "kind": signal.Signals(signum).name})
-            self.stop()
-
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
+    def install_signal_handlers(self) -> Shutdown:
+        """SIGTERM/SIGINT stop the member (``kafka-idem run``; call in the main thread):
+        it drains, commits and leaves the group; a stop still running ``drain_seconds``
+        + 2 s later, or a second signal, ends the process at once (see
+        :mod:`kafka_idem.shutdown`)."""
+        shutdown = Shutdown(on_stop=self.stop, bound=self.settings.drain_seconds + GRACE)
+        shutdown.install()
+        self._shutdown = shutdown
+        return shutdown
 
     def start(self) -> None:
         s = self.settings
@@ -449,9 +451,24 @@ class Runner:
 
     # --- the end -----------------------------------------------------------------
 
+    def _left(self, most: float) -> float:
+        """What a closing step may wait: at most ``most`` seconds, and when a signal
+        stopped the member, no later than the stop's bound (less a margin for the rest
+        of the close), past which :class:`Shutdown` ends the process anyway."""
+        since = self._shutdown.stopping_since if self._shutdown is not None else None
+        if since is None:
+            return most
+        end = since + self._shutdown.bound - CLOSE_MARGIN  # type: ignore[union-attr]
+        return max(min(most, end - time.monotonic()), 0.0)
+
     def stop(self) -> None:
+        """Ask the member to stop (thread-safe; returns at once): the loop ends its
+        round, drains, commits and leaves; the outbox relay takes no shard from now
+        on and finishes its rounds meanwhile."""
         self.health.stopping()  # /readyz says so while the member drains
         self.stopping.set()
+        if self.relay is not None:
+            self.relay.stopping.set()
 
     def close(self) -> None:
         self._drain()
@@ -463,16 +480,19 @@ class Runner:
                 log.warning("consumer close failed", exc_info=True, extra={"action": "close"})
             self.consumer = None
         if self.producer is not None:
-            self.producer.flush(10)
+            self.producer.flush(self._left(10.0))
             self.producer = None
         self.units.close()
         if self.relay is not None:
-            self.relay.close()
+            self.relay.close(self._left(60.0))
         if self.leases is not None:
             self.leases.stop()
         self.sampler.stopped.set()
         self.progress.tick(time.monotonic(), final=True)
         log.info("consumer stopped", extra={"action": "stopped"})
+
+
+CLOSE_MARGIN = 0.5  # seconds a stop's bound keeps for what follows a bounded step
 
 
 _SESSION_BOUNDS = ("group.min.session.timeout.ms", "group.max.session.timeout.ms")

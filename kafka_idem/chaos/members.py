@@ -52,6 +52,10 @@ LOG_SIGNS = {  # what the members' logs say about the faults (evidence, not verd
     "relay_fenced": ") stops publishing it",  # a resumed zombie found itself fenced
     "relay_retries": "retrying with backoff",  # a round failed (broker, database): retried
     "tracebacks": "Traceback (most recent call last)",
+    "deadlocks": "deadlock detected",  # 40P01 between members (issue: none by construction)
+    "lock_timeouts": "lock timeout",  # a wait for another's row lock ended (55P03)
+    "max_poll_exceeded": "_MAX_POLL_EXCEEDED",  # a member dropped for not polling in time
+    "stops_overran": "the stop did not end within",  # a stop ended at its bound
 }
 
 

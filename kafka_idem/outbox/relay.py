@@ -49,6 +49,9 @@ def control_topic(settings: Settings, namespace: str) -> str:
     return f"{settings.name_prefix}kafka-idem-outbox.{name}"
 
 
+# How long a stopping relay waits for its shards' rounds to end (see _stop_workers).
+STOP_JOIN_SECONDS = 1.5
+
 class RelayHooks:
     """Points a test can act at (a crash, a pause): no-ops here."""
 
@@ -68,6 +71,7 @@ class Relay:
                  hooks: RelayHooks | None = None, live: bool = False) -> None:
         self.app = app
         self.live = live  # its loop rounds are the process's liveness (a relay alone)
+        self._stopping = threading.Event()  # run()'s stop: set, no shard is taken
         self.settings = s = settings or app.settings
         self.namespace = app.namespace
         self._namespace = self.namespace.encode()
@@ -117,6 +121,7 @@ class Relay:
     def run(self, stop: threading.Event) -> None:
         """Publish until ``stop`` is set; then stop every shard after its round and
         leave the group (the shards move at once)."""
+        self._stopping = stop
         consumer = Consumer(self._group_config())
         try:
             self._check_control_topic(consumer)
@@ -246,6 +251,8 @@ class Relay:
         consumer.unassign()
 
     def _start(self, shard: int) -> None:
+        if self._stopping.is_set():  # a relay told to stop takes no shard
+            return
         old = self.workers.get(shard)
         if old is not None and old.is_alive():
             return
@@ -256,8 +263,12 @@ class Relay:
         stopping = [self.workers.pop(s) for s in shards if s in self.workers]
         for worker in stopping:
             worker.stop()
+        # A round ends within its Kafka calls' timeouts; a relay that is stopping waits
+        # no longer than a member's stop may take (the workers are daemons: a round one
+        # did not finish is fenced and settled by the shard's next owner).
+        until = time.monotonic() + STOP_JOIN_SECONDS if self._stopping.is_set() else None
         for worker in stopping:
-            worker.join()
+            worker.join(None if until is None else max(until - time.monotonic(), 0.0))
 
     def _tend(self) -> None:
         """Restart a shard's worker that died (an unexpected error: it settles the shard
