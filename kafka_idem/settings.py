@@ -234,6 +234,13 @@ class Settings(BaseSettings):
         description="librdkafka session.timeout.ms: how long the group waits for a member "
         "that stopped heartbeating (e.g. SIGKILLed) before its partitions move.",
     )
+    lock_timeout_seconds: float = Field(
+        5.0, ge=0,
+        description="Longest wait of a member's statement for a row lock (PostgreSQL "
+        "lock_timeout) before it gives up, rolls back and tries again later (never charged "
+        "to the message): a member waiting on another's rows keeps polling its partitions. "
+        "At most a fifth of max_poll_interval_ms is used; 0 disables.",
+    )
     idle_in_transaction_timeout_seconds: float = Field(
         300.0,
         ge=0,
@@ -406,6 +413,14 @@ class Settings(BaseSettings):
     @property
     def dsn(self) -> str:
         return self.database_url.get_secret_value()
+
+    @property
+    def lock_wait_seconds(self) -> float:
+        """The lock_timeout a member's sessions use: ``lock_timeout_seconds``, at most a
+        fifth of ``max_poll_interval_ms`` (0: none)."""
+        if self.lock_timeout_seconds == 0:
+            return 0.0
+        return min(self.lock_timeout_seconds, self.max_poll_interval_ms / 5000)
 
     @property
     def signing_keys(self) -> tuple[bytes, ...]:

@@ -249,6 +249,7 @@ class AsyncConnections:
             conn = await connect_async(
                 self.settings.dsn, application_name=self.application_name,
                 idle_in_transaction_timeout=self.settings.idle_in_transaction_timeout_seconds,
+                lock_timeout=self.settings.lock_wait_seconds,
             )
             await conn.set_autocommit(True)
         except BaseException:

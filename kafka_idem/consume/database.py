@@ -32,6 +32,7 @@ class Database:
                 self.settings.dsn,
                 application_name=self.application_name,
                 idle_in_transaction_timeout=self.settings.idle_in_transaction_timeout_seconds,
+                lock_timeout=self.settings.lock_wait_seconds,
             )
         return self._conn
 
@@ -46,6 +47,14 @@ class Database:
         return classify_db_error(exc) is StoreUnavailable or (
             conn is not None and (conn.closed or conn.broken)
         )
+
+    def gone(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means the connection is gone (it is then dropped, so the next
+        try opens a fresh one)."""
+        if isinstance(exc, StoreUnavailable) or self._lost(exc):
+            self.close()
+            return True
+        return False
 
     def raise_if_gone(self, exc: BaseException) -> None:
         """Raise :class:`StoreUnavailable` (and drop the connection) when ``exc`` means

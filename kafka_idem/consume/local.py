@@ -1,14 +1,21 @@
 """Local mode, message by message: for handlers whose effects live only in this database.
 
-A whole unit of work runs in *one* transaction; each message in its own SAVEPOINT
-(claim, handler, completion), so one failing message rolls back alone. One commit,
-one WAL flush, for the unit. A crash rolls everything back: nothing partial.
+Each message runs in a transaction of its own: claim, handler, events, completion,
+COMMIT. Nothing a message locks (its key's record, the handler's rows, its events'
+slots) is held while the next one runs, so two units on shared rows (two members'
+partitions charging the same tenant's balance) wait for each other at most once and
+never form a cycle; and a unit that waits on locks stops between messages once it
+has run for its budget, so the loop polls in time. A crash loses no committed
+message: the ones not committed are redelivered.
 
 This is the reference path: the batch path (:mod:`kafka_idem.consume.batch`) hands
-every case it does not take on to it.
+every case it does not take on to it (a handler error, a busy key, a deadlock or a
+lock timeout among batches).
 """
 
 from __future__ import annotations
+
+import time
 
 import psycopg
 
@@ -40,56 +47,65 @@ class LocalPath:
         self.db = db
 
     def run(self, parts: Parts) -> Results:
-        """Process each partition's messages in order inside one transaction.
+        """Process each partition's messages in order, each in a transaction of its own.
 
-        A partition stops at its first deferred message. If the transaction
-        itself fails (connection lost, commit refused), every message is
-        deferred: nothing was committed, nothing is charged. If the commit was
-        refused for a message's data (a deferred constraint of a business table),
-        the unit runs again one message per transaction, so only that message is
-        dead-lettered.
+        A partition stops at its first deferred message. A message whose commit is
+        refused for its data (a deferred constraint of a business table) is
+        dead-lettered alone. A lost connection defers every message not committed yet
+        (nothing of them committed, nothing charged); the ones committed keep their
+        results. A unit that has run for :meth:`budget` seconds defers the rest (not
+        charged: taken on the next round, after the loop polled).
         """
         results: Results = {tp: [] for tp, _ in parts}
-        try:
-            with self.db.unavailable():
-                conn = self.db.connection()
-                with conn.transaction():
-                    for tp, msgs in parts:
-                        for msg in msgs:
-                            result = self._one(conn, msg)
-                            results[tp].append(result)
-                            if isinstance(result, Deferred):
-                                break
-        except (FrameworkError, psycopg.Error) as exc:
-            if is_data_error(exc):  # the commit was refused for a message's data
-                return self._refused(parts, exc)
-            return self.steps.defer_all(parts, exc)
-        return results
-
-    def _refused(self, parts: Parts, exc: BaseException) -> Results:
-        """The commit was refused for a message's data: find the message."""
-        if sum(len(msgs) for _, msgs in parts) > 1:
-            return self._one_by_one(parts)
-        tp, msgs = next((tp, msgs) for tp, msgs in parts if msgs)
-        handler = self.steps.handler(msgs[0])
-        verdict = self.steps.undecodable(handler, msgs[0], rejected(exc),
-                                         key=self.steps.key_of(handler, msgs[0]))
-        verdict.note.write(log)
-        return {tp: [verdict.result]}
-
-    def _one_by_one(self, parts: Parts) -> Results:
-        """Each message in a transaction of its own (after a commit refused for data):
-        the message whose commit is refused is dead-lettered alone."""
-        log.warning("a commit was refused for a message's data; isolating the message",
-                    extra={"action": "isolating"})
-        results: Results = {tp: [] for tp, _ in parts}
-        for tp, msgs in parts:
+        until = time.monotonic() + self.budget()
+        for i, (tp, msgs) in enumerate(parts):
             for msg in msgs:
-                got = self.run([(tp, [msg])])[tp]
-                results[tp].extend(got)
-                if not got or isinstance(got[-1], Deferred):
+                if time.monotonic() > until and any(results.values()):
+                    results[tp].append(Deferred(0.0, Reason.BUSY))
+                    break
+                try:
+                    with self.db.unavailable():
+                        result = self._one(self.db.connection(), msg)
+                except (FrameworkError, psycopg.Error) as exc:
+                    if is_data_error(exc):  # its commit was refused for its data
+                        result = self._refused(msg, exc)
+                    elif self.db.gone(exc):
+                        return self._defer_rest(results, parts[i:], exc)
+                    else:  # its commit failed (a serialization failure...): it waits
+                        result = self._commit_failed(msg, exc)
+                results[tp].append(result)
+                if isinstance(result, Deferred):
                     break
         return results
+
+    def budget(self) -> float:
+        """How long one unit may run before it defers the rest: a quarter of
+        ``max_poll_interval_ms``, so a unit waiting on other members' locks never
+        costs the member its place in the group."""
+        return self.steps.settings.max_poll_interval_ms / 4000
+
+    def _defer_rest(self, results: Results, rest: Parts, exc: BaseException) -> Results:
+        """The connection is gone: every partition not finished waits at its next
+        message; what was committed keeps its results."""
+        waiting = [(tp, msgs[len(results[tp]):]) for tp, msgs in rest
+                   if len(results[tp]) < len(msgs)]
+        for tp, result in self.steps.defer_all(waiting, exc).items():
+            results[tp].extend(result)
+        return results
+
+    def _refused(self, msg: Message, exc: BaseException) -> Result:
+        """The commit was refused for the message's data: dead-lettered alone."""
+        handler = self.steps.handler(msg)
+        verdict = self.steps.undecodable(handler, msg, rejected(exc),
+                                         key=self.steps.key_of(handler, msg))
+        verdict.note.write(log)
+        return verdict.result
+
+    def _commit_failed(self, msg: Message, exc: BaseException) -> Result:
+        log.info("commit failed (%s); will retry", describe(exc),
+                 extra={"action": "deferred", **where(msg)})
+        self.steps.metrics.framework_errors.labels(type(exc).__name__).inc()
+        return Deferred(self.steps.settings.busy_retry_seconds, Reason.FRAMEWORK)
 
     def _one(self, conn: Conn, msg: Message) -> Result:
         steps = self.steps
@@ -101,7 +117,7 @@ class LocalPath:
         if not isinstance(prep, Prepared):
             return prep
         try:
-            with conn.transaction():  # SAVEPOINT: this message rolls back alone
+            with conn.transaction():  # BEGIN ... COMMIT: this message alone
                 claim = steps.claim(conn, handler, msg, prep)
                 if claim.outcome is Outcome.CLAIMED:
                     return steps.execute(conn, handler, msg, prep, claim)
@@ -112,7 +128,7 @@ class LocalPath:
             verdict = steps.undecodable(handler, msg, exc, key=prep.key)
             verdict.note.write(log)
             return verdict.result
-        except ConfigError as exc:  # rolled back with its savepoint: held, never charged
+        except ConfigError as exc:  # rolled back with its transaction: held, never charged
             return steps.hold.hold(handler, msg, exc)
         except (TransientStoreError, StaleOwner) as exc:
             self.db.raise_if_gone(exc)

@@ -3,6 +3,7 @@ batches run on disjoint partitions at once, and each partition stays in order.""
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from typing import Any
 
@@ -67,6 +68,22 @@ def test_local_batches_overlap_across_partitions_and_keep_each_partition_in_orde
     assert len(by_partition) == 4
     for offsets in by_partition.values():
         assert offsets == sorted(offsets)
+    if not batch_path:
+        # The per-message path commits each message on its own: a transaction is one
+        # message, not a unit. Units of other partitions, on the other connection, run
+        # at once: in time, the two connections' messages interleave.
+        # (the other connection wrote between two consecutive offsets of one
+        # partition, which one unit runs one after the other).
+        assert len({r["backend"] for r in rows}) == 2
+        mine: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for r in rows:
+            mine[r["partition"]].append(r)
+        assert any(
+            any(o["backend"] != a["backend"] and a["at"] < o["at"] < b["at"] for o in rows)
+            for seq in mine.values() for a, b in itertools.pairwise(seq)
+            if b["kafka_offset"] == a["kafka_offset"] + 1 and a["backend"] == b["backend"]
+        ), "no two units overlapped"
+        return
     # A transaction is one unit; a partition's units never overlap in time ...
     spans: dict[int, tuple[Any, Any, int, set[int]]] = {}
     for r in rows:
