@@ -56,6 +56,13 @@ class LocalPath:
         results. A unit that has run for :meth:`budget` seconds defers the rest (not
         charged: taken on the next round, after the loop polled).
         """
+        self.steps.wake = set()
+        try:
+            return self._run(parts)
+        finally:
+            self._wake()
+
+    def _run(self, parts: Parts) -> Results:
         results: Results = {tp: [] for tp, _ in parts}
         until = time.monotonic() + self.budget()
         for i, (tp, msgs) in enumerate(parts):
@@ -77,6 +84,23 @@ class LocalPath:
                 if isinstance(result, Deferred):
                     break
         return results
+
+    def _wake(self) -> None:
+        """Wake the relays of the shards the unit's events went to, once: a notifying
+        commit takes a server-wide lock through its flush, so one per message made the
+        unit's commits queue behind each other. Best effort: a relay polls anyway
+        (``outbox_poll_seconds``)."""
+        notes, self.steps.wake = self.steps.wake, None
+        if not notes:
+            return
+        try:
+            with self.db.unavailable():
+                conn = self.db.connection()
+                with conn.transaction():
+                    self.steps.store.outbox_wake(conn, sorted(notes))
+        except (FrameworkError, psycopg.Error) as exc:
+            self.db.gone(exc)
+            log.debug("relays not woken (%s): they poll", describe(exc))
 
     def budget(self) -> float:
         """How long one unit may run before it defers the rest: a quarter of

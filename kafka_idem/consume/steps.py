@@ -96,6 +96,9 @@ class Steps:
         self.tracing = tracing or Tracing()
         self.hold = hold or ConfigHold(metrics)  # configuration errors: held, loudly
         self.emitter = app.outbox  # what ctx.emit writes through
+        # While the per-message path runs a unit: the relays to wake once it ends (its
+        # messages commit one by one, without a notification each).
+        self.wake: set[str] | None = None
 
     def context(
         self, conn: Any, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
@@ -349,7 +352,7 @@ class Steps:
         assert claim.token is not None
         with own_code(prep.key):
             with self.tracing.step(msg, "complete"):
-                self.emitter.flush(conn, ctx)  # its events, in this transaction
+                self.emitter.flush(conn, ctx, wake=self.wake)  # its events, in this tx
                 self.store.complete(conn, key=prep.key, token=claim.token, result=result,
                                     wait=wait)
             if hold is not None:

@@ -112,13 +112,14 @@ class Emitter:
                      shard=shard_of(slot, self.shards),
                      source=Delivery(ctx.topic, ctx.partition, ctx.offset, ctx.handler))
 
-    def flush(self, conn: Conn, *contexts: Context) -> None:
+    def flush(self, conn: Conn, *contexts: Context, wake: set[str] | None = None) -> None:
         """Write the events of ``contexts`` in the open transaction (right before the
         completion) and forget them: a rollback removes them with the effect, and a
-        re-run of the handler emits again."""
+        re-run of the handler emits again. ``wake``: notify the relays later, not at
+        this commit (see :meth:`~kafka_idem.store.Store.outbox_write`)."""
         events = _take(contexts)
         if events:
-            self.store.outbox_write(conn, events)
+            self.store.outbox_write(conn, events, wake=wake)
 
     async def flush_async(self, conn: AsyncConn, ctx: Context) -> None:
         """:meth:`flush` on an async connection."""

@@ -466,6 +466,12 @@ WITH locked AS (
 SELECT (SELECT count(*) FROM locked),
        (SELECT count(pg_notify(%(channel)s, note)) FROM unnest(%(notes)b::text[]) AS note);
 
+-- name: outbox_wake
+-- Wake the relays of shards whose events committed without a notification of their
+-- own (the per-message path writes a unit's messages in many transactions and wakes
+-- the relays once, after them: notifying commits queue for one server-wide lock).
+SELECT count(pg_notify(%(channel)s, note)) FROM unnest(%(notes)b::text[]) AS note;
+
 -- name: outbox_insert
 -- A transaction's events, in emit order (ids follow the array's order).
 INSERT INTO {outbox} (namespace, shard, topic, key, value, headers, idem_key,

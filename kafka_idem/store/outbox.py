@@ -44,15 +44,27 @@ class OutboxQueries(AdminQueries):
         }
         return lock, rows
 
-    def outbox_write(self, conn: Conn, events: Sequence[Event]) -> None:
+    def outbox_write(self, conn: Conn, events: Sequence[Event], *,
+                     wake: set[str] | None = None) -> None:
         """Write ``events`` in the caller's transaction: lock their key slots in slot
-        order, then insert them in emit order (pipeline-friendly: no result read)."""
+        order, then insert them in emit order (pipeline-friendly: no result read).
+        The relays of their shards are notified at the commit, or, with ``wake``, not:
+        their notes are added to it, for :meth:`outbox_wake` later."""
         if not events:
             return
         lock, rows = self._outbox_params(events)
+        if wake is not None:
+            wake.update(lock["notes"])
+            lock["notes"] = []
         with translate_errors():
             conn.execute(self.q["outbox_lock_slots"], lock)
             conn.execute(self.q["outbox_insert"], rows)
+
+    def outbox_wake(self, conn: Conn, notes: Sequence[str]) -> None:
+        """Notify the relays of ``notes`` (``"<shard>:<namespace>"``), at the caller's
+        commit."""
+        with translate_errors():
+            conn.execute(self.q["outbox_wake"], {"channel": CHANNEL, "notes": sorted(notes)})
 
     async def outbox_write_async(self, conn: AsyncConn, events: Sequence[Event]) -> None:
         """:meth:`outbox_write` on an async connection (an ``async def`` handler's)."""
