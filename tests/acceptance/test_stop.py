@@ -56,13 +56,6 @@ def charges(topic: str, orders: list[str]) -> None:
     produce(topic, [(o.encode(), encode_charge("t1", o, "1.00")) for o in orders])
 
 
-def in_transaction(db: DB) -> bool:
-    """A member's session holds a transaction open (its handler is blocked in it)."""
-    return bool(db.value(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-        "AND state = 'idle in transaction' AND pid <> pg_backend_pid()"))
-
-
 def test_a_stop_that_overruns_its_bound_ends_the_process_at_the_bound(
     db: DB, topic: str, group: str, members: Members, tmp_path: Path
 ) -> None:
@@ -77,7 +70,7 @@ def test_a_stop_that_overruns_its_bound_ends_the_process_at_the_bound(
     env = member_env(db, topic, KAFKA_IDEM_DRAIN_SECONDS=str(DRAIN))
     hung = members.start(APP, {**env, "BLOCK_FILE": str(block), "BLOCK_ORDERS": "b"},
                          group=group)
-    wait_for(lambda: in_transaction(db), timeout=60, what="the handler blocked mid-batch")
+    wait_for(Path(f"{block}.waiting").exists, timeout=60, what="the handler blocked mid-batch")
     code, took = stop_within(hung, DRAIN + 2, signal.SIGTERM)
     assert code == 0, members.logs()
     assert took >= DRAIN + 1, "it ended before its bound: the watch fired too early?"
@@ -99,7 +92,7 @@ def test_a_second_signal_ends_the_member_at_once(
     env = member_env(db, topic, KAFKA_IDEM_DRAIN_SECONDS="60")  # a bound far away
     hung = members.start(APP, {**env, "BLOCK_FILE": str(block), "BLOCK_ORDERS": "*"},
                          group=group)
-    wait_for(lambda: in_transaction(db), timeout=60, what="the handler blocked")
+    wait_for(Path(f"{block}.waiting").exists, timeout=60, what="the handler blocked")
     code, _ = stop_within(hung, 0.3, signal.SIGTERM, signal.SIGTERM)
     assert code == 128 + signal.SIGTERM, members.logs()
     assert "second SIGTERM: stopping at once" in members.logs()

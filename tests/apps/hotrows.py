@@ -5,7 +5,8 @@ and emits an event keyed by its tenant, so members working different partitions
 share rows and outbox slots; on the per-message path (``batch_path=False``).
 
 ``HOT_BLOCK_FILE`` / ``HOT_BLOCK_ORDERS`` (comma list): after charging one of those
-orders (its tenant's balance row locked), wait while the file exists: a test lines
+orders (its tenant's balance row locked), wait while the file exists (saying so with
+``HOT_BLOCK_FILE.<order>``): a test lines
 two members' messages up on each other's rows."""
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def charge(msg: payments.ChargeRequested, ctx: Context) -> dict[str, Any]:
     result = payments.charge(msg, ctx)
     block = os.environ.get("HOT_BLOCK_FILE")
     if block and msg.order_id in os.environ.get("HOT_BLOCK_ORDERS", "").split(","):
+        if os.path.exists(block):
+            open(f"{block}.{msg.order_id}", "w").close()  # waiting: tests wait for it
         while os.path.exists(block):
             time.sleep(0.02)
     return result

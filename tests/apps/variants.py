@@ -10,7 +10,8 @@ tests.apps.variants:app`` can be started with different faults:
 * ``KILL_AFTER_WRITE_ORDERS``: SIGKILL this process right after the business
   write, on the first attempt (crash before the success state).
 * ``BLOCK_FILE`` / ``BLOCK_ORDERS``: before the business write, wait while the file
-  exists (a handler stuck on something slow; delete the file to let it go on).
+  exists (a handler stuck on something slow; delete the file to let it go on);
+  ``BLOCK_FILE.waiting`` is created when a handler starts waiting.
 * ``CRASH_BEFORE_OFFSET_COMMIT=1``: SIGKILL this process right after the database
   commit, before the Kafka offset commit.
 """
@@ -48,6 +49,8 @@ def charge(msg: payments.ChargeRequested, ctx: Context) -> dict[str, Any]:
         raise Retryable(f"injected transient failure on attempt {ctx.attempt}")
     block = os.environ.get("BLOCK_FILE")
     if block and _hit("BLOCK_ORDERS", msg.order_id):
+        if os.path.exists(block):
+            open(f"{block}.waiting", "w").close()
         while os.path.exists(block):
             time.sleep(0.05)
     result = payments.charge(msg, ctx)
