@@ -62,7 +62,7 @@ from bench.workload import (
 )
 from consumers import gateway as gateway_example
 from consumers import payments
-from kafka_idem.migrate import migrate
+from kafka_idem.admin.migrate import migrate
 from kafka_idem.settings import Settings, load_settings
 
 HERE = Path(__file__).resolve().parent

@@ -16,7 +16,7 @@ two configurations that do the same work:
 The configurations alternate, ``--pairs`` times: hot cold, cold hot, hot cold... (a drift
 over the run does not count against whichever always runs second). Every run gets a fresh
 topic (and its DLQ, event topic and outbox control topic, made by
-:func:`kafka_idem.topics.create` as ``kafka-idem topics create`` makes them, under a name
+:func:`kafka_idem.admin.topics.create` as ``kafka-idem topics create`` makes them, under a name
 prefix of the run's own: ``KAFKA_IDEM_NAME_PREFIX``), a fresh consumer group and a fresh
 database (store and ``payments.*`` tables migrated), dropped at the end of the run.
 
@@ -95,11 +95,11 @@ from rich.table import Table
 from bench import procstat
 from bench.workload import end_offsets
 from consumers import payments
-from kafka_idem import topics as topic_rules
-from kafka_idem.chaos.kafka_state import read_topic
-from kafka_idem.migrate import migrate
+from kafka_idem.admin import topics as topic_rules
+from kafka_idem.admin.migrate import migrate
 from kafka_idem.outbox import control_topic
 from kafka_idem.settings import Settings, load_settings
+from tools.kafka_state import read_topic
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "consumers.payments:app"

@@ -24,7 +24,7 @@ the wait until the DLQ acknowledged every record); the rest is consuming, offset
 the log lines. Per configuration: min / median / max; and the ratio
 signed / unsigned (of the medians, and per pair).
 
-Then, as context, the HMAC alone: :func:`kafka_idem.signing.sign` (what the member's
+Then, as context, the HMAC alone: :func:`kafka_idem.deadletters.signing.sign` (what the member's
 ``Signer`` runs per record) over a real dead letter of the first run (its headers,
 key and value), and over the same headers with a 10 KiB value; and ``verify``.
 
@@ -66,10 +66,10 @@ from rich.table import Table
 from bench import procstat
 from bench.workload import CURRENCIES, Intent, create_topic, end_offsets, produce_backlog
 from consumers import payments
-from kafka_idem import signing
-from kafka_idem.chaos.kafka_state import KafkaRecord, read_topic
-from kafka_idem.migrate import migrate
+from kafka_idem.admin.migrate import migrate
+from kafka_idem.deadletters import signing
 from kafka_idem.settings import Settings, load_settings
+from tools.kafka_state import KafkaRecord, read_topic
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = "task_idempotency"
@@ -85,10 +85,10 @@ console = Console(stderr=True)
 def worker(spec_file: str, out_file: str) -> int:
     """Drain ``spec["topic"]`` with the payments app: every message is dead-lettered."""
     from bench.worker import Recorder, TimedConsumer, _reached
-    from kafka_idem import logs
-    from kafka_idem.consume.executor import Processor
-    from kafka_idem.dlq import DeadLetterer
-    from kafka_idem.runner import Runner
+    from kafka_idem.consume.paths.processor import Processor
+    from kafka_idem.consume.runner import Runner
+    from kafka_idem.deadletters.dead_letter import DeadLetterer
+    from kafka_idem.observe import logs
 
     spec = json.loads(Path(spec_file).read_text())
     s = load_settings()

@@ -57,7 +57,7 @@ def charge_message() -> type:
 
 
 def handlers(registry_url: str) -> dict[str, object]:
-    from kafka_idem.protobuf import ProtobufCodec
+    from kafka_idem.codecs.protobuf import ProtobufCodec
 
     out: dict[str, object] = {}
     formats: dict[str, object] = {"json": "json", "avro": "avro",

@@ -47,7 +47,7 @@ from psycopg import sql
 from pydantic import BaseModel
 
 from kafka_idem import App, Context
-from kafka_idem.migrate import migrate
+from kafka_idem.admin.migrate import migrate
 from kafka_idem.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ message's offset:
 
 No batching, no pipelining, no savepoints; psycopg's defaults (which prepare a
 statement after it ran five times). It uses a store table built by
-``kafka_idem.migrate`` (so the database's transition guard checks it too; its records
+``kafka_idem.admin.migrate`` (so the database's transition guard checks it too; its records
 are in the namespace ``naive``) and
 the payments example's tables, so its effects are checked like the framework's.
 """

@@ -32,13 +32,13 @@ from psycopg import sql
 from bench import procstat
 from bench.workload import Plan
 from consumers import payments
-from kafka_idem import topics as topic_rules
+from kafka_idem.admin import topics as topic_rules
 from kafka_idem.app import App
-from kafka_idem.chaos.kafka_state import read_topic
 from kafka_idem.outbox import Relay
 from kafka_idem.outbox.emit import shard_of, slot_of
 from kafka_idem.settings import Settings
 from kafka_idem.store import Delivery, Event, Store
+from tools.kafka_state import read_topic
 
 FILL_PER_TX = 1000
 

@@ -17,7 +17,7 @@ Two custom scripts (and a third, ``gen_only``, below) are generated into a tempo
   take). One pgbench transaction = ``--batch`` messages.
 
 The statement texts are not copied: the store's come from
-``kafka_idem/sql/queries.sql`` (``compile_queries``), the handler's are
+``kafka_idem/store/queries.sql`` (``compile_queries``), the handler's are
 captured by calling ``consumers.payments.charge`` / ``charge_many`` with a
 recording transaction, and ``payments.`` is pointed at a fresh schema. Only
 the parameters differ: where the framework sends values, the per-message
@@ -33,7 +33,7 @@ framework's ratio by that much). The owner tokens the claim returns reach
 array_agg(owner_token ORDER BY idempotency_key) ... \\gset`` (the framework
 matches them to keys in Python; this aggregate of 500 rows is pgbench's extra).
 
-Tables: a fresh schema with a store built by ``kafka_idem.migrate`` (the
+Tables: a fresh schema with a store built by ``kafka_idem.admin.migrate`` (the
 same table, indexes and transition-guard triggers) and the payments tables,
 dropped afterwards. Query mode ``prepared`` (psycopg prepares repeated
 statements too). 50 tenants x 5 currencies, as the Kafka workload.
@@ -58,8 +58,8 @@ from psycopg import sql
 
 from bench import procstat
 from consumers import payments
-from kafka_idem.migrate import migrate
-from kafka_idem.sql import compile_queries
+from kafka_idem.admin.migrate import migrate
+from kafka_idem.store.queries import compile_queries
 
 TABLE = "task_idempotency"
 CURRENCIES = sorted(payments.CURRENCIES)

@@ -54,10 +54,10 @@ from bench.naive import NaiveConsumer
 from bench.workload import Plan, tenants_of
 from consumers import gateway as gateway_example
 from consumers import payments
-from kafka_idem.consume.aio import AsyncLeasedPath
-from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.outcome import Finished
-from kafka_idem.runner import Runner
+from kafka_idem.consume.paths.async_leased_path import AsyncLeasedPath
+from kafka_idem.consume.paths.processor import Processor
+from kafka_idem.consume.runner import Runner
 from kafka_idem.settings import Settings, load_settings
 
 
@@ -308,7 +308,7 @@ class FrameworkLoop:
             # Where a batch's time goes: wall and thread CPU per step of the batch path
             # (wall - CPU = waiting, mostly for PostgreSQL); the rest of run_batch is
             # the COMMIT and bookkeeping. The phases keep the names the reports read.
-            from kafka_idem.consume.batch import BatchPath
+            from kafka_idem.consume.paths.batch_path import BatchPath
 
             for phase, method in (("run_batch", "run"), ("_prepare", "_prepare"),
                                   ("_replays", "_replays"), ("_claim", "_claim"),

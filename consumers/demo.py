@@ -57,9 +57,9 @@ from rich.console import Console
 from rich.table import Table
 
 from consumers.payments import CURRENCIES, encode_charge, events_topic
-from kafka_idem.chaos.kafka_state import read_topic
 from kafka_idem.keys import hash_payload
 from kafka_idem.settings import Settings, load_settings
+from tools.kafka_state import read_topic
 
 T = TypeVar("T")
 

@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from kafka_idem import App, AsyncContext, Context, Permanent
-from kafka_idem.codec import AvroCodec
+from kafka_idem.codecs import AvroCodec
 
 # The topic and mode can be changed from the environment so tests and demos can
 # run the same example on a fresh topic (PAYMENTS_TOPIC) or in leased mode.

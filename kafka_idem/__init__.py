@@ -9,9 +9,18 @@
     def charge(msg: ChargeRequested, ctx: Context) -> dict:
         ctx.tx.execute("INSERT INTO payments.ledger ...", (...))
         return {"ok": True}
+
+Run it with ``kafka-idem run shop:app``, or from code::
+
+    from kafka_idem import Runner
+
+    runner = Runner(app)
+    runner.install_signal_handlers()  # SIGTERM/SIGINT stop it as they stop `kafka-idem run`
+    raise SystemExit(runner.run())    # until stopped (runner.stop() from another thread)
 """
 
 from kafka_idem.app import App, AsyncContext, Context, Done, Handler
+from kafka_idem.consume.runner import Runner
 from kafka_idem.errors import (
     ConfigError,
     DataRejected,
@@ -60,6 +69,7 @@ __all__ = [
     "Permanent",
     "RetryPolicy",
     "Retryable",
+    "Runner",
     "Settings",
     "StaleOwner",
     "StoreError",

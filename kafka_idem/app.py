@@ -21,24 +21,20 @@ JSON-able; it is stored and replayed, exactly, on every duplicate.
 from __future__ import annotations
 
 import copy
-import difflib
-import inspect
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from kafka_idem.codec import (
+from kafka_idem.codecs.avro_codec import (
     AvroCodec,
     AvroObjectCodec,
-    Codec,
-    CodecFactory,
-    JsonCodec,
     non_string_fields,
     reader_mismatch,
-    validate,
 )
+from kafka_idem.codecs.base import Codec, CodecFactory, validate
+from kafka_idem.codecs.json_codec import JsonCodec
 from kafka_idem.errors import (
     ConfigError,
     StaleOwner,
@@ -56,8 +52,14 @@ from kafka_idem.handler import (
     check_topic_name,
 )
 from kafka_idem.keys import KeySpec, refuse_typed_key_fields
+from kafka_idem.registration import (
+    check_handler_function,
+    check_handler_options,
+    check_setting_names,
+)
 from kafka_idem.retry import RetryPolicy
 from kafka_idem.settings import Settings, check_namespace, load_settings
+from kafka_idem.store import Store
 
 if TYPE_CHECKING:
     from kafka_idem.outbox.emit import Emitter
@@ -77,7 +79,7 @@ class App:
         **overrides: Any,
     ) -> None:
         self.name = name
-        _check_setting_names(name, overrides)
+        check_setting_names(name, overrides)
         self._settings = settings
         self._overrides = {"group_id": group_id, **overrides}
         self.errors = tuple((errors or {}).items())
@@ -166,7 +168,7 @@ class App:
         ``format`` is ``"json"``, ``"avro"`` (single-object encoding, with ``schema=``
         the reader schema's name), ``"registry"`` (Confluent wire format through
         ``schema_registry_url``: Avro, JSON Schema), ``ProtobufCodec(MyMessage)``
-        (registry-framed Protobuf, :mod:`kafka_idem.protobuf`) or a codec object; not
+        (registry-framed Protobuf, :mod:`kafka_idem.codecs.protobuf`) or a codec object; not
         given, ``"avro"`` when ``schema=`` is, else the app's ``default_format``
         (``KAFKA_IDEM_DEFAULT_FORMAT``, ``"json"``). A bad model, format or missing
         schema is a :class:`ConfigError` now or when the app starts, never at the first
@@ -197,48 +199,18 @@ class App:
                 await ctx.tx.execute("INSERT INTO charges ...", (...))
                 return r.json()
         """
-        check_topic_name(topic, setting="topic")
-        if dlq_topic is not None:
-            check_topic_name(dlq_topic, setting="dlq_topic")
-        if topic in self.handlers:
-            raise ConfigError(f"topic {topic!r} already has a handler", setting="topic")
-        if mode not in ("local", "leased"):
-            raise ConfigError(f"mode must be 'local' or 'leased', not {mode!r}", setting="mode")
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ConfigError(f"concurrency must be a whole number >= 1, not {concurrency!r}",
-                              setting="concurrency")
-        if mode != "leased" and (concurrency > 1 or ordering_key is not None):
-            raise ConfigError(f"handler of topic {topic!r}: concurrency and ordering_key are "
-                              f"for mode='leased' handlers, not mode={mode!r} (local mode "
-                              "runs batches; see local_workers)",
-                              setting="concurrency" if concurrency > 1 else "ordering_key")
+        check_handler_options(topic, dlq_topic=dlq_topic, mode=mode, concurrency=concurrency,
+                              ordering_key=ordering_key, taken=self.handlers)
 
         def register(fn: Callable[[M, Any], Any]) -> Handler[M]:
-            if inspect.iscoroutinefunction(fn) and mode != "leased":
-                raise ConfigError(f"handler {name or fn.__name__!r} is async def: async "
-                                  "handlers run in mode='leased'", setting="mode")
-            if not hash_fields:
-                raise ConfigError(f"handler {name or fn.__name__!r}: hash_fields must name at "
-                                  "least one payload field (what makes two requests with one "
-                                  "key the same)", setting="hash_fields")
+            check_handler_function(fn, name=name or fn.__name__, mode=mode,
+                                   hash_fields=hash_fields)
             mapping = tuple((errors or {}).items()) + self.errors + DEFAULT_ERRORS
             h = Handler(
-                fn,
-                name=name or fn.__name__,
-                topic=topic,
-                model=model,
-                key=key,
-                hash_fields=tuple(hash_fields),
-                mode=mode,
-                batch=batch,
-                dlq_topic=dlq_topic,
-                schema=schema,
-                retry=retry,
-                errors=mapping,
-                format=format,
-                binder=self.bind_codec,
-                concurrency=concurrency,
-                ordering_key=ordering_key,
+                fn, name=name or fn.__name__, topic=topic, model=model, key=key,
+                hash_fields=tuple(hash_fields), mode=mode, batch=batch, dlq_topic=dlq_topic,
+                schema=schema, retry=retry, errors=mapping, format=format,
+                binder=self.bind_codec, concurrency=concurrency, ordering_key=ordering_key,
             )
             self.handlers[topic] = h
             return h
@@ -259,7 +231,7 @@ class App:
         ``serialized``: the Protobuf codecs' own client, which asks for schemas as
         serialized descriptors (``format=serialized``); the client caches a schema by id
         whatever form was asked, so the two forms must not share one cache."""
-        from kafka_idem.registry import registry_client
+        from kafka_idem.codecs.registry import registry_client
 
         with self._codec_lock:
             client = self._registry.get(serialized)
@@ -274,7 +246,7 @@ class App:
 
     def make_codec(self, handler: Handler[Any]) -> Codec:
         """The codec ``handler``'s format names, built from the app's settings."""
-        from kafka_idem.registry import RegistryCodec
+        from kafka_idem.codecs.registry import RegistryCodec
 
         fmt = handler.format
         if fmt is not None and not isinstance(fmt, str | CodecFactory):
@@ -390,7 +362,10 @@ class App:
 
         with self._codec_lock:
             if self._emitter is None:
-                self._emitter = Emitter(self)
+                s = self.settings
+                store = Store(schema=s.schema_name, table=s.table, namespace=self.namespace)
+                self._emitter = Emitter(self.event_topics, store=store,
+                                        shards=s.outbox_shards, app=self.name)
             return self._emitter
 
     def producer(self, *, config: Mapping[str, Any] | None = None,
@@ -404,7 +379,8 @@ class App:
         """
         from kafka_idem.producer import Producer
 
-        return Producer(self, config=config, timeout=timeout)
+        return Producer(self.handlers, self.settings, app=self.name, config=config,
+                        timeout=timeout)
 
     def retry_policy(self, handler: Handler[Any]) -> RetryPolicy:
         """The handler's own policy, else one from the settings (read at run time)."""
@@ -456,21 +432,6 @@ class _Validated:
 
     def encode(self, payload: Any) -> bytes:
         return self.codec.encode(payload)
-
-
-def _check_setting_names(app: str, overrides: Mapping[str, Any]) -> None:
-    """Every keyword ``App(...)`` got names a setting: a misspelt one is refused at
-    once, naming the setting it probably meant (its value is checked when the settings
-    are first read, with the environment's)."""
-    known = list(Settings.model_fields)
-    for name in overrides:
-        if name in Settings.model_fields:
-            continue
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
-        hint = f" (did you mean {close[0]}=?)" if close else ""
-        raise ConfigError(f"App({app!r}) got {name}=, which is not a setting{hint}; the "
-                          "settings are the README's configuration table, lower-case",
-                          setting=name)
 
 
 __all__ = ["App", "AsyncContext", "Context", "Done", "Handler", "StaleOwner"]

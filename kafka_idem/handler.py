@@ -10,19 +10,13 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from dataclasses import InitVar, dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 import psycopg
 from pydantic import ValidationError
 
-from kafka_idem.codec import (
-    FORMATS,
-    Codec,
-    CodecFactory,
-    adapter_for,
-    fields_of,
-)
+from kafka_idem.codecs.base import FORMATS, Codec, CodecFactory, adapter_for, fields_of
 from kafka_idem.errors import (
     ConfigError,
     MessageError,
@@ -38,7 +32,6 @@ from kafka_idem.settings import TOPIC_CHARS
 from kafka_idem.store import is_data_error
 
 if TYPE_CHECKING:
-    from kafka_idem.outbox.emit import Emitter
     from kafka_idem.store import Event
 
 M = TypeVar("M")
@@ -49,6 +42,14 @@ Mode = Literal["local", "leased"]
 ErrorKind = Literal["retryable", "permanent", "unknown_outcome"]
 
 
+class EventSink(Protocol):
+    """What ``ctx.emit`` encodes its events with: an app's outbox emitter
+    (:class:`kafka_idem.outbox.emit.Emitter`, ``app.outbox``)."""
+
+    def event(self, ctx: Context, topic: str, value: Any, *, key: str | bytes | None,
+              headers: Mapping[str, str | bytes] | None) -> Event: ...
+
+
 @dataclass
 class Context:
     """What a handler knows about the message it is processing.
@@ -57,6 +58,10 @@ class Context:
     write business rows through it. ``idempotency_key`` is the key to pass
     downstream (e.g. as an ``Idempotency-Key`` HTTP header) so remote side
     effects are deduplicated by the remote side too.
+
+    The framework builds it with its collaborators: ``lost``, the event a leased-mode
+    heartbeat sets when the lease is taken over (:attr:`lease_lost`), and ``emitter``,
+    the app's outbox (``ctx.emit``; :meth:`take_events` hands its events over).
     """
 
     tx: psycopg.Connection[Any]
@@ -70,9 +75,15 @@ class Context:
     timestamp: int | None
     kafka_key: bytes | None
     headers: Mapping[str, bytes] = field(default_factory=dict)
-    _lease_lost: threading.Event | None = field(default=None, repr=False)
-    _emitter: Emitter | None = field(default=None, repr=False)
-    _events: list[Event] = field(default_factory=list, repr=False)
+    lost: InitVar[threading.Event | None] = None
+    emitter: InitVar[EventSink | None] = None
+    _lease_lost: threading.Event | None = field(default=None, init=False, repr=False)
+    _emitter: EventSink | None = field(default=None, init=False, repr=False)
+    _events: list[Event] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self, lost: threading.Event | None, emitter: EventSink | None) -> None:
+        self._lease_lost = lost
+        self._emitter = emitter
 
     @property
     def lease_lost(self) -> bool:
@@ -94,6 +105,12 @@ class Context:
                               setting="event_topic")
         self._events.append(self._emitter.event(self, topic, value, key=key,
                                                 headers=headers))
+
+    def take_events(self) -> list[Event]:
+        """The events :meth:`emit` kept, handed over once (the emitter writes them with
+        the completion; a re-run of the handler emits again)."""
+        events, self._events = self._events, []
+        return events
 
 
 @dataclass
@@ -305,9 +322,9 @@ class Handler(Generic[M]):
 
     @property
     def keyed(self) -> bool:
-        """Run key-ordered (:mod:`kafka_idem.consume.keyed`): many keys of a partition
-        at once, or an ``async def`` handler; else a partition's messages run as
-        prefixes, one after another."""
+        """Run key-ordered (:mod:`kafka_idem.consume.concurrency.keyed_state`): many keys
+        of a partition at once, or an ``async def`` handler; else a partition's messages
+        run as prefixes, one after another."""
         return self.concurrency > 1 or self.is_async
 
     def __call__(self, msg: M, ctx: Context) -> Any:

@@ -36,12 +36,13 @@ from typing import TYPE_CHECKING, Any
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka import Producer as KafkaProducer
 
-from kafka_idem.codec import validate
+from kafka_idem.codecs.base import validate
 from kafka_idem.errors import ConfigError, DeliveryFailed
 from kafka_idem.keys import check_key
 
 if TYPE_CHECKING:
-    from kafka_idem.app import App
+    from kafka_idem.handler import Handler
+    from kafka_idem.settings import Settings
 
 
 class _Key:
@@ -53,13 +54,19 @@ IDEMPOTENCY_KEY: Any = _Key()
 
 class Producer:
     """Sends payloads to handlers' topics, encoded with their codecs and keyed by their
-    idempotency keys (module docs). Not thread-safe; one per thread."""
+    idempotency keys (module docs). Not thread-safe; one per thread.
 
-    def __init__(self, app: App, *, config: Mapping[str, Any] | None = None,
-                 timeout: float = 30.0) -> None:
-        self.app = app
+    ``handlers``: an app's handlers by topic (read at each :meth:`send`); ``settings``:
+    its settings (``producer_config()``, ``key_max_bytes``); ``app``: its name, for
+    errors; ``config``: librdkafka options over ``producer_config()``."""
+
+    def __init__(self, handlers: Mapping[str, Handler[Any]], settings: Settings, *, app: str,
+                 config: Mapping[str, Any] | None = None, timeout: float = 30.0) -> None:
+        self.handlers = handlers
+        self.settings = settings
+        self.app_name = app
         self.timeout = timeout
-        conf = {**app.settings.producer_config(), **(config or {})}
+        conf = {**settings.producer_config(), **(config or {})}
         self._producer = KafkaProducer(conf)
         self._failures: list[tuple[str, bytes | None, str]] = []
         self._existing: set[str] = set()  # topics the cluster was seen to have
@@ -72,11 +79,11 @@ class Producer:
         """Queue ``payload`` for ``topic`` (whose handler's codec encodes it); return its
         idempotency key. The record is sent in the background: :meth:`flush` (or leaving
         the ``with`` block) waits for its acknowledgement."""
-        handler = self.app.handlers.get(topic)
+        handler = self.handlers.get(topic)
         if handler is None:
             raise ConfigError(
-                f"no handler of app {self.app.name!r} reads topic {topic!r}: the producer "
-                f"encodes with the topic's handler (topics: {', '.join(self.app.topics)})",
+                f"no handler of app {self.app_name!r} reads topic {topic!r}: the producer "
+                f"encodes with the topic's handler (topics: {', '.join(self.handlers)})",
                 setting="topic")
         if isinstance(payload, Mapping) and isinstance(handler.format, str | None):
             # a built-in codec: the mapping becomes the model first, as the consumer will
@@ -86,7 +93,7 @@ class Producer:
         # What the consumer will make of these bytes: a payload it could not read fails
         # here (InvalidPayload, MissingKeyField, InvalidKey), before it is sent.
         model = handler.decode(value)
-        idem_key = check_key(handler.key.build(model), self.app.settings.key_max_bytes,
+        idem_key = check_key(handler.key.build(model), self.settings.key_max_bytes,
                              escaped=handler.key.escapes)
         kafka_key = idem_key.encode() if key is IDEMPOTENCY_KEY else key
         self._check_topic(topic, kafka_key)

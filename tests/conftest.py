@@ -27,7 +27,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from kafka_idem.migrate import migrate
+from kafka_idem.admin.migrate import migrate
 from kafka_idem.settings import DEFAULT_BOOTSTRAP, DEFAULT_DATABASE_URL
 from kafka_idem.verify.kafka import retrying
 
@@ -368,7 +368,7 @@ class InProcess:
     def __init__(self, app: Any) -> None:
         import threading
 
-        from kafka_idem.runner import Runner
+        from kafka_idem.consume.runner import Runner
 
         self.runner = Runner(app)
         self.error: BaseException | None = None

@@ -11,13 +11,15 @@ tests. On a revoke it commits through the consumer the callback was given.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Literal, Protocol, overload
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from kafka_idem.consume import log
 from kafka_idem.consume.partitions import TP, Committable, Partitions
+
+log = logging.getLogger(__name__)
 
 # Commit errors that mean "this member no longer owns the partition" (a rebalance
 # or an eviction).

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kafka_idem.dlq import DeadLetter
+from kafka_idem.deadletters.dead_letter import DeadLetter
 from kafka_idem.errors import MessageError
 
 TP = tuple[str, int]
@@ -63,7 +63,7 @@ class Reason(enum.StrEnum):
     BUSY = "busy"  # another owner's live lease, or a retry not due yet
     RETRY = "retry"  # it failed and is due again after a backoff
     FRAMEWORK = "framework"  # our surroundings failed (database, registry): not charged
-    CONFIG = "config"  # a configuration error (consume/held.py): not charged, held
+    CONFIG = "config"  # a configuration error (consume/config_hold.py): not charged, held
     DLQ = "dlq"  # its dead letter was not acknowledged
 
 

@@ -37,7 +37,7 @@ class Message(Protocol):
 class Committable:
     """What may be committed of one partition: the offset after its finished prefix
     not acknowledged yet, and the asynchronous commit in flight. Both kinds of
-    partition state (this module's prefix one, :mod:`~kafka_idem.consume.keyed`'s
+    partition state (this module's prefix one, :mod:`~kafka_idem.consume.concurrency.keyed_state`'s
     key-ordered one) keep it the same way, for :mod:`~kafka_idem.consume.offsets`."""
 
     def __init__(self, *, jitter: Callable[[float, float], float] = random.uniform) -> None:
@@ -69,7 +69,7 @@ class Committable:
         """How long a deferred message waits: its own delay, or when our surroundings
         failed, a jittered growing wait (never charged to the message)."""
         if res.reason == "config":
-            # Waiting will not fix it (consume/held.py): 1 s, 2 s, 4 s ... up to a minute.
+            # Waiting will not fix it (consume/config_hold.py): 1 s, 2 s, 4 s ... up to a minute.
             self.framework_failures += 1
             return float(min(60, 2 ** min(self.framework_failures - 1, 6)))
         if res.reason in ("framework", "dlq"):
@@ -207,7 +207,8 @@ class Partitions:
     """The member's partitions: the table of their states by (topic, partition).
 
     A partition's state is a :class:`PartitionState` (run as prefixes), or what
-    ``make`` builds for its topic (a key-ordered one, :mod:`~kafka_idem.consume.keyed`).
+    ``make`` builds for its topic (a key-ordered one,
+    :mod:`~kafka_idem.consume.concurrency.keyed_state`).
     """
 
     def __init__(

@@ -18,7 +18,8 @@ import logging
 import math
 from collections import Counter
 
-from kafka_idem.consume import log
+log = logging.getLogger(__name__)
+
 
 COUNTED = ("succeeded", "replayed", "conflict", "dead_lettered", "retried")
 

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
-from kafka_idem.codec import Codec, validation_reasons
+from kafka_idem.codecs.base import Codec, validation_reasons
 from kafka_idem.errors import ConfigError, InvalidEvent
+from kafka_idem.observe.tracing import current_trace
 from kafka_idem.store import AsyncConn, Conn, Delivery, Event, Store
-from kafka_idem.tracing import current_trace
 
 if TYPE_CHECKING:
-    from kafka_idem.app import App
     from kafka_idem.handler import Context
 
 # Key slots: the lock that orders same-key transactions. Many more than shards, so
@@ -45,29 +44,35 @@ def shard_of(slot: int, shards: int) -> int:
     return slot % shards
 
 
-class Emitter:
-    """An app's side of the outbox: the codecs of its event topics, the events'
-    shards, the statements that write them."""
-
-    def __init__(self, app: App) -> None:
-        self.app = app
-        self.shards = app.settings.outbox_shards
-        self._store: Store | None = None
+class EventTopic(Protocol):
+    """An ``app.event_topic`` declaration: its codec, bound on first use (a
+    :class:`~kafka_idem.handler.Handler`)."""
 
     @property
-    def store(self) -> Store:
-        if self._store is None:
-            s = self.app.settings
-            self._store = Store(schema=s.schema_name, table=s.table,
-                                namespace=self.app.namespace)
-        return self._store
+    def codec(self) -> Codec: ...
+
+
+class Emitter:
+    """An app's side of the outbox (``app.outbox``): the codecs of its event topics,
+    the events' shards, the statements that write them.
+
+    ``event_topics``: the app's declarations by topic (read at each ``ctx.emit``, so a
+    topic declared later is seen); ``store``: the app's store, in its namespace;
+    ``shards``: the ``outbox_shards`` setting; ``app``: the app's name, for errors."""
+
+    def __init__(self, event_topics: Mapping[str, EventTopic], *, store: Store, shards: int,
+                 app: str) -> None:
+        self.event_topics = event_topics
+        self.store = store
+        self.shards = shards
+        self.app_name = app
 
     def codec(self, topic: str) -> Codec:
         """``topic``'s codec: its ``app.event_topic`` declaration's (bound on first use)."""
-        declared = self.app.event_topics.get(topic)
+        declared = self.event_topics.get(topic)
         if declared is None:
             raise ConfigError(
-                f"ctx.emit: topic {topic!r} is not an event topic of app {self.app.name!r}: "
+                f"ctx.emit: topic {topic!r} is not an event topic of app {self.app_name!r}: "
                 f"declare it with app.event_topic({topic!r}, format=..., model=...)",
                 setting="event_topic")
         return declared.codec
@@ -131,6 +136,5 @@ class Emitter:
 def _take(contexts: tuple[Context, ...]) -> list[Event]:
     events: list[Event] = []
     for ctx in contexts:
-        events.extend(ctx._events)
-        ctx._events.clear()
+        events.extend(ctx.take_events())
     return events

@@ -20,7 +20,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-log = logging.getLogger("kafka_idem.outbox")
+log = logging.getLogger(__name__)
 
 KEY = b"kafka-idem-outbox-marker"
 

@@ -23,20 +23,19 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from kafka_idem.app import App
 from kafka_idem.errors import ConfigError, FrameworkError, StoreError
-from kafka_idem.health import Health
-from kafka_idem.metrics import Metrics
+from kafka_idem.observe.health import Health
+from kafka_idem.observe.metrics import Metrics
 from kafka_idem.outbox.shard import Episode, ShardWorker, backoff
 from kafka_idem.settings import TOPIC_CHARS, Settings
 from kafka_idem.store import CHANNEL, OutboxRow, Store, connect
 
-log = logging.getLogger("kafka_idem.outbox")
+log = logging.getLogger(__name__)
 
 
 def control_topic(settings: Settings, namespace: str) -> str:
@@ -62,14 +61,24 @@ class RelayHooks:
         """The Kafka transaction committed; its rows are not deleted yet."""
 
 
+class Source(Protocol):
+    """What a relay reads of its app (a :class:`kafka_idem.App`): its settings and the
+    namespace whose outbox it publishes."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def namespace(self) -> str: ...
+
+
 class Relay:
     """Publishes ``app``'s outbox while :meth:`run` runs (in a member's thread, or
-    alone: ``kafka-idem relay``)."""
+    alone: ``kafka-idem relay``); ``settings``: instead of the app's."""
 
-    def __init__(self, app: App, settings: Settings | None = None, *,
+    def __init__(self, app: Source, settings: Settings | None = None, *,
                  metrics: Metrics | None = None, health: Health | None = None,
                  hooks: RelayHooks | None = None, live: bool = False) -> None:
-        self.app = app
         self.live = live  # its loop rounds are the process's liveness (a relay alone)
         self._stopping = threading.Event()  # run()'s stop: set, no shard is taken
         self.settings = s = settings or app.settings

@@ -21,7 +21,8 @@ import logging
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
@@ -30,13 +31,55 @@ from kafka_idem.outbox import marker
 from kafka_idem.store import Conn, connect, describe
 
 if TYPE_CHECKING:
-    from kafka_idem.outbox.relay import Relay
+    from kafka_idem.observe.metrics import Metrics
+    from kafka_idem.settings import Settings
+    from kafka_idem.store import OutboxRow, Store
 
-log = logging.getLogger("kafka_idem.outbox")
+log = logging.getLogger(__name__)
 
 TIMEOUT = 30.0  # seconds for init / commit / abort / marker reads
 _FENCED = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH,
            KafkaError.INVALID_PRODUCER_ID_MAPPING, KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED}
+
+
+class Hooks(Protocol):
+    """Points a test can act at in a round (:class:`~kafka_idem.outbox.relay.RelayHooks`)."""
+
+    def before_commit(self, shard: int, ids: Sequence[int]) -> None: ...
+
+    def after_commit(self, shard: int, ids: Sequence[int]) -> None: ...
+
+
+class ShardRelay(Protocol):
+    """What a shard's publisher and its trouble episodes use of their relay
+    (:class:`kafka_idem.outbox.relay.Relay`)."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def hooks(self) -> Hooks: ...
+
+    @property
+    def control_topic(self) -> str: ...
+
+    @property
+    def owner(self) -> str: ...
+
+    def headers(self, row: OutboxRow) -> list[tuple[str, bytes]]:
+        """An event's headers (the emitter's, then the intent's ``idem.*``)."""
+
+    def published(self, rows: Sequence[OutboxRow]) -> None:
+        """``rows`` are published (committed to Kafka)."""
+
+    def report(self, what: str, problem: str | None) -> None:
+        """A trouble episode started (``problem``) or ended (``None``)."""
 
 
 class Fenced(Exception):
@@ -51,7 +94,7 @@ class Episode:
     """A run of failures of one kind: logged once when it starts (with the reason)
     and once when it ends, counted every time."""
 
-    def __init__(self, relay: Relay, what: str) -> None:
+    def __init__(self, relay: ShardRelay, what: str) -> None:
         self.relay = relay
         self.what = what
         self.since: float | None = None
@@ -78,7 +121,7 @@ class Episode:
 class ShardWorker(threading.Thread):
     """Publishes one shard while this relay owns it."""
 
-    def __init__(self, relay: Relay, shard: int) -> None:
+    def __init__(self, relay: ShardRelay, shard: int) -> None:
         super().__init__(name=f"kafka-idem-outbox-{shard}", daemon=True)
         self.relay = relay
         self.shard = shard

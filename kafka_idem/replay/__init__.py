@@ -32,60 +32,35 @@ The names below are the API; import them from ``kafka_idem.replay``.
 """
 
 from kafka_idem.replay.reading import (
-    BATCH_SIZE,
-    READER_GROUP,
-    STALL_SECONDS,
-    TIMEOUT,
     latest_for_key,
     read_one,
     scan,
 )
 from kafka_idem.replay.records import (
     DlqRecord,
-    Header,
     Selection,
     display_bytes,
     dlq_topic_for,
     payload_view,
 )
-from kafka_idem.replay.redrive import OUTCOMES, SENDS, SKIPS, WHY
+from kafka_idem.replay.redrive import OUTCOMES, SKIPS, WHY
 from kafka_idem.replay.republishing import (
-    Deliveries,
-    TokenBucket,
     delivery_wait,
-    replay_headers,
-    republish,
     republish_acknowledged,
-    target_of,
 )
-from kafka_idem.replay.run import (
-    REPLAY_GROUP_PREFIX,
-    ReplaySummary,
-    replay,
-    replay_group,
-)
-from kafka_idem.replay.targets import Targets
+from kafka_idem.replay.run import replay
+from kafka_idem.replay.summary import ReplaySummary
 from kafka_idem.replay.trust import REASONS, Boundary
 
 __all__ = [
-    "BATCH_SIZE",
     "OUTCOMES",
-    "READER_GROUP",
     "REASONS",
-    "REPLAY_GROUP_PREFIX",
-    "SENDS",
     "SKIPS",
-    "STALL_SECONDS",
-    "TIMEOUT",
     "WHY",
     "Boundary",
-    "Deliveries",
     "DlqRecord",
-    "Header",
     "ReplaySummary",
     "Selection",
-    "Targets",
-    "TokenBucket",
     "delivery_wait",
     "display_bytes",
     "dlq_topic_for",
@@ -93,10 +68,6 @@ __all__ = [
     "payload_view",
     "read_one",
     "replay",
-    "replay_group",
-    "replay_headers",
-    "republish",
     "republish_acknowledged",
     "scan",
-    "target_of",
 ]

@@ -24,7 +24,7 @@ from typing import Any
 
 from confluent_kafka import Producer
 
-from kafka_idem import admin
+from kafka_idem.admin import operations as admin
 from kafka_idem.replay.progress import Progress
 from kafka_idem.replay.reading import kafka_errors, scan
 from kafka_idem.replay.records import DlqRecord, Selection, dlq_topic_for

@@ -1,7 +1,7 @@
 """Dead-letter records as read back from a DLQ topic, and which of them to pick.
 
 :class:`DlqRecord` is one record with its ``idem.*`` headers parsed (the headers
-:mod:`kafka_idem.dlq` wrote); :class:`Selection` is the filter that ``dlq list``
+:mod:`kafka_idem.deadletters.dead_letter` wrote); :class:`Selection` is the filter that ``dlq list``
 and ``dlq replay`` share (key, kind, handler, failure time, partition, offsets).
 """
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from kafka_idem.dlq import ERROR_KINDS, PREFIX
+from kafka_idem.deadletters.dead_letter import ERROR_KINDS, PREFIX
 from kafka_idem.errors import ConfigError, MessageError
 from kafka_idem.settings import Settings
 

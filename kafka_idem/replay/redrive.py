@@ -27,15 +27,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kafka_idem import admin
-from kafka_idem.dlq import PREFIX
+from kafka_idem.admin import operations as admin
+from kafka_idem.deadletters.dead_letter import PREFIX
 from kafka_idem.replay.records import DlqRecord, Selection
 from kafka_idem.replay.republishing import target_of
 from kafka_idem.replay.targets import Targets
 from kafka_idem.replay.trust import REASONS, Boundary
 from kafka_idem.store import Conn, Store, translate_errors
 
-log = logging.getLogger("kafka_idem.replay")
+log = logging.getLogger(__name__)
 
 RecordId = tuple[str, str]  # (namespace, idempotency key): a record in the store
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from confluent_kafka import Producer
 
-from kafka_idem import tracing
-from kafka_idem.dlq import PREFIX
+from kafka_idem.deadletters.dead_letter import PREFIX
 from kafka_idem.errors import BrokerError, ConfigError
+from kafka_idem.observe import tracing
 from kafka_idem.replay.reading import kafka_errors
 from kafka_idem.replay.records import REPLAY_GROUP, DlqRecord, Header
 

@@ -20,8 +20,8 @@ and every batch runs in one Kafka transaction:
    transaction and wait for every delivery report. A record the broker refuses for
    itself or its target aborts that attempt and is set aside (unsendable, with the
    broker's reason); the batch is produced again without it
-   (:func:`_deliver`). A refusal that is the broker's (down, timed out, fenced)
-   stops the run, nothing of the batch committed anywhere;
+   (:func:`~kafka_idem.replay.transaction.deliver`). A refusal that is the broker's
+   (down, timed out, fenced) stops the run, nothing of the batch committed anywhere;
 4. re-run the failed keys of the records produced (``failed -> retryable_failed``,
    fresh retry budget, one audit row each naming this replay's group and run) and
    COMMIT that in the database;
@@ -42,20 +42,17 @@ batch is aborted and invisible to ``read_committed`` consumers.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psycopg
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 
-from kafka_idem import admin, audit
-from kafka_idem.errors import BrokerError, ConfigError
+from kafka_idem.admin import audit
+from kafka_idem.admin import operations as admin
+from kafka_idem.errors import ConfigError
 from kafka_idem.replay.progress import Progress
 from kafka_idem.replay.reading import (
     BATCH_SIZE,
@@ -68,18 +65,16 @@ from kafka_idem.replay.reading import (
 )
 from kafka_idem.replay.records import DlqRecord, Selection
 from kafka_idem.replay.redrive import (
-    OUTCOMES,
     Batch,
-    RecordId,
     decide,
-    rerun_failed,
 )
 from kafka_idem.replay.republishing import (
     TokenBucket,
     delivery_wait,
-    republish,
 )
-from kafka_idem.replay.targets import Targets, fault_of, reason_of
+from kafka_idem.replay.summary import ReplaySummary, apply_batch, replay_group
+from kafka_idem.replay.targets import Targets
+from kafka_idem.replay.transaction import deliver
 from kafka_idem.replay.trust import Boundary
 from kafka_idem.settings import Settings
 from kafka_idem.store import Conn, Store, connect
@@ -87,92 +82,7 @@ from kafka_idem.store import Conn, Store, connect
 if TYPE_CHECKING:
     from kafka_idem.app import App
 
-# The logger name from before kafka_idem.replay became a package, kept for log filters.
-log = logging.getLogger("kafka_idem.replay")
-
-REPLAY_GROUP_PREFIX = "kafka-idem-replay"
-SHOWN = 100  # unsendable records listed in a summary (all are counted and logged)
-
-
-def replay_group(dlq_topic: str, selection: Selection, to_topic: str | None,
-                 include_permanent: bool = False, prefix: str = "") -> str:
-    """The replay's own consumer group (and transactional id): the same replay, run
-    again, resumes where the last one stopped; a different selection starts afresh.
-    ``prefix`` (the ``name_prefix`` setting, ``--prefix``) goes in front, for clusters
-    whose ACLs grant group and transactional ids by prefix.
-
-    >>> replay_group("p.dlq", Selection(kind="permanent"), None)  # doctest: +ELLIPSIS
-    'kafka-idem-replay.p.dlq....'
-    """
-    spec_: dict[str, Any] = {"selection": selection.to_json(), "to": to_topic}
-    if include_permanent:  # it sends records a replay without it skips: its own position
-        spec_["include_permanent"] = True
-    spec = json.dumps(spec_, sort_keys=True)
-    digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
-    return f"{prefix}{REPLAY_GROUP_PREFIX}.{dlq_topic}.{digest}"
-
-
-@dataclass
-class ReplaySummary:
-    """What a replay did. Counts cover the batches committed (all of them in a dry run).
-
-    ``by_kind`` counts records per DLQ error kind and outcome (:data:`OUTCOMES`);
-    ``rerun`` and ``resent`` are keys, as each key is sent once per run.
-    ``untrusted`` counts the records outside the boundary by reason
-    (:data:`~kafka_idem.replay.trust.REASONS`); ``unsendable`` lists the first
-    :data:`SHOWN` records whose target could not take them, with why; ``verified``
-    says whether signatures were checked (signing keys configured).
-    """
-
-    dlq_topic: str
-    group: str
-    to_topic: str | None
-    dry_run: bool
-    scanned: int = 0
-    matched: int = 0
-    sent: int = 0
-    would_send: int = 0
-    skipped_succeeded: int = 0
-    skipped_truncated: int = 0  # DLQ copies without their value: nothing to send
-    limited: bool = False  # stopped by --limit with records left to read
-    completed: bool = False
-    resumed: bool = False  # began at the position an earlier run of this replay committed
-    run: str = ""
-    targets: dict[str, int] = field(default_factory=dict)
-    by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
-    redriven: set[RecordId] = field(default_factory=set)  # re-run or resent by this run
-    verified: bool = False
-    untrusted: dict[str, int] = field(default_factory=dict)
-    unsendable: list[dict[str, Any]] = field(default_factory=list)
-
-    def total(self, outcome: str) -> int:
-        return sum(c.get(outcome, 0) for c in self.by_kind.values())
-
-    def counts(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "scanned": self.scanned,
-            "matched": self.matched,
-            "skipped_succeeded": self.skipped_succeeded,
-            "skipped_truncated": self.skipped_truncated,
-            "limited": self.limited,
-            "completed": self.completed,
-            "resumed": self.resumed,
-            "targets": dict(self.targets),
-            "verified": self.verified,
-            "untrusted": dict(sorted(self.untrusted.items())),
-            "unsendable": list(self.unsendable),
-        }
-        for outcome in OUTCOMES:
-            out.setdefault(outcome, self.total(outcome))
-        out["by_kind"] = {k: dict(v) for k, v in sorted(self.by_kind.items())}
-        out["would_send" if self.dry_run else "sent"] = (
-            self.would_send if self.dry_run else self.sent
-        )
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        return {"dlq_topic": self.dlq_topic, "group": self.group, "run": self.run,
-                "to_topic": self.to_topic, "dry_run": self.dry_run, **self.counts()}
+log = logging.getLogger(__name__)
 
 
 def replay(
@@ -296,12 +206,12 @@ def _run(
                                redriven=summary.redriven, starts=starts)
                 if producer is not None:
                     _require_reason(batch, reason)
-                    _deliver(producer, consumer, conn, store, summary, batch,
+                    deliver(producer, consumer, conn, store, summary, batch,
                              actor=actor, reason=reason, bucket=bucket, wait=wait)
                 if on_record is not None:  # once committed (or, in a dry run, decided)
                     for rec, target in batch.send:
                         on_record(rec, target, batch.actions[id(rec)])
-                _apply(summary, batch)
+                apply_batch(summary, batch)
                 advance(batch.scanned, summary.sent + summary.would_send)
                 if remaining is not None and len(batch.send) >= remaining:
                     summary.limited = summary.scanned < total
@@ -379,165 +289,3 @@ def _require_reason(batch: Batch, reason: str | None) -> None:
             "trail); nothing of this batch was sent")
 
 
-class _Gone(Exception):
-    """Keys that left ``failed`` since the batch was decided: roll their re-runs back."""
-
-    def __init__(self, records: list[DlqRecord]) -> None:
-        super().__init__(f"{len(records)} key(s) no longer failed")
-        self.records = records
-
-
-def _deliver(producer: Producer, consumer: Consumer, conn: Conn, store: Store,
-             summary: ReplaySummary, batch: Batch, *, actor: str, reason: str | None,
-             bucket: TokenBucket | None, wait: float) -> None:
-    """Steps 3-5 for one batch: produce, re-run, commit, until the batch commits with
-    every record the broker takes. Each pass either commits, sets aside at least one
-    record, or (several records refused at once, which may share one produce request)
-    produces the next pass one record at a time to find the one at fault."""
-    one_by_one = False
-    while True:
-        refused = _produce(producer, summary, batch, actor=actor, bucket=bucket, wait=wait,
-                           one_by_one=one_by_one)
-        if refused:
-            _abort(producer)
-            named = [(rec, err) for rec, err in refused if fault_of(err) == "target"]
-            if named or len(refused) == 1 or one_by_one:
-                for rec, err in named or refused:
-                    batch.skip(rec, "skipped_unsendable", f"refused: {reason_of(err)}")
-                one_by_one = False
-            else:
-                one_by_one = True
-            continue
-        try:
-            with conn.transaction():  # step 4: committed only with the messages produced
-                gone = rerun_failed(conn, store, batch, group=summary.group,
-                                    run=summary.run, actor=actor, reason=reason)
-                if gone:
-                    raise _Gone(gone)
-        except _Gone as exc:
-            _abort(producer)
-            for rec in exc.records:
-                batch.skip(rec, "skipped_in_progress")
-            continue
-        except BaseException:
-            _abort(producer)
-            raise
-        with kafka_errors("replaying a batch", topic=summary.dlq_topic, group=summary.group):
-            try:  # step 5
-                offsets = [TopicPartition(summary.dlq_topic, p, o)
-                           for p, o in batch.positions.items()]
-                producer.send_offsets_to_transaction(
-                    offsets, consumer.consumer_group_metadata(), TIMEOUT)
-                _commit(producer)
-            except BaseException:
-                _abort(producer)
-                raise
-        return
-
-
-def _produce(producer: Producer, summary: ReplaySummary, batch: Batch, *, actor: str,
-             bucket: TokenBucket | None, wait: float, one_by_one: bool,
-             ) -> list[tuple[DlqRecord, Any]]:
-    """Step 3: begin the batch's transaction and produce its records; return the ones
-    refused for themselves or their target (the caller then aborts the transaction).
-    Any other refusal, or a report missing after ``wait``, aborts and raises
-    :class:`BrokerError` (exit 3): the broker's fault, nothing of the batch committed.
-    ``one_by_one`` waits for each record's report before the next and stops at the
-    first refusal: the one at fault."""
-    where = {"topic": summary.dlq_topic, "group": summary.group}
-    reports: dict[int, Any] = {}
-    produced = 0
-
-    def report(index: int) -> Callable[[Any, Any], None]:
-        def on_delivery(err: Any, _msg: Any) -> None:
-            reports[index] = err
-        return on_delivery
-
-    with kafka_errors("replaying a batch", **where):
-        producer.begin_transaction()
-    try:
-        for i, (rec, _target) in enumerate(batch.send):
-            if bucket is not None:
-                bucket.acquire()
-            produced += 1
-            try:
-                _republish(producer, summary, rec, actor, report(i), wait)
-            except KafkaException as exc:  # refused before it left: unknown partition...
-                reports[i] = exc.args[0] if exc.args else exc
-            if one_by_one:
-                producer.flush(wait)
-                if reports.get(i) is not None:
-                    break
-        producer.flush(wait)
-    except BaseException:
-        _abort(producer)
-        raise
-    failures = {i: err for i, err in reports.items() if err is not None}
-    refused = [(batch.send[i][0], err) for i, err in sorted(failures.items())
-               if fault_of(err) is not None]
-    missing = produced - len(reports)
-    if not refused and (failures or missing):
-        _abort(producer)
-        first = next(iter(failures.values()), None)
-        raise BrokerError(
-            f"replaying a batch: {len(failures)} of {produced} record(s) refused"
-            + (f" ({reason_of(first)})" if first is not None else "")
-            + (f", {missing} not acknowledged in time" if missing else ""), **where)
-    return refused
-
-
-def _republish(producer: Producer, summary: ReplaySummary, rec: DlqRecord, actor: str,
-               on_delivery: Callable[[Any, Any], None], wait: float) -> None:
-    try:
-        republish(producer, rec, to_topic=summary.to_topic, actor=actor,
-                  group=summary.group, on_delivery=on_delivery)
-    except BufferError:  # the local queue is full: let it drain, then once more
-        producer.flush(wait)
-        republish(producer, rec, to_topic=summary.to_topic, actor=actor,
-                  group=summary.group, on_delivery=on_delivery)
-
-
-def _commit(producer: Producer) -> None:
-    for _ in range(5):
-        try:
-            producer.commit_transaction(TIMEOUT)
-            return
-        except KafkaException as exc:
-            err = exc.args[0]
-            if not err.retriable() or err.txn_requires_abort():
-                raise
-            time.sleep(0.5)
-    producer.commit_transaction(TIMEOUT)
-
-
-def _abort(producer: Producer) -> None:
-    try:
-        producer.abort_transaction(TIMEOUT)
-    except KafkaException as exc:  # a fenced or fatal producer: the broker aborts it anyway
-        log.warning("could not abort the replay transaction: %s", exc,
-                    extra={"action": "replay_abort_failed"})
-
-
-def _apply(summary: ReplaySummary, batch: Batch) -> None:
-    summary.scanned += batch.scanned
-    summary.matched += batch.matched
-    for (partition, offset), (kind, outcome) in sorted(batch.outcomes.items()):
-        per = summary.by_kind.setdefault(kind, {})
-        per[outcome] = per.get(outcome, 0) + 1
-        why = batch.reasons.get((partition, offset))
-        if why is None:
-            continue
-        if outcome == "skipped_untrusted":
-            summary.untrusted[why] = summary.untrusted.get(why, 0) + 1
-        elif outcome == "skipped_unsendable" and len(summary.unsendable) < SHOWN:
-            summary.unsendable.append({"partition": partition, "offset": offset,
-                                       "reason": why})
-    summary.skipped_succeeded = summary.total("skipped_succeeded")
-    summary.skipped_truncated = summary.total("skipped_truncated")
-    summary.redriven |= batch.redriven
-    if summary.dry_run:
-        summary.would_send += len(batch.send)
-    else:
-        summary.sent += len(batch.send)
-    for _rec, target in batch.send:
-        summary.targets[target] = summary.targets.get(target, 0) + 1

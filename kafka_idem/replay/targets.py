@@ -25,7 +25,7 @@ from kafka_idem.replay.reading import TIMEOUT, kafka_errors
 from kafka_idem.replay.records import DlqRecord
 from kafka_idem.replay.republishing import replay_headers
 
-log = logging.getLogger("kafka_idem.replay")
+log = logging.getLogger(__name__)
 
 # Refusals that name the record's target: every record for it fails alike.
 TARGET_FAULTS = frozenset({

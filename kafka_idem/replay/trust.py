@@ -5,7 +5,7 @@ A dead letter's headers are written by whoever can write to the DLQ topic, and a
 replay runs with an operator's rights. So a replay believes a header only as far
 as it can check it (docs/PROTOCOL.md, "What a replay trusts"):
 
-* **the signature** (:mod:`kafka_idem.signing`): where signing keys are
+* **the signature** (:mod:`kafka_idem.deadletters.signing`): where signing keys are
   configured, a record whose ``idem.signature`` does not hold is never acted on;
   an unsigned one only with ``trust_unsigned`` (written before signing);
 * **the target**: a record goes back only to a source topic of the DLQ: with an
@@ -28,11 +28,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kafka_idem.deadletters.signing import Verdict, verify
 from kafka_idem.errors import ConfigError, MessageError
 from kafka_idem.keys import check_key, hash_payload
 from kafka_idem.replay.records import DlqRecord
 from kafka_idem.settings import Settings
-from kafka_idem.signing import Verdict, verify
 
 if TYPE_CHECKING:
     from kafka_idem.app import App

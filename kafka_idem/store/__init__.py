@@ -1,7 +1,12 @@
 """The idempotency store: every statement kafka_idem runs on its own tables.
 
 * :mod:`~kafka_idem.store.protocol` — :class:`Store`: the claim / complete / fail
-  protocol with fencing tokens, the batch path's statements, :func:`connect`;
+  protocol with fencing tokens (sync, and async for ``async def`` handlers), the
+  batch path's statements;
+* :mod:`~kafka_idem.store.claim_plan` — the claim's decisions, written once as a plan
+  that :mod:`~kafka_idem.store.plans` runs on a sync or an async connection;
+* :mod:`~kafka_idem.store.connection` — :func:`connect`, :func:`connect_async`: the
+  session every connection starts with;
 * :mod:`~kafka_idem.store.admin` — the admin tools' queries (a base of :class:`Store`);
 * :mod:`~kafka_idem.store.outbox` — the outbox's statements (a base of :class:`Store`);
 * :mod:`~kafka_idem.store.errors` — the one translation of database errors;
@@ -14,27 +19,17 @@ from kafka_idem.store.attempt import (
     AttemptTransaction,
     HandlerBlock,
     raise_failed_attempt,
-    unmasked,
 )
+from kafka_idem.store.connection import connect, connect_async
 from kafka_idem.store.errors import (
-    DATA_SQLSTATE_CLASSES,
-    DATA_SQLSTATES,
-    ILLEGAL_TRANSITION,
-    STALE_OWNER,
-    TRANSIENT_SQLSTATES,
-    UNAVAILABLE_SQLSTATES,
     classify_db_error,
-    data_error_text,
     describe,
     is_data_error,
-    raise_attempt_error,
     rejected,
-    storable,
     translate_errors,
-    translated,
 )
 from kafka_idem.store.outbox import CHANNEL
-from kafka_idem.store.protocol import Store, connect, connect_async
+from kafka_idem.store.protocol import Store
 from kafka_idem.store.types import (
     AsyncConn,
     Claim,
@@ -48,12 +43,6 @@ from kafka_idem.store.types import (
 
 __all__ = [
     "CHANNEL",
-    "DATA_SQLSTATES",
-    "DATA_SQLSTATE_CLASSES",
-    "ILLEGAL_TRANSITION",
-    "STALE_OWNER",
-    "TRANSIENT_SQLSTATES",
-    "UNAVAILABLE_SQLSTATES",
     "AsyncAttemptTransaction",
     "AsyncConn",
     "AttemptTransaction",
@@ -69,14 +58,9 @@ __all__ = [
     "classify_db_error",
     "connect",
     "connect_async",
-    "data_error_text",
     "describe",
     "is_data_error",
-    "raise_attempt_error",
     "raise_failed_attempt",
     "rejected",
-    "storable",
     "translate_errors",
-    "translated",
-    "unmasked",
 ]

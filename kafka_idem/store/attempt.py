@@ -3,7 +3,7 @@
 A leased attempt runs ``BEGIN``, the handler's statements, the fenced completion and
 ``COMMIT`` in one pipeline on an autocommit connection, with one sync when the
 pipeline ends (:meth:`Steps._run_pipelined
-<kafka_idem.consume.steps.Steps._run_pipelined>`). ``conn.execute("BEGIN")`` would send
+<kafka_idem.consume.paths.steps.Steps._run_pipelined>`). ``conn.execute("BEGIN")`` would send
 ``BEGIN`` to the server at once, alone: one more packet for the client to write and
 the server to wake for, and one more result to read, per message. A psycopg
 transaction block, entered inside the pipeline, only *queues* its ``BEGIN`` (it

@@ -22,7 +22,7 @@ from kafka_idem.errors import (
     StoreUnavailable,
     TransientStoreError,
 )
-from kafka_idem.redact import redact
+from kafka_idem.observe.redact import redact
 
 # SQLSTATEs, never message text (message text changes
 # between versions and locales).

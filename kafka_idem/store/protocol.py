@@ -17,18 +17,24 @@ Claim, inside the caller's transaction:
    f. otherwise                        -> ``claim_take``: new token, new lease,
                                           attempts + 1: **claimed**
 
+The decisions live in :mod:`~kafka_idem.store.claim_plan`, written once as a plan
+(:mod:`~kafka_idem.store.plans`): :meth:`Store.claim` runs it on a sync connection,
+:meth:`Store.claim_async` on an ``async def`` handler's (the event loop's), with the
+same statements in the same order. :meth:`Store.fail` and :meth:`Store.fail_async`
+share the failure record's plan the same way.
+
 Complete, in the transaction that holds the handler's business writes:
 ``UPDATE ... SET status='succeeded' WHERE owner_token = mine``. No row means the
 lease was taken over; the caller must roll back, and the business writes go
 with it. The database's transition guard enforces the same rule.
 
 Every database error leaves this module as a :mod:`kafka_idem.errors` class,
-translated in :func:`translate_errors` only.
+translated in :func:`translate_errors` only. Connections fit for the protocol:
+:mod:`~kafka_idem.store.connection`.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import uuid
 from collections.abc import Sequence
@@ -38,10 +44,12 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from kafka_idem.errors import ResultNotJSON, StaleOwner, TransientStoreError
-from kafka_idem.sql import compile_queries
+from kafka_idem.errors import ResultNotJSON, StaleOwner
+from kafka_idem.store.claim_plan import ERROR_FIELDS, claim_plan, dead_again
 from kafka_idem.store.errors import storable, translate_errors
 from kafka_idem.store.outbox import OutboxQueries
+from kafka_idem.store.plans import Plan, Statement, run_plan, run_plan_async
+from kafka_idem.store.queries import compile_queries
 from kafka_idem.store.types import AsyncConn, Claim, Conn, Delivery, Failure, Outcome
 
 
@@ -80,7 +88,6 @@ class Store(OutboxQueries):
         other.namespace = namespace
         return other
 
-
     # --- claim ---------------------------------------------------------------
 
     def claim(
@@ -96,23 +103,43 @@ class Store(OutboxQueries):
         reentrant_token: uuid.UUID | None = None,
         reconcile_first: bool = False,
     ) -> Claim:
-        params = self._claim_params(key, request_hash, delivery, lease_seconds)
+        """The whole claim of ``key`` (the module doc's 1 and 2a-f), in the caller's
+        transaction: :func:`~kafka_idem.store.claim_plan.claim_plan` run on ``conn``."""
+        plan = self._claim_plan(key, request_hash, delivery, lease_seconds, max_attempts,
+                                max_elapsed_seconds, reentrant_token, reconcile_first)
         with translate_errors(key=key):
-            row = conn.execute(self.q["claim_insert"], params).fetchone()
-            if row is not None:
-                return Claim(Outcome.CLAIMED, key, token=params["token"], attempts=int(row[0]))
-            cur = conn.cursor(row_factory=dict_row)
-            rec = cur.execute(self.q["claim_lock"], {"ns": self.ns, "key": key}).fetchone()
-            if rec is None:
-                # Purged between our insert and our lock: a new key again.
-                row = conn.execute(self.q["claim_insert"], params).fetchone()
-                if row is None:
-                    raise TransientStoreError("claim raced with a purge", key=key)
-                return Claim(Outcome.CLAIMED, key, token=params["token"], attempts=int(row[0]))
-            return self._decide(
-                conn, rec, params, max_attempts, max_elapsed_seconds, reentrant_token,
-                reconcile_first,
-            )
+            return run_plan(conn, plan)
+
+    async def claim_async(
+        self,
+        conn: AsyncConn,
+        *,
+        key: str,
+        request_hash: str,
+        delivery: Delivery,
+        lease_seconds: float,
+        max_attempts: int,
+        max_elapsed_seconds: float,
+        reentrant_token: uuid.UUID | None = None,
+        reconcile_first: bool = False,
+    ) -> Claim:
+        """:meth:`claim` on an async connection (in the caller's transaction,
+        ``async with conn.transaction()``): the same plan, so the same statements in
+        the same order, and the same decisions."""
+        plan = self._claim_plan(key, request_hash, delivery, lease_seconds, max_attempts,
+                                max_elapsed_seconds, reentrant_token, reconcile_first)
+        with translate_errors(key=key):
+            return await run_plan_async(conn, plan)
+
+    def _claim_plan(
+        self, key: str, request_hash: str, delivery: Delivery, lease_seconds: float,
+        max_attempts: int, max_elapsed_seconds: float, reentrant_token: uuid.UUID | None,
+        reconcile_first: bool,
+    ) -> Plan[Claim]:
+        return claim_plan(
+            self.q, self._claim_params(key, request_hash, delivery, lease_seconds),
+            max_attempts=max_attempts, max_elapsed_seconds=max_elapsed_seconds,
+            reentrant_token=reentrant_token, reconcile_first=reconcile_first)
 
     def claim_new(
         self, conn: Conn, *, key: str, request_hash: str, delivery: Delivery, lease_seconds: float
@@ -154,129 +181,14 @@ class Store(OutboxQueries):
             "offset": delivery.offset,
         }
 
-    def _decide(
-        self,
-        conn: Conn,
-        rec: dict[str, Any],
-        params: dict[str, Any],
-        max_attempts: int,
-        max_elapsed_seconds: float,
-        reentrant_token: uuid.UUID | None,
-        reconcile_first: bool,
-    ) -> Claim:
-        """The claim's decision on an existing, locked record (the module doc's 2a-f)."""
-        key: str = params["key"]
-        status: str = rec["status"]
-        errors = {
-            "error_kind": rec["error_kind"],
-            "error_class": rec["error_class"],
-            "error_message": rec["error_message"],
-            "first_failure_at": rec["first_failure_at"],
-            "last_failure_at": rec["last_failure_at"],
-        }
-        if rec["request_hash"] != params["hash"]:
-            return Claim(Outcome.CONFLICT, key, attempts=rec["attempts"], **errors)
-        if status == "succeeded":
-            return Claim(Outcome.REPLAY, key, attempts=rec["attempts"], result=rec["result_json"])
-        if status == "failed":
-            return self._dead_again(conn, rec, params, errors)
-        reentrant = reentrant_token is not None and rec["owner_token"] == reentrant_token
-        busy = _busy(rec, key, reentrant)
-        if busy is not None:
-            return busy
-        return self._take(conn, rec, params, errors, reentrant=reentrant,
-                          max_attempts=max_attempts, max_elapsed_seconds=max_elapsed_seconds,
-                          reconcile_first=reconcile_first)
-
     def dead(self, conn: Conn, rec: dict[str, Any], delivery: Delivery) -> Claim:
         """A locked ``failed`` record met again (the batch path): dead-lettered again,
         exactly as :meth:`claim` decides it (its failure time and last delivery move)."""
         params = {"ns": self.ns, "key": rec["idempotency_key"], "topic": delivery.topic,
                   "partition": delivery.partition, "offset": delivery.offset}
-        errors = {name: rec[name] for name in (
-            "error_kind", "error_class", "error_message", "first_failure_at", "last_failure_at")}
+        errors = {name: rec[name] for name in ERROR_FIELDS}
         with translate_errors(key=params["key"]):
-            return self._dead_again(conn, rec, params, errors)
-
-    def _dead_again(self, conn: Conn, rec: dict[str, Any], params: dict[str, Any],
-                    errors: dict[str, Any]) -> Claim:
-        again = conn.execute(self.q["dead_again"], params).fetchone()
-        if again is not None:  # the dead letter about to be sent says "now"
-            errors["first_failure_at"], errors["last_failure_at"] = again
-        return Claim(Outcome.DEAD, params["key"], attempts=rec["attempts"], **errors)
-
-    def _take(
-        self,
-        conn: Conn,
-        rec: dict[str, Any],
-        params: dict[str, Any],
-        errors: dict[str, Any],
-        *,
-        reentrant: bool,
-        max_attempts: int,
-        max_elapsed_seconds: float,
-        reconcile_first: bool,
-    ) -> Claim:
-        """Take the record over (2f), or exhaust it when its budget is used up (2e)."""
-        key: str = params["key"]
-        # A processing record not ours: its owner's lease ran out, perhaps mid-call;
-        # unless the owner withdrew its claim before calling (withdraw_claim's mark).
-        withdrawn = rec["status"] == "processing" and rec["next_attempt_at"] is not None
-        took_over = rec["status"] == "processing" and not reentrant and not withdrawn
-        first = rec["first_failure_at"]
-        failing_for = (rec["db_now"] - first).total_seconds() if first is not None else 0.0
-        elapsed_out = first is not None and failing_for >= max_elapsed_seconds
-        used = rec["attempts"] - rec["attempt_base"]  # since the last audited re-run
-        last_chance = False
-        if not reentrant and (used >= max_attempts or elapsed_out):
-            # The limit is reached; but if the last attempt's outcome is unknown (it
-            # died mid-flight, or said so), the effect may have happened: a handler
-            # with a reconciler asks first, and only then is the key exhausted.
-            unknown = took_over or rec["error_kind"] == "unknown_outcome"
-            if not (reconcile_first and unknown):
-                return self._exhaust(conn, rec, key, took_over)
-            last_chance = True
-        charge = 0 if reentrant or last_chance else 1
-        taken = conn.execute(self.q["claim_take"], {**params, "charge": charge})
-        row = taken.fetchone()
-        assert row is not None  # we hold the row lock
-        previous = "lease_expired" if took_over else rec["error_kind"]
-        return Claim(
-            Outcome.CLAIMED,
-            key,
-            token=params["token"],
-            attempts=int(row[0]),
-            budget_used=int(row[0]) - rec["attempt_base"],
-            took_over=took_over,
-            failing_for=failing_for,
-            last_chance=last_chance,
-            charged=charge == 1,
-            previous_error_kind=previous,
-            **{k: v for k, v in errors.items() if k != "error_kind"},
-        )
-
-    def _exhaust(self, conn: Conn, rec: dict[str, Any], key: str, took_over: bool) -> Claim:
-        kind = "exhausted"
-        message = rec["error_message"] or (
-            "lease expired on the last attempt (its owner died, stalled, or abandoned it "
-            "at a stop or a revoke)" if took_over else None
-        )
-        error_class = rec["error_class"] or ("LeaseExpired" if took_over else None)
-        row = conn.execute(
-            self.q["exhaust"],
-            {"ns": self.ns, "key": key, "error_class": error_class, "error_message": message},
-        ).fetchone()
-        assert row is not None
-        return Claim(
-            Outcome.EXHAUSTED,
-            key,
-            attempts=rec["attempts"],
-            error_kind=kind,
-            error_class=error_class,
-            error_message=message,
-            first_failure_at=row[0],
-            last_failure_at=row[1],
-        )
+            return run_plan(conn, dead_again(self.q, rec, params, errors))
 
     # --- complete / fail / heartbeat -----------------------------------------
 
@@ -319,21 +231,41 @@ class Store(OutboxQueries):
         error_message: str,
         delay: float = 0.0,
     ) -> Failure:
-        """Record a failure as ``retryable_failed`` (due in ``delay`` s) or ``failed``."""
+        """Record a failure as ``retryable_failed`` (due in ``delay`` s) or ``failed``;
+        :class:`StaleOwner` when ``token`` no longer owns ``key``."""
+        plan = self._fail_plan(key, token, status, kind, error_class, error_message, delay)
         with translate_errors(key=key):
-            row = conn.execute(
-                self.q["fail"],
-                {
-                    "ns": self.ns,
-                    "key": key,
-                    "token": token,
-                    "status": status,
-                    "kind": kind,
-                    "error_class": storable(error_class),
-                    "error_message": storable(error_message),
-                    "delay": delay,
-                },
-            ).fetchone()
+            return run_plan(conn, plan)
+
+    async def fail_async(
+        self,
+        conn: AsyncConn,
+        *,
+        key: str,
+        token: uuid.UUID,
+        status: str,
+        kind: str,
+        error_class: str,
+        error_message: str,
+        delay: float = 0.0,
+    ) -> Failure:
+        """:meth:`fail` on an async connection: the same statement, the same answer."""
+        plan = self._fail_plan(key, token, status, kind, error_class, error_message, delay)
+        with translate_errors(key=key):
+            return await run_plan_async(conn, plan)
+
+    def _fail_plan(self, key: str, token: uuid.UUID, status: str, kind: str,
+                   error_class: str, error_message: str, delay: float) -> Plan[Failure]:
+        row = yield Statement(self.q["fail"], {
+            "ns": self.ns,
+            "key": key,
+            "token": token,
+            "status": status,
+            "kind": kind,
+            "error_class": storable(error_class),
+            "error_message": storable(error_message),
+            "delay": delay,
+        })
         if row is None:
             raise StaleOwner(key=key)
         return Failure(int(row[0]), row[1], row[2], row[3])
@@ -385,7 +317,7 @@ class Store(OutboxQueries):
         with translate_errors():
             conn.execute(self.q["wipe"])
 
-    # --- the batch path (kafka_idem.consume.batch) ---------------------------------------
+    # --- the batch path (kafka_idem.consume.paths.batch_path) -------------------------------
 
     def claim_batch(
         self, conn: Conn, *, lease_seconds: float, keys: Sequence[str],
@@ -456,65 +388,3 @@ class Store(OutboxQueries):
                 self.q["succeeded_results"], {"ns": self.ns, "keys": list(keys)}
             ).fetchall()
         return {r[0]: (r[1], r[2]) for r in rows if r[3] == "succeeded"}
-
-
-def _busy(rec: dict[str, Any], key: str, reentrant: bool) -> Claim | None:
-    """Someone else's live lease, or a retry not due yet: busy for that long (2d)."""
-    now: dt.datetime = rec["db_now"]
-    if rec["status"] == "processing" and rec["lease_until"] > now and not reentrant:
-        wait = (rec["lease_until"] - now).total_seconds()
-        return Claim(Outcome.BUSY, key, attempts=rec["attempts"], retry_in=wait)
-    due = rec["next_attempt_at"]
-    if rec["status"] == "retryable_failed" and due and due > now:
-        return Claim(Outcome.BUSY, key, attempts=rec["attempts"],
-                     retry_in=(due - now).total_seconds(), backoff=True)
-    return None
-
-
-def connect(
-    dsn: str, *, application_name: str = "kafka_idem", idle_in_transaction_timeout: float = 0.0,
-    lock_timeout: float = 0.0,
-) -> Conn:
-    """A connection fit for the protocol: synchronous commit on (an
-    acknowledged commit must survive a server crash).
-
-    ``idle_in_transaction_timeout`` (seconds, 0 = off) lets the server end the
-    session of a member stalled inside a transaction (a zombie), releasing the
-    row locks that would otherwise block the member that took its lease over.
-    ``lock_timeout`` (seconds, 0 = off) bounds each wait for a lock: a member waiting on
-    another's rows gets ``55P03`` (transient: retried, never charged) instead of
-    waiting past its poll interval.
-    """
-    with translate_errors():
-        conn = psycopg.connect(dsn, autocommit=False, application_name=application_name)
-        for sql, params in _session(idle_in_transaction_timeout, lock_timeout):
-            conn.execute(sql, params)
-        conn.commit()
-    return conn
-
-
-async def connect_async(
-    dsn: str, *, application_name: str = "kafka_idem", idle_in_transaction_timeout: float = 0.0,
-    lock_timeout: float = 0.0,
-) -> AsyncConn:
-    """:func:`connect` for ``async def`` handlers: the same session settings."""
-    with translate_errors():
-        conn = await psycopg.AsyncConnection.connect(
-            dsn, autocommit=False, application_name=application_name
-        )
-        for sql, params in _session(idle_in_transaction_timeout, lock_timeout):
-            await conn.execute(sql, params)
-        await conn.commit()
-    return conn
-
-
-def _session(idle_in_transaction_timeout: float,
-             lock_timeout: float = 0.0) -> list[tuple[str, tuple[Any, ...]]]:
-    # An asynchronously committed success could vanish in a crash after its
-    # Kafka offset was committed; insist on synchronous commit.
-    return [
-        ("SET synchronous_commit = on", ()),
-        ("SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
-         (f"{int(idle_in_transaction_timeout * 1000)}ms",)),
-        ("SELECT set_config('lock_timeout', %s, false)", (f"{int(lock_timeout * 1000)}ms",)),
-    ]

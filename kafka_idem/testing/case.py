@@ -1,24 +1,56 @@
 """What one :func:`~kafka_idem.testing.check.check` works on (:class:`Case`: the
 message, the derived ones, the reference) and how a scenario judges what it saw:
 outcomes as :data:`Sig` (an outcome and its dead letter's kind), the app's tables, the
-events in the outbox and the remotes' effects against the reference's."""
+events in the outbox and the remotes' effects against the reference's.
+
+The kit's modules import one way: ``harness`` -> ``check`` -> ``scenarios`` -> ``case``.
+What a check needs of its harness is :class:`Kit` (which
+:class:`~kafka_idem.testing.harness.Harness` is), so nothing below the harness imports it.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from kafka_idem.app import App
 from kafka_idem.consume.outcome import Finished, Result
 from kafka_idem.handler import Handler
+from kafka_idem.store import Conn
 from kafka_idem.testing.events import Compared, EmittedEvent, compare_events
-from kafka_idem.testing.harness import Harness
+from kafka_idem.testing.hooks import Hooks
 from kafka_idem.testing.message import FakeMessage
+from kafka_idem.testing.remote import Remote
 from kafka_idem.testing.report import ScenarioResult
 from kafka_idem.testing.sandbox import Delivered, Path, Sandbox
 from kafka_idem.testing.tables import State, Table, compare, freeze, show_value
 
 Sig = tuple[str, str | None]
+
+
+class Kit(Protocol):
+    """What a check needs of the :class:`~kafka_idem.testing.harness.Harness` it runs
+    in: the app, its instrumented copy, the tables and remotes it compares, and clean
+    databases to run the scenarios in."""
+
+    app: App
+    base: App  # the app with the kit's hooks installed
+    hooks: Hooks
+    remotes: dict[str, Remote]
+    tables: list[Table]  # the tables compared
+    clean: State  # their state on a clean database
+    concurrency: int
+    event_ignore: dict[str, frozenset[str]]  # event topic -> the fields not compared
+
+    def handler(self, topic: str) -> Handler[Any]: ...
+
+    def encode(self, topic: str, value: Any) -> bytes: ...
+
+    def scratch(self, **settings: Any) -> AbstractContextManager[Sandbox]: ...
+
+    def move_sequences(self, conn: Conn, by: int = ...) -> None: ...
 
 
 def settings_for(path: Path) -> dict[str, Any]:
@@ -60,7 +92,7 @@ class Reference:
 class Case:
     """What one :func:`check` works on."""
 
-    harness: Harness
+    harness: Kit
     handler: Handler[Any]
     msg: FakeMessage
     paths: list[Path]

@@ -14,12 +14,12 @@ from typing import Any
 from kafka_idem.errors import ConfigError, MessageError
 from kafka_idem.handler import Handler
 from kafka_idem.retry import no_wait
-from kafka_idem.testing.case import Case, Reference, settings_for, show, told
+from kafka_idem.testing.case import Case, Kit, Reference, settings_for, show, told
 from kafka_idem.testing.events import MADE, Compared, EmittedEvent, Made, made_fields, made_values
-from kafka_idem.testing.harness import Harness
 from kafka_idem.testing.message import FakeMessage
+from kafka_idem.testing.processor import KitProcessor
 from kafka_idem.testing.report import CheckReport, ScenarioResult
-from kafka_idem.testing.sandbox import Path
+from kafka_idem.testing.sandbox import Path, Sandbox
 from kafka_idem.testing.scenarios import LEASED_ONLY, RUN, SCENARIOS
 from kafka_idem.testing.tables import (
     DRIFTING,
@@ -87,7 +87,7 @@ def run_one(case: Case, name: str, path: Path) -> ScenarioResult:
     return out
 
 
-def _derived(harness: Harness, topic: str, data: bytes, prepare: Callable[[bytes], Any],
+def _derived(harness: Kit, topic: str, data: bytes, prepare: Callable[[bytes], Any],
              conflict: Any, batch: Iterable[Any] | None) -> tuple[bytes | None, list[bytes]]:
     """The conflicting payload and the batch's payloads: the ones given (a conflict
     checked to keep the key and change the request), else made from ``data``."""
@@ -114,13 +114,13 @@ def _derived(harness: Harness, topic: str, data: bytes, prepare: Callable[[bytes
                    *others[1:]]
 
 
-def _clean(harness: Harness) -> None:
+def _clean(harness: Kit) -> None:
     for remote in harness.remotes.values():
         remote.reset()
     harness.hooks.forget()
 
 
-def _probe(harness: Harness, msg: FakeMessage, path: Path) -> tuple[State, Any]:
+def _probe(harness: Kit, msg: FakeMessage, path: Path) -> tuple[State, Any]:
     """The tables after a first delivery of the reference, from a clean database: the
     reference's own delivery is the second, and a column that differs between the two
     holds a value the handler's SQL makes anew (every scenario would differ in it)."""
@@ -130,7 +130,7 @@ def _probe(harness: Harness, msg: FakeMessage, path: Path) -> tuple[State, Any]:
         return sb.state(harness.tables), d.result
 
 
-def _compared(harness: Harness, msg: FakeMessage, path: Path, tables: list[Table],
+def _compared(harness: Kit, msg: FakeMessage, path: Path, tables: list[Table],
               ref: list[EmittedEvent], ref_made: Made) -> tuple[Compared, list[str]]:
     """How events are compared, and the report's lines for the fields left out: the
     user's ``ignore``, and the fields that carry a value the database makes (found by
@@ -156,8 +156,60 @@ def _compared(harness: Harness, msg: FakeMessage, path: Path, tables: list[Table
     return Compared({t: frozenset(f) for t, f in left.items()}), lines
 
 
+def _require_comparable(harness: Kit) -> None:
+    if not harness.tables and not harness.remotes:
+        raise ConfigError(
+            "check has nothing to compare: it compares the app's own tables and remote "
+            "fakes, and the app's migrations made no table; register its set-up with "
+            "@app.migration, name its tables (tables=[...]) or pass remotes={...}",
+            setting="tables")
+
+
+def _reference(harness: Kit, handler: Handler[Any], msg: FakeMessage, paths: list[Path],
+               sb: Sandbox, proc: KitProcessor,
+               probe: tuple[State, Any]) -> tuple[Case, Made]:
+    """Deliver the reference once on the first path (in ``sb`` by ``proc``): the case
+    the scenarios are compared with, and the values the database made in its tables.
+    ``probe`` is the tables and result of an earlier delivery: what differs between the
+    two is not compared."""
+    probe_state, probe_result = probe
+    d = sb.drive(proc, msg, paths[0])
+    # what differs between two deliveries of the reference is not compared
+    tables = leave_out(harness.tables, drifting(probe_state, sb.state(harness.tables)),
+                       DRIFTING)
+    case = Case(harness, handler, msg, paths,
+                Reference(d, sb.state(tables), {}, sb.events()),
+                tables=tables, result_drift=drifting_result(probe_result, d.result))
+    case.ref.effects = case.effects()
+    return case, made_values(sb.conn(), tables)
+
+
+def _report(case: Case, topic: str, events_left_out: list[str]) -> CheckReport:
+    """The report before any scenario ran: what is compared, what is left out, and what
+    the reference delivery did."""
+    harness, handler, tables, d = case.harness, case.handler, case.tables, case.ref.delivered
+    report = CheckReport(
+        handler=handler.name, topic=topic, mode=handler.mode,
+        tables=[t.name for t in tables],
+        left_out=[f"{t.name}.{c} ({why})" for t in tables for c, why in t.left_out]
+        + [f"the stored result{f'[{k!r}]' if k else ''} ({DRIFTING})"
+           for k in sorted(case.result_drift)] + events_left_out,
+        remotes=list(harness.remotes), reference_outcome=show(case.first))
+    rows = ", ".join(f"{len(r.rows)} row(s) in {name}" for name, r in case.ref.state.items())
+    report.reference.append(f"delivered once on the {case.paths[0]} path: {told(d)}; {rows}")
+    if d.result is not None:
+        report.reference.append(f"stored result: {json.dumps(d.result, default=str)}")
+    if harness.app.event_topics:
+        emitted = Counter(e.topic for e in case.ref.events)
+        report.reference.append("events: " + (", ".join(
+            f"{n} to {t}" for t, n in sorted(emitted.items())) or "none"))
+    report.reference += [f"remote {n!r}: {sum(c.values())} effect(s)"
+                         for n, c in case.ref.effects.items()]
+    return report
+
+
 def check(
-    harness: Harness,
+    harness: Kit,
     topic: str,
     value: Any,
     *,
@@ -171,12 +223,7 @@ def check(
     __tracebackhide__ = True
     started = time.monotonic()
     handler = harness.handler(topic)
-    if not harness.tables and not harness.remotes:
-        raise ConfigError(
-            "check has nothing to compare: it compares the app's own tables and remote "
-            "fakes, and the app's migrations made no table; register its set-up with "
-            "@app.migration, name its tables (tables=[...]) or pass remotes={...}",
-            setting="tables")
+    _require_comparable(harness)
     paths = paths_of(handler)
     data = harness.encode(topic, value)
     stamp = int(time.time() * 1000)
@@ -188,44 +235,21 @@ def check(
     msg = at(0, data)
     plan = _plan(handler, paths, scenarios)
     with no_wait():
-        probe, probe_result = _probe(harness, msg, paths[0])
+        probe = _probe(harness, msg, paths[0])
         _clean(harness)
         with harness.scratch(**settings_for(paths[0])) as sb:
             proc = sb.processor()
-            d = sb.drive(proc, msg, paths[0])
-            # what differs between two deliveries of the reference is not compared
-            tables = leave_out(harness.tables, drifting(probe, sb.state(harness.tables)),
-                               DRIFTING)
-            case = Case(harness, handler, msg, paths,
-                        Reference(d, sb.state(tables), {}, sb.events()),
-                        tables=tables, result_drift=drifting_result(probe_result, d.result))
-            case.ref.effects = case.effects()
-            ref_made = made_values(sb.conn(), tables)
+            case, ref_made = _reference(harness, handler, msg, paths, sb, proc, probe)
 
             def prepare(payload: bytes) -> Any:
                 return proc.prepare(handler, at(0, payload))
 
             other, payloads = _derived(harness, topic, data, prepare, conflict, batch)
-        case.compared, events_left_out = _compared(harness, msg, paths[0], tables,
+        case.compared, events_left_out = _compared(harness, msg, paths[0], case.tables,
                                                    case.ref.events, ref_made)
-    report = CheckReport(
-        handler=handler.name, topic=topic, mode=handler.mode,
-        tables=[t.name for t in tables],
-        left_out=[f"{t.name}.{c} ({why})" for t in tables for c, why in t.left_out]
-        + [f"the stored result{f'[{k!r}]' if k else ''} ({DRIFTING})"
-           for k in sorted(case.result_drift)] + events_left_out,
-        remotes=list(harness.remotes), reference_outcome=show(case.first))
+    report = _report(case, topic, events_left_out)
     with no_wait():
-        rows = ", ".join(f"{len(r.rows)} row(s) in {name}" for name, r in case.ref.state.items())
-        report.reference.append(f"delivered once on the {paths[0]} path: {told(d)}; {rows}")
-        if d.result is not None:
-            report.reference.append(f"stored result: {json.dumps(d.result, default=str)}")
-        if harness.app.event_topics:
-            emitted = Counter(e.topic for e in case.ref.events)
-            report.reference.append("events: " + (", ".join(
-                f"{n} to {t}" for t, n in sorted(emitted.items())) or "none"))
-        report.reference += [f"remote {n!r}: {sum(c.values())} effect(s)"
-                             for n, c in case.ref.effects.items()]
+        d = case.ref.delivered
         if d.outcome == "deferred":
             raise AssertionError(f"kafka_idem check of handler {handler.name!r}: the "
                                  f"reference delivery did not finish ({told(d)})")

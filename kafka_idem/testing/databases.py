@@ -19,7 +19,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from kafka_idem.errors import ConfigError, StoreError
-from kafka_idem.redact import redact, secrets_in
+from kafka_idem.observe.redact import redact, secrets_in
 from kafka_idem.store import translate_errors
 
 PREFIX = "kafka_idem_kit_"

@@ -29,9 +29,9 @@ from typing import Any
 from psycopg import sql
 
 from kafka_idem.app import App
+from kafka_idem.observe.tracing import TRACE_HEADERS
 from kafka_idem.store import Conn
 from kafka_idem.testing.tables import State, Table, freeze, show_value, snapshot
-from kafka_idem.tracing import TRACE_HEADERS
 
 MADE = "a value the database makes"
 

@@ -1,7 +1,7 @@
 """The test kit's harness: an app's handlers run through the real message path on a
 throwaway PostgreSQL database, without Kafka.
 
-A message goes where the runner would send it: :class:`~kafka_idem.consume.executor.
+A message goes where the runner would send it: :class:`~kafka_idem.consume.paths.processor.
 Processor` (the batch path, the per-message local path or the leased path, with the
 claim, the fenced completion, the retry decisions and the dead letters of production),
 on a database of its own that the harness made from the store's and the app's
@@ -23,12 +23,13 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from kafka_idem.admin.migrate import migrate, migrate_app
 from kafka_idem.app import App
 from kafka_idem.consume.outcome import TP
 from kafka_idem.errors import ConfigError
 from kafka_idem.handler import Handler
-from kafka_idem.migrate import migrate, migrate_app
 from kafka_idem.store import Conn, Store, connect
+from kafka_idem.testing.check import check as check_matrix
 from kafka_idem.testing.databases import Databases
 from kafka_idem.testing.events import EmittedEvent
 from kafka_idem.testing.hooks import Hooks
@@ -341,8 +342,6 @@ class Harness:
             report = harness.check("orders.placed", order)
             assert report.result("crash_before_commit", "batch").passed
         """
-        from kafka_idem.testing.check import check
-
         __tracebackhide__ = True  # pytest shows the report, not the kit's source
-        return check(self, topic, value, key=key, headers=headers, conflict=conflict,
-                     batch=batch, scenarios=scenarios)
+        return check_matrix(self, topic, value, key=key, headers=headers, conflict=conflict,
+                            batch=batch, scenarios=scenarios)

@@ -1,10 +1,11 @@
 """Dead letters captured in memory, written by the framework's own DLQ code.
 
-The runner hands a unit's results to :func:`~kafka_idem.consume.letters.send_letters`,
-which produces each dead letter through a :class:`~kafka_idem.dlq.DeadLetterer` and
-waits for its acknowledgement. The kit does the same with a producer that keeps the
-records instead of sending them, so a captured letter has exactly the key, value and
-``idem.*`` headers a consumer would write to the DLQ topic.
+The runner hands a unit's results to :func:`~kafka_idem.consume.send_letters.send_letters`,
+which produces each dead letter through a
+:class:`~kafka_idem.deadletters.dead_letter.DeadLetterer` and waits for its
+acknowledgement. The kit does the same with a producer that keeps the records instead
+of sending them, so a captured letter has exactly the key, value and ``idem.*`` headers
+a consumer would write to the DLQ topic.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kafka_idem.consume.letters import send_letters
 from kafka_idem.consume.outcome import Result
 from kafka_idem.consume.partitions import TP
-from kafka_idem.dlq import PREFIX, DeadLetterer
-from kafka_idem.metrics import Metrics
+from kafka_idem.consume.send_letters import send_letters
+from kafka_idem.deadletters.dead_letter import PREFIX, DeadLetterer
+from kafka_idem.observe.metrics import Metrics
 from kafka_idem.testing.message import FakeMessage
 
 
@@ -46,7 +47,7 @@ class CapturedLetter(FakeMessage):
 
 
 class MemoryProducer:
-    """The two calls :class:`~kafka_idem.dlq.DeadLetterer` makes of a
+    """The two calls :class:`~kafka_idem.deadletters.dead_letter.DeadLetterer` makes of a
     ``confluent_kafka.Producer``, acknowledging every record on ``flush()``."""
 
     def __init__(self) -> None:

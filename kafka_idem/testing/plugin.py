@@ -58,7 +58,7 @@ def reachable(config: pytest.Config) -> str:
     when the suite requires the database, failed) with the reason."""
     import psycopg
 
-    from kafka_idem.redact import redact, secrets_in
+    from kafka_idem.observe.redact import redact, secrets_in
 
     url = _url(config)
     try:

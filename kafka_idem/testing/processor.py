@@ -1,32 +1,30 @@
 """The kit's processor: one consumer process of the test kit, a
-:class:`~kafka_idem.consume.executor.Processor` that also runs ``async def`` handlers.
+:class:`~kafka_idem.consume.paths.processor.Processor` that also runs ``async def`` handlers.
 
 A consumer runs an ``async def`` leased handler on its event loop through
-:class:`~kafka_idem.consume.aio.AsyncLeasedPath` (the handler's transaction on an
-async connection), its claim and failure record on the sync leased path of a thread.
-The kit does the same with one event loop per processor (a thread of its own, so a
-test that is itself ``async`` can deliver too): the claim and the failure record run
-on that loop's thread, on this processor's own sync leased path and connection, and
-the processor waits for the answer. A fault of the kit (a crash, a held key) blocks
-that loop only, as it blocks the one process it belongs to.
+:class:`~kafka_idem.consume.paths.async_leased_path.AsyncLeasedPath`: the claim, the
+handler's transaction and the failure record, each on an async connection of the
+loop's. The kit does the same with one event loop per processor (a thread of its own,
+so a test that is itself ``async`` can deliver too) and its own async connections
+(one message at a time, so one connection), and the processor waits for the answer.
+A fault of the kit (a crash, a held key) blocks that loop only, as it blocks the one
+process it belongs to.
 """
 
 from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any
 
 from kafka_idem.app import App
-from kafka_idem.consume.aio import AsyncConnections, AsyncLeasedPath, EventLoop
-from kafka_idem.consume.executor import Processor
-from kafka_idem.consume.leased import LeasedPath
+from kafka_idem.consume.concurrency.event_loop import EventLoop
 from kafka_idem.consume.outcome import Message, Prepared, Result
-from kafka_idem.consume.rounds import RoundClaim
-from kafka_idem.consume.slots import Gate
-from kafka_idem.metrics import Metrics
+from kafka_idem.consume.paths.async_connections import AsyncConnections
+from kafka_idem.consume.paths.async_leased_path import AsyncLeasedPath
+from kafka_idem.consume.paths.processor import Processor
+from kafka_idem.consume.paths.round_claim import RoundClaim
+from kafka_idem.consume.paths.slots import Gate
+from kafka_idem.observe.metrics import Metrics
 from kafka_idem.store import Store
 
 STOP_SECONDS = 5.0
@@ -84,19 +82,9 @@ class KitProcessor(Processor):
             self._conns = AsyncConnections(
                 self.settings, application_name=f"kafka_idem:{self.app.name}")
             self._aio = AsyncLeasedPath(self.app, steps=self.steps, leases=self.leases,
-                                        on_thread=self._on_thread, conns=self._conns)
+                                        conns=self._conns)
             self._loop = EventLoop(name="kafka-idem-kit-async")
         return self._loop, self._aio
-
-    def _on_thread(self, fn: Callable[[LeasedPath], Any]) -> Future[Any]:
-        """``fn`` on this processor's sync leased path, at once (on the loop's thread:
-        the processor waits for the loop anyway), as a finished future."""
-        future: Future[Any] = Future()
-        try:
-            future.set_result(fn(self.leased_path))
-        except BaseException as exc:  # a Crash of the kit too: the process dies there
-            future.set_exception(exc)
-        return future
 
     def close(self) -> None:
         """Close the async connections and stop the loop, then the sync connection."""

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kafka_idem.app import App
-from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.outcome import TP, Finished, Result
-from kafka_idem.metrics import Metrics
+from kafka_idem.consume.paths.processor import Processor
+from kafka_idem.observe.metrics import Metrics
 from kafka_idem.retry import no_wait
 from kafka_idem.store import Conn, Store, connect
 from kafka_idem.testing.events import EmittedEvent, mark, read_events

@@ -29,8 +29,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from kafka_idem.consume.batch import Fallback, run_batch
 from kafka_idem.consume.outcome import TP, Finished, Result
+from kafka_idem.consume.paths.batch_path import Fallback, run_batch
 from kafka_idem.errors import Retryable, UnknownOutcome
 from kafka_idem.testing.case import (
     Case,

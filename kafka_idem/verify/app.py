@@ -50,7 +50,7 @@ from psycopg import sql
 from pydantic import BaseModel
 
 from kafka_idem.app import App, Context, Done
-from kafka_idem.codec import AvroCodec
+from kafka_idem.codecs.avro_codec import AvroCodec
 from kafka_idem.errors import Permanent, Retryable
 
 SCHEMA_NAME = "kafka_idem.verify.Intent"

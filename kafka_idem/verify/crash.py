@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import importlib
-import sys
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -66,9 +65,8 @@ def crash_after_local_write(ws: Workspace, out: Outcome) -> None:
 
 
 def gateway_module() -> Any:
-    """``consumers.gateway`` from the current directory or the path; ImportError if absent."""
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")  # like `kafka-idem run`: the current directory is importable
+    """``consumers.gateway`` from the path (``kafka-idem`` put the current directory on
+    it: :func:`kafka_idem.cli.common.importable_cwd`); ImportError if absent."""
     return importlib.import_module("consumers.gateway")
 
 

@@ -13,8 +13,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kafka_idem.cli_text import cell, cell_lines, plain
-from kafka_idem.redact import redact
+from kafka_idem.observe.redact import redact
+from kafka_idem.observe.text import cell, cell_lines, plain
 
 PASS, FAIL, SKIPPED = "PASS", "FAIL", "SKIPPED"
 

@@ -1,5 +1,5 @@
 """Worker processes for the barrier race (scenario 1): each runs the real
-:class:`~kafka_idem.consume.executor.Processor` on one message, all released together by a
+:class:`~kafka_idem.consume.paths.processor.Processor` on one message, all released together by a
 ``multiprocessing`` barrier (spawn context), and reports what became of it."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import os
 import traceback
 from typing import Any
 
-from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.outcome import Deferred, Finished
-from kafka_idem.metrics import Metrics
+from kafka_idem.consume.paths.processor import Processor
+from kafka_idem.observe.metrics import Metrics
 from kafka_idem.store import Store
 from kafka_idem.testing.message import FakeMessage
 from kafka_idem.verify.app import Config, build_app

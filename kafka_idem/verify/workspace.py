@@ -19,8 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 from psycopg.rows import dict_row
 
-import kafka_idem
-from kafka_idem.migrate import migrate
+from kafka_idem.admin.migrate import migrate
 from kafka_idem.settings import Settings
 from kafka_idem.store import Store
 from kafka_idem.verify.app import APP_NAME, ENV_PREFIX, Config, business_tables
@@ -129,7 +128,7 @@ class Workspace:
         self.schemas: list[str] = []
         self.topics: list[str] = []
         self.groups: list[str] = []
-        self.pythonpath: list[str] = [str(Path(kafka_idem.__file__).resolve().parent.parent)]
+        self.pythonpath: list[str] = [str(Path(__file__).resolve().parents[2])]
 
     # --- set-up ----------------------------------------------------------------------
 

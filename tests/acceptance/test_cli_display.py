@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kafka_idem import audit
+from kafka_idem.admin import audit
 from kafka_idem.store import Delivery, Store, connect
 from tests.acceptance.conftest import Result, kafka_idem, produce_with_headers
 from tests.conftest import DB, Topics

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from kafka_idem.dlq import REQUIRED_HEADERS
+from kafka_idem.deadletters.dead_letter import REQUIRED_HEADERS
 from tests.acceptance.conftest import (
     EXPECTED_DLQ,
     KAFKA_IDEM,

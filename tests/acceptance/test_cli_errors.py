@@ -182,8 +182,8 @@ def test_a_misspelt_variable_is_one_warning_before_a_config_error(db: DB) -> Non
                                          "KAFKA_IDEM_MAX_ATTEMPTS": "0"})
     assert r.code == 2, (r.out, r.err)
     (warning, error) = r.err.strip().splitlines()
-    assert warning.endswith(f"WARNING kafka_idem.settings: {MISSPELT} action=config_unknown "
-                            "kind=KAFKA_IDEM_BATCH_SIZ")
+    assert warning.endswith(f"WARNING kafka_idem.settings.environment: {MISSPELT} "
+                            "action=config_unknown kind=KAFKA_IDEM_BATCH_SIZ")
     assert error.startswith("error: invalid setting max_attempts (KAFKA_IDEM_MAX_ATTEMPTS)")
 
 

@@ -19,7 +19,7 @@ import psycopg
 from psycopg import sql
 
 from consumers.payments import encode_charge
-from kafka_idem.migrate import migrations, render
+from kafka_idem.admin.migrate import migrations, render
 from tests.acceptance.conftest import headers_of, kafka_idem, read_all
 from tests.acceptance.test_cli_redrive import consumed_all
 from tests.apps.twin import CREATE

@@ -214,7 +214,7 @@ def test_run_with_the_broker_down_writes_a_few_clear_lines(db: DB, topics: Topic
     lines = r.err.splitlines()
     assert [ln for ln in lines if RAW_RDKAFKA.match(ln)] == []
     assert len(lines) <= 8, r.err  # was 370 lines in 8 s
-    kafka = [ln for ln in lines if "kafka_idem.kafka" in ln]
+    kafka = [ln for ln in lines if "kafka_idem.observe.kafka_logs" in ln]
     assert kafka and all("WARNING" in ln for ln in kafka), r.err
     assert any(f"{down}/bootstrap: Connect to" in ln and "Connection refused" in ln
                for ln in kafka), r.err

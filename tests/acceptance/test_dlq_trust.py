@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 from consumers.payments import encode_charge
+from kafka_idem.deadletters.signing import SIGNATURE, sign
 from kafka_idem.keys import request_hash
-from kafka_idem.signing import SIGNATURE, sign
 from kafka_idem.store import Delivery, Store, connect
 from tests.acceptance.conftest import Result, headers_of, kafka_idem, read_all
 from tests.conftest import (

@@ -146,7 +146,7 @@ def test_run_names_the_missing_topics_once_and_topics_create_makes_them(
 ) -> None:
     member = folder.start()
     warning = folder.wait_log("do not exist")
-    assert (f"WARNING kafka_idem.runner: topics {folder.topic}, {folder.topic}.dlq do not "
+    assert (f"WARNING kafka_idem.consume.runner: topics {folder.topic}, {folder.topic}.dlq do not "
             "exist; create them with: kafka-idem topics create app:app") in warning
 
     dry = folder.cli("topics", "create", "app:app", "--dry-run")
@@ -272,7 +272,7 @@ def test_a_configuration_error_while_processing_is_loud_counted_and_holds_until_
     folder.wait_log("assigned")
     folder.produce(0, 2)
     error = folder.wait_log("configuration error at")
-    assert (f"ERROR kafka_idem.processing: handler 'reserve': configuration error at "
+    assert (f"ERROR kafka_idem.consume.config_hold: handler 'reserve': configuration error at "
             f"{folder.topic}[0]@0: INVENTORY_API_URL is not set (setting=inventory_api_url); "
             "the partition waits (the message is not charged)") in error
     labels = {"topic": folder.topic, "handler": "reserve"}

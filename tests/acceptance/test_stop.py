@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 from consumers.payments import encode_charge
-from kafka_idem.chaos.services import kafka_sh
 from tests.conftest import (
     BOOTSTRAP,
     DB,
@@ -29,6 +28,7 @@ from tests.conftest import (
     produce,
     wait_for,
 )
+from tools.chaos.services import kafka_sh
 
 DRAIN = 2.0
 EXIT_SLACK = 3.0  # the interpreter's own exit after the stop, on two busy cores

@@ -25,7 +25,7 @@ from typing import Any
 
 from consumers import payments
 from kafka_idem import Context, Permanent, Retryable
-from kafka_idem.runner import Runner
+from kafka_idem.consume.runner import Runner
 
 
 def _orders(var: str) -> set[str] | None:

@@ -8,9 +8,9 @@ from typing import Any
 
 from consumers import payments
 from kafka_idem import Context
-from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.outcome import Deferred, Finished
-from kafka_idem.metrics import Metrics
+from kafka_idem.consume.paths.processor import Processor
+from kafka_idem.observe.metrics import Metrics
 from kafka_idem.store import Store
 from kafka_idem.testing import FakeMessage
 

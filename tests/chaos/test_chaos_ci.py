@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from kafka_idem.chaos.run import FAULTS
 from tests.conftest import ROOT
+from tools.chaos.run import FAULTS
 
 FAULT_COUNT = 22
 DURATION = 100
@@ -32,7 +32,7 @@ DURATION = 100
 def test_chaos_run_has_no_anomaly(tmp_path: Path) -> None:
     seed = int(os.environ.get("CHAOS_SEED") or random.randrange(1_000_000_000))
     report = tmp_path / "chaos.json"
-    cmd = [sys.executable, "-m", "kafka_idem.chaos.run", "--duration", str(DURATION),
+    cmd = [sys.executable, "-m", "tools.chaos.run", "--duration", str(DURATION),
            "--faults", str(FAULT_COUNT), "--seed", str(seed), "--members", "3",
            "--rate", "100", "--heal-timeout", "120", "--allow-broker-restart",
            "--json", str(report)]

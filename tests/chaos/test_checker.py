@@ -21,8 +21,7 @@ from confluent_kafka.admin import AdminClient
 
 from consumers.payments import build_app, encode_charge, events_topic
 from kafka_idem import App
-from kafka_idem import topics as topic_rules
-from kafka_idem.chaos.checker import Liveness, PaymentsDecoder, Report, check
+from kafka_idem.admin import topics as topic_rules
 from tests.conftest import (
     BOOTSTRAP,
     DB,
@@ -36,6 +35,7 @@ from tests.conftest import (
     wait_for,
 )
 from tests.integration.outbox_support import read_committed, wait_published
+from tools.chaos.checker import Liveness, PaymentsDecoder, Report, check
 
 VALID = [("t1", "o1", "5.00", "EUR"), ("t1", "o2", "7.25", "USD"), ("t2", "o3", "1.00", "EUR"),
          ("t2", "o4", "2.50", "EUR"), ("t1", "o5", "3.10", "EUR"), ("t3", "o6", "9.99", "GBP")]

@@ -1,6 +1,6 @@
 """Framework bugs the chaos run found, each reduced to a deterministic test.
 
-1. Batch path, ``KeyError`` in ``batch._run_handlers`` (found by ``chaos.run --seed 1``:
+1. Batch path, ``KeyError`` in ``batch._run_handlers`` (found by ``tools.chaos.run --seed 1``:
    a member crashed with exit code 1). A batch holds two messages of one key whose
    record exists and is not ``succeeded`` (here: ``failed``, the original charge was
    invalid): first a payload conflict, then a re-send of the original.

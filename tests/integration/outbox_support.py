@@ -126,11 +126,9 @@ def wait_published(db: DB, topic: str, n: int, *, timeout: float = 60.0) -> list
 def direct_context(conn: Any, app: App, n: int, *, key: str | None = None) -> Context:
     """A handler's context on ``conn`` as the paths build it (``ctx.emit`` works), for
     writing events without a consumer."""
-    ctx = Context(tx=conn, idempotency_key=key or f"intent-{n}", request_hash="h", attempt=1,
-                  handler="direct", topic="direct", partition=0, offset=n, timestamp=None,
-                  kafka_key=None)
-    ctx._emitter = app.outbox
-    return ctx
+    return Context(tx=conn, idempotency_key=key or f"intent-{n}", request_hash="h", attempt=1,
+                   handler="direct", topic="direct", partition=0, offset=n, timestamp=None,
+                   kafka_key=None, emitter=app.outbox)
 
 
 def write_events(conn: Any, app: App, topic: str, events: list[tuple[str, Any]], *,

@@ -15,7 +15,7 @@ import psycopg
 from consumers import payments
 from kafka_idem import App, Context, RetryPolicy
 from kafka_idem.app import ErrorKind
-from kafka_idem.dlq import REQUIRED_HEADERS
+from kafka_idem.deadletters.dead_letter import REQUIRED_HEADERS
 from kafka_idem.store import Delivery, Store, connect
 from tests.conftest import DB, app_settings, headers, read_topic
 

@@ -49,9 +49,10 @@ from pydantic import ValidationError
 from consumers import payments
 from consumers.payments import encode_charge
 from kafka_idem import App, Context, RetryPolicy, errors
-from kafka_idem.codec import SINGLE_OBJECT_MAGIC, fingerprint
+from kafka_idem.codecs.avro_codec import fingerprint
+from kafka_idem.codecs.base import SINGLE_OBJECT_MAGIC
+from kafka_idem.consume.runner import Runner
 from kafka_idem.keys import KeyTemplate, hash_payload
-from kafka_idem.runner import Runner
 from tests.conftest import (
     ADMIN_DSN,
     BOOTSTRAP,

@@ -1,5 +1,5 @@
-"""The batch path's two claim orders (``kafka_idem.consume.batch.ClaimOrder``) decide every
-message alike: insert first (claim, then read only the keys the insert did not
+"""The batch path's two claim orders (``kafka_idem.consume.paths.batch_path.ClaimOrder``)
+decide every message alike: insert first (claim, then read only the keys the insert did not
 take) and read first (the replay fast path's read of every key, then the claim).
 
 Each test pins one order on a real :class:`Processor` and calls ``run_batch``
@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from consumers.payments import encode_charge
-from kafka_idem.consume.batch import READ_FIRST_AT, Fallback, claim_order, run_batch
-from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.outcome import Deferred, Finished, Result
+from kafka_idem.consume.paths.batch_path import READ_FIRST_AT, Fallback, claim_order, run_batch
+from kafka_idem.consume.paths.processor import Processor
 from kafka_idem.store import Delivery, Outcome, Store, connect
 from kafka_idem.testing import FakeMessage
 from tests.apps.workers import processor

@@ -26,9 +26,9 @@ from kafka_idem import (
     no_wait,
 )
 from kafka_idem.app import ErrorKind, Handler
-from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.outcome import Deferred, Finished, Result
-from kafka_idem.metrics import Metrics
+from kafka_idem.consume.paths.processor import Processor
+from kafka_idem.observe.metrics import Metrics
 from kafka_idem.store import Store
 from kafka_idem.testing import FakeMessage
 from tests.conftest import DB

@@ -13,8 +13,8 @@ import pytest
 from consumers import payments
 from consumers.payments import encode_charge
 from kafka_idem import Context, RetryPolicy, UnknownOutcome
-from kafka_idem.consume.executor import Processor
-from kafka_idem.metrics import Metrics
+from kafka_idem.consume.paths.processor import Processor
+from kafka_idem.observe.metrics import Metrics
 from kafka_idem.store import Store
 from kafka_idem.testing import FakeMessage
 from tests.conftest import (

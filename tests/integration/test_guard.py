@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from kafka_idem.migrate import migrations, render
+from kafka_idem.admin.migrate import migrations, render
 from kafka_idem.store import Delivery, Store, connect
 from tests.conftest import DB
 from tests.integration.support import record_in

@@ -14,7 +14,7 @@ import pytest
 from consumers import payments
 from consumers.payments import encode_charge
 from kafka_idem import Permanent, Retryable, RetryPolicy
-from kafka_idem.lease import LeaseKeeper
+from kafka_idem.consume.paths.lease_keeper import LeaseKeeper
 from kafka_idem.store import Claim, Delivery, Store, connect
 from tests.conftest import DB, InProcess, Topics, caught_up, committed, headers, produce, wait_for
 from tests.integration.support import charge_app, dlq_records

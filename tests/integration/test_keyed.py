@@ -25,7 +25,7 @@ import pytest
 from consumers import payments
 from consumers.payments import encode_charge
 from kafka_idem import App, AsyncContext, Context, Retryable, RetryPolicy
-from kafka_idem.runner import Runner
+from kafka_idem.consume.runner import Runner
 from tests.conftest import (
     DB,
     InProcess,

@@ -36,10 +36,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from consumers import payments
 from consumers.payments import encode_charge
 from kafka_idem import App, Context, Retryable, RetryPolicy
-from kafka_idem.consume.gauges import Lag
+from kafka_idem.consume.lag import Lag
 from kafka_idem.consume.partitions import Partitions
-from kafka_idem.health import Health
-from kafka_idem.metrics import Metrics
+from kafka_idem.observe.health import Health
+from kafka_idem.observe.metrics import Metrics
 from tests.apps import variants
 from tests.conftest import (
     ADMIN_DSN,

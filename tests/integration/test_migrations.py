@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import uuid
 
-from kafka_idem.migrate import migrate, migrations
+from kafka_idem.admin.migrate import migrate, migrations
 from tests.conftest import DB
 
 

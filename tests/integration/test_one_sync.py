@@ -1,6 +1,6 @@
 """A leased attempt's transaction waits for the server once: ``BEGIN``, the handler's
 statements, the fenced completion and ``COMMIT`` answer at one pipeline sync
-(:meth:`kafka_idem.consume.steps.Steps._run_pipelined` and its ``async def`` twin).
+(:meth:`kafka_idem.consume.paths.steps.Steps._run_pipelined` and its ``async def`` twin).
 
 Every wait for results psycopg makes inside an attempt's transaction is counted (a
 context variable per thread or task, so concurrent attempts never mix their counts).
@@ -24,7 +24,8 @@ import pytest
 from consumers import payments
 from consumers.payments import encode_charge
 from kafka_idem import App, AsyncContext, Context, RetryPolicy
-from kafka_idem.consume import aio, steps
+from kafka_idem.consume.paths import async_leased_path as aio
+from kafka_idem.consume.paths import steps
 from tests.conftest import (
     DB,
     InProcess,

@@ -19,7 +19,7 @@ import pytest
 
 from consumers.orders_json import OrderPlaced, build_app, create_tables, encode_order, place
 from kafka_idem import App
-from kafka_idem.codec import AvroCodec
+from kafka_idem.codecs.avro_codec import AvroCodec
 from kafka_idem.keys import hash_payload
 from tests.conftest import (
     DB,
@@ -238,8 +238,8 @@ def test_bad_registry_input_is_dead_lettered_and_an_outage_waits(
 def test_a_format_that_cannot_work_fails_at_start_naming_the_handler(
     db: DB, topics: Topics, group: str, fmt: str
 ) -> None:
+    from kafka_idem.consume.runner import Runner
     from kafka_idem.errors import ConfigError
-    from kafka_idem.runner import Runner
 
     app = App("orders", **app_settings(db, group_id=group, default_format=fmt,
                                        schemas_dir=SCHEMAS))

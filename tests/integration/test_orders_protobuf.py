@@ -20,8 +20,8 @@ from google.protobuf import descriptor_pb2
 
 from consumers.orders_json import OrderPlaced, create_tables, place
 from kafka_idem import App
+from kafka_idem.codecs.protobuf import ProtobufCodec
 from kafka_idem.keys import hash_payload
-from kafka_idem.protobuf import ProtobufCodec
 from tests import protos
 from tests.conftest import (
     DB,

@@ -13,7 +13,7 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from consumers import payments
-from kafka_idem import topics as topic_rules
+from kafka_idem.admin import topics as topic_rules
 from tests.conftest import (
     DB,
     InProcess,

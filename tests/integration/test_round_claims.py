@@ -1,5 +1,5 @@
 """The claim shared by the keys a dispatch round starts together (key-ordered leased
-path, :mod:`kafka_idem.consume.rounds`), on real Kafka and PostgreSQL.
+path, :mod:`kafka_idem.consume.paths.round_claim`), on real Kafka and PostgreSQL.
 
 Every claim the member makes is recorded at the store (a spy on :class:`Store`'s
 claim methods, which still run): which keys each statement claimed, and with what
@@ -21,7 +21,9 @@ import pytest
 from consumers import payments
 from consumers.payments import encode_charge
 from kafka_idem import AsyncContext, Context, Retryable, RetryPolicy
-from kafka_idem.consume import aio, leased, ordered
+from kafka_idem.consume.concurrency import keyed_units as ordered
+from kafka_idem.consume.paths import async_leased_path as aio
+from kafka_idem.consume.paths import leased_path as leased
 from kafka_idem.errors import StoreUnavailable
 from kafka_idem.keys import hash_payload
 from kafka_idem.store import Claim, Delivery, Outcome, Store, connect
@@ -57,6 +59,7 @@ class ClaimSpy:
             return got
 
         batch_async, new_async = Store.claim_batch_async, Store.claim_new_async
+        full_async = Store.claim_async
 
         async def claim_batch_async(store: Store, conn: Any, **kw: Any) -> dict[str, uuid.UUID]:
             tokens = await batch_async(store, conn, **kw)
@@ -67,12 +70,18 @@ class ClaimSpy:
         async def claim_new_async(store: Store, conn: Any, **kw: Any) -> Claim | None:
             return self._alone(await new_async(store, conn, **kw))
 
+        async def claim_async(store: Store, conn: Any, **kw: Any) -> Claim:
+            got = self._alone(await full_async(store, conn, **kw))
+            assert got is not None
+            return got
+
         monkeypatch.setattr(Store, "claim_batch", claim_batch)
         monkeypatch.setattr(Store, "claim_new", claim_new)
         monkeypatch.setattr(Store, "claim", claim)
-        # an async def handler's new keys are claimed on the event loop's connections
+        # an async def handler's claims are made on the event loop's connections
         monkeypatch.setattr(Store, "claim_batch_async", claim_batch_async)
         monkeypatch.setattr(Store, "claim_new_async", claim_new_async)
+        monkeypatch.setattr(Store, "claim_async", claim_async)
 
     def _alone(self, claim: Claim | None) -> Claim | None:
         if claim is not None and claim.outcome is Outcome.CLAIMED and claim.token is not None:

@@ -18,11 +18,12 @@ import pytest
 from confluent_kafka.schema_registry import SchemaRegistryClient
 
 from consumers.orders_json import OrderPlaced
-from kafka_idem.codec import AvroCodec, Codec, adapter_for
+from kafka_idem.codecs.avro_codec import AvroCodec
+from kafka_idem.codecs.base import Codec, adapter_for
+from kafka_idem.codecs.protobuf import ProtobufCodec
+from kafka_idem.codecs.registry import RegistryCodec, registry_client
 from kafka_idem.errors import InvalidPayload, Undecodable
 from kafka_idem.keys import hash_payload
-from kafka_idem.protobuf import ProtobufCodec
-from kafka_idem.registry import RegistryCodec, registry_client
 from tests import protos
 from tests.conftest import ROOT
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from consumers.payments import build_app
 from kafka_idem import App, ConfigError, Context, DeliveryFailed, InvalidPayload, MissingKeyField
-from kafka_idem import topics as topic_rules
+from kafka_idem.admin import topics as topic_rules
 from tests.acceptance.conftest import set_topic_config
 from tests.conftest import (
     BOOTSTRAP,

@@ -147,7 +147,7 @@ def test_a_span_per_message_continues_the_producers_trace_to_the_dlq_and_the_rep
 def test_without_a_tracer_provider_nothing_is_traced_and_headers_stay(
     db: DB, topics: Topics, group: str
 ) -> None:
-    from kafka_idem.tracing import enabled
+    from kafka_idem.observe.tracing import enabled
 
     assert not enabled()
     topic = topics(partitions=1)

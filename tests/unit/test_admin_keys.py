@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kafka_idem.admin import escaped_forms
+from kafka_idem.admin.operations import escaped_forms
 from kafka_idem.keys import KeyTemplate
 
 

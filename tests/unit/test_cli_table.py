@@ -7,7 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
-from kafka_idem.cli_table import Grid, emit
+from kafka_idem.cli.table import Grid, emit
 
 KEY = "tenant-0042:charge:order-2026-12-01-000123456789"
 HASH = "v1:sha256:" + "ab12" * 16

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from rich.console import Console
 from rich.table import Table
 
-from kafka_idem.cli_text import cell, one_line, plain
+from kafka_idem.observe.text import cell, one_line, plain
 
 
 def render(*cells: object) -> str:

@@ -14,7 +14,7 @@ import pytest
 from kafka_idem import App, Context, Permanent, Retryable, RetryPolicy
 from kafka_idem.app import ErrorKind, Handler
 from kafka_idem.consume.outcome import Finished
-from kafka_idem.consume.verdicts import CODE_DEFECT, Failing, Letters, after_failure, failing
+from kafka_idem.consume.paths.verdicts import CODE_DEFECT, Failing, Letters, after_failure, failing
 from kafka_idem.errors import (
     DataRejected,
     FrameworkError,

@@ -19,9 +19,11 @@ import pytest
 from pydantic import BaseModel
 from typing_extensions import TypedDict
 
-from kafka_idem.codec import AvroCodec, JsonCodec, adapter_for, fields_of
+from kafka_idem.codecs.avro_codec import AvroCodec
+from kafka_idem.codecs.base import adapter_for, fields_of
+from kafka_idem.codecs.json_codec import JsonCodec
+from kafka_idem.codecs.registry import RegistryCodec, registry_client
 from kafka_idem.errors import ConfigError, InvalidPayload, SchemaRegistryUnavailable, Undecodable
-from kafka_idem.registry import RegistryCodec, registry_client
 from tests.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from kafka_idem.consume.held import ConfigHold
+from kafka_idem.consume.config_hold import ConfigHold
 from kafka_idem.consume.outcome import Deferred, Reason
 from kafka_idem.errors import ConfigError
-from kafka_idem.metrics import Metrics
+from kafka_idem.observe.metrics import Metrics
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Clock:
 def test_each_error_is_counted_and_held_and_logged_at_error_at_most_once_a_minute(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="kafka_idem.processing")
+    caplog.set_level(logging.INFO, logger="kafka_idem.consume")
     metrics, clock = Metrics(), Clock()
     hold = ConfigHold(metrics, clock=clock)
     exc = ConfigError("no such key file /etc/inventory.pem", setting="inventory_key")
@@ -73,7 +73,7 @@ def test_each_error_is_counted_and_held_and_logged_at_error_at_most_once_a_minut
 def test_two_handlers_are_rate_limited_apart_and_a_leased_claim_token_is_kept(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="kafka_idem.processing")
+    caplog.set_level(logging.INFO, logger="kafka_idem.consume")
     hold = ConfigHold(Metrics(), clock=Clock())
     token = uuid.uuid4()
     assert hold.hold(H("a"), Msg(1), ConfigError("x"), token=token).token == token

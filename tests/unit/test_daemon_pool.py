@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kafka_idem.consume.pool import DaemonPool
+from kafka_idem.consume.concurrency.daemon_pool import DaemonPool
 
 
 @pytest.mark.parametrize("n", [2, 4, 16])

@@ -9,7 +9,7 @@ so every name they use is checked to exist.
 * ``Dockerfile``: copies what exists, where the example expects it.
 * ``deploy/prometheus.yml``, ``deploy/alerts.yml`` and the Grafana dashboard: every
   PromQL expression parses (promql-parser) and uses only metric names and labels
-  that :class:`kafka_idem.metrics.Metrics` exports; the dashboard shows them all,
+  that :class:`kafka_idem.observe.metrics.Metrics` exports; the dashboard shows them all,
   except the deprecated ones, which nothing in deploy/ uses.
 * ``deploy/kubernetes/payments.yaml``: its commands and settings as for compose; its
   liveness and readiness probes are ``/livez`` and ``/readyz`` on the metrics port.
@@ -34,8 +34,9 @@ from click.testing import CliRunner
 from prometheus_client.metrics import MetricWrapperBase
 
 from kafka_idem import App
-from kafka_idem.cli import cli, load_app
-from kafka_idem.metrics import OUTCOMES, Metrics
+from kafka_idem.cli.commands import cli
+from kafka_idem.cli.common import load_app
+from kafka_idem.observe.metrics import OUTCOMES, Metrics
 from kafka_idem.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -311,7 +312,7 @@ def known_variables() -> set[str]:
 
 def test_every_kafka_idem_variable_is_a_setting() -> None:
     known = known_variables()
-    assert f"{PREFIX}ACTOR" in known  # read by kafka_idem.audit, not a Settings field
+    assert f"{PREFIX}ACTOR" in known  # read by kafka_idem.admin.audit, not a Settings field
     used = {(svc, name) for svc, s in services().items() for name in environment(s)
             if name.startswith(PREFIX)}
     used |= {("Dockerfile", m) for m in re.findall(r"\b(KAFKA_IDEM_[A-Z0-9_]+)=",
@@ -388,7 +389,7 @@ def test_one_shot_steps_wait_for_healthy_services() -> None:
 
 
 def test_topics_step_creates_the_apps_topics_and_dlqs() -> None:
-    from kafka_idem.cli import cli
+    from kafka_idem.cli.commands import cli
 
     svc = services()["topics"]
     command = [str(c) for c in svc["command"]]
@@ -428,7 +429,7 @@ def test_payments_service_runs_the_app_with_a_reachable_metrics_endpoint(
     import os
 
     import consumers.payments
-    import kafka_idem.runner
+    import kafka_idem.consume.runner
 
     svc = services()["payments"]
     (line,) = [line for s, line in kafka_idem_lines() if s == "payments"]
@@ -457,7 +458,7 @@ def test_payments_service_runs_the_app_with_a_reachable_metrics_endpoint(
         def run(self, **_kw: Any) -> int:
             return 0
 
-    monkeypatch.setattr(kafka_idem.runner, "Runner", FakeRunner)
+    monkeypatch.setattr(kafka_idem.consume.runner, "Runner", FakeRunner)
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     try:

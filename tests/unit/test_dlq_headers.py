@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kafka_idem.dlq import REQUIRED_HEADERS, DeadLetter, bounded
+from kafka_idem.deadletters.dead_letter import REQUIRED_HEADERS, DeadLetter, bounded
 from kafka_idem.testing import FakeMessage
 
 KEY = b"order-9"

@@ -9,7 +9,8 @@ from concurrent.futures import Future
 
 import pytest
 
-from kafka_idem.consume.aio import EventLoop, settle, settled
+from kafka_idem.consume.concurrency.event_loop import EventLoop, settle
+from kafka_idem.consume.paths.futures import settled
 
 
 def test_a_pumped_loop_runs_its_tasks_only_while_the_caller_waits_on_it() -> None:

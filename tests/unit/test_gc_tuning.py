@@ -8,7 +8,7 @@ from kafka_idem import App
 def test_the_member_tunes_the_garbage_collector_once_and_only_when_asked() -> None:
     import gc
 
-    from kafka_idem.runner import GC_YOUNG_THRESHOLD, tune_gc
+    from kafka_idem.consume.startup import GC_YOUNG_THRESHOLD, tune_gc
 
     before = gc.get_threshold()
     try:

@@ -93,7 +93,7 @@ def test_a_bad_ordering_key_fails_at_registration_naming_that_setting(
 def test_a_concurrency_above_the_members_limit_is_said_at_start(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from kafka_idem.runner import Runner
+    from kafka_idem.consume.runner import Runner
 
     a = App("t", database_url="postgresql://x@127.0.0.1:1/x", max_concurrency=16)
     register(a, async_handler, concurrency=100)

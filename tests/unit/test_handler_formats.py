@@ -221,7 +221,7 @@ STRINGS = ("text", "id", "color", "shade", "maybe")
 
 
 def test_the_avro_fields_that_can_never_hold_a_string() -> None:
-    from kafka_idem.codec import non_string_fields
+    from kafka_idem.codecs.avro_codec import non_string_fields
 
     reader = fastavro.parse_schema(RAW_SCHEMA)
     names = tuple(f["name"] for f in RAW_SCHEMA["fields"])  # type: ignore[index]

@@ -16,10 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from consumers.orders_json import OrderPlaced
-from kafka_idem.codec import AvroCodec, AvroObjectCodec, Codec, JsonCodec, adapter_for
+from kafka_idem.codecs.avro_codec import AvroCodec, AvroObjectCodec
+from kafka_idem.codecs.base import Codec, adapter_for
+from kafka_idem.codecs.json_codec import JsonCodec
+from kafka_idem.codecs.protobuf import ProtobufCodec
+from kafka_idem.codecs.registry import RegistryCodec, registry_client
 from kafka_idem.keys import hash_payload
-from kafka_idem.protobuf import ProtobufCodec
-from kafka_idem.registry import RegistryCodec, registry_client
 from tests import protos
 from tests.conftest import ROOT
 from tests.registry import Registry

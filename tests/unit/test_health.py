@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kafka_idem.health import Health
+from kafka_idem.observe.health import Health
 
 
 class Clock:

@@ -8,7 +8,7 @@ import logging
 import pytest
 from confluent_kafka import KafkaError
 
-from kafka_idem.kafka_logs import KAFKA_LOG, KafkaLog
+from kafka_idem.observe.kafka_logs import KAFKA_LOG, KafkaLog
 from kafka_idem.settings import Settings
 
 REFUSED = ("[thrd:127.0.0.1:1/bootstrap]: 127.0.0.1:1/bootstrap: Connect to ipv4#127.0.0.1:1 "
@@ -32,12 +32,13 @@ def clock() -> Clock:
 
 @pytest.fixture
 def kafka_log(clock: Clock, caplog: pytest.LogCaptureFixture) -> KafkaLog:
-    caplog.set_level(logging.DEBUG, logger="kafka_idem.kafka")
+    caplog.set_level(logging.DEBUG, logger="kafka_idem.observe.kafka_logs")
     return KafkaLog(window=60, clock=clock)
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
-    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "kafka_idem.kafka"]
+    return [(r.levelno, r.getMessage()) for r in caplog.records
+            if r.name == "kafka_idem.observe.kafka_logs"]
 
 
 def test_a_repeated_line_is_written_once_per_window_with_the_count_held_back(
@@ -92,7 +93,7 @@ def test_a_fatal_error_is_an_error(kafka_log: KafkaLog, caplog: pytest.LogCaptur
 def test_a_level_switched_off_is_neither_written_nor_counted(
     clock: Clock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="kafka_idem.kafka")
+    caplog.set_level(logging.WARNING, logger="kafka_idem.observe.kafka_logs")
     kafka_log = KafkaLog(window=60, clock=clock)
     kafka_log.log(4, "%s [%s] %s", "GETPID", "rdkafka#producer-3", GETPID)
     assert lines(caplog) == []

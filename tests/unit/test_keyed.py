@@ -1,7 +1,7 @@
 """Key-ordered bookkeeping on stub messages: which messages may start, in what
 order, and what may be committed after which results.
 
-No Kafka, no PostgreSQL: :mod:`kafka_idem.consume.keyed` only decides.
+No Kafka, no PostgreSQL: :mod:`kafka_idem.consume.concurrency.keyed_state` only decides.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from kafka_idem.consume.keyed import KeyedState, NotNow
+from kafka_idem.consume.concurrency.keyed_state import KeyedState, NotNow
 from kafka_idem.consume.outcome import Deferred, Finished
-from kafka_idem.dlq import DeadLetter
+from kafka_idem.deadletters.dead_letter import DeadLetter
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from pydantic import BaseModel, Field
 
 from consumers import payments
 from kafka_idem import App
-from kafka_idem.consume.executor import Processor
 from kafka_idem.consume.outcome import Finished
-from kafka_idem.dlq import REQUIRED_HEADERS, DeadLetter
-from kafka_idem.metrics import Metrics
+from kafka_idem.consume.paths.processor import Processor
+from kafka_idem.deadletters.dead_letter import REQUIRED_HEADERS, DeadLetter
+from kafka_idem.observe.metrics import Metrics
 from kafka_idem.store import Store
 from kafka_idem.testing import FakeMessage, FakeService
 from kafka_idem.testing.events import Compared, EmittedEvent, compare_events, made_fields

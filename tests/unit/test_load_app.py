@@ -10,8 +10,8 @@ from pathlib import Path
 import click
 import pytest
 
-from kafka_idem.cli import load_app
-from kafka_idem.codec import AvroCodec
+from kafka_idem.cli.common import load_app
+from kafka_idem.codecs.avro_codec import AvroCodec
 from kafka_idem.errors import ConfigError
 
 MODULE = '''\

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kafka_idem import logs
+from kafka_idem.observe import logs
 
 
 @pytest.fixture

@@ -105,7 +105,7 @@ def test_a_whole_failed_commit_is_logged_and_retried(caplog: pytest.LogCaptureFi
     parts, consumer, offsets = setup(0)
     finish(parts, 0, 2)
     offsets.commit(consumer)
-    with caplog.at_level(logging.WARNING, logger="kafka_idem.runner"):
+    with caplog.at_level(logging.WARNING, logger="kafka_idem.consume"):
         offsets.acknowledged(KafkaError(KafkaError.REBALANCE_IN_PROGRESS),
                              [Ack(T, 0, 2)])  # type: ignore[list-item]
     assert "commit failed, will retry" in caplog.text
@@ -150,7 +150,7 @@ def test_a_sync_commit_refused_for_lost_ownership_keeps_its_offsets(
     parts, consumer, offsets = setup(0)
     finish(parts, 0, 2)
     consumer.fail_with = KafkaError(KafkaError.ILLEGAL_GENERATION)
-    with caplog.at_level(logging.WARNING, logger="kafka_idem.runner"):
+    with caplog.at_level(logging.WARNING, logger="kafka_idem.consume"):
         offsets.commit(consumer, sync=True)
     assert "commit refused, ownership lost" in caplog.text
     consumer.fail_with = None
@@ -184,7 +184,7 @@ def test_a_failed_commit_on_revoke_still_hands_the_partition_over(
     parts, consumer, offsets = setup(0)
     finish(parts, 0, 1)
     consumer.fail_with = KafkaError(KafkaError.UNKNOWN_MEMBER_ID)
-    with caplog.at_level(logging.WARNING, logger="kafka_idem.runner"):
+    with caplog.at_level(logging.WARNING, logger="kafka_idem.consume"):
         offsets.commit_leaving(consumer, [(T, 0)])
     assert "commit on revoke failed" in caplog.text
     assert parts.get((T, 0)) is None

@@ -19,7 +19,7 @@ def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 @pytest.fixture
 def progress(caplog: pytest.LogCaptureFixture) -> Progress:
-    caplog.set_level(logging.INFO, logger="kafka_idem.runner")
+    caplog.set_level(logging.INFO, logger="kafka_idem.consume")
     return Progress(10.0)
 
 
@@ -74,7 +74,7 @@ def test_retries_alone_are_not_messages_processed(
 
 
 def test_an_interval_of_zero_switches_the_line_off(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="kafka_idem.runner")
+    caplog.set_level(logging.INFO, logger="kafka_idem.consume")
     off = Progress(0.0)
     off.add(Counter({(T, "succeeded"): 3}))
     off.tick(100.0, final=True)

@@ -1,7 +1,7 @@
-"""Registry-framed Protobuf (kafka_idem.protobuf): the Confluent frame (magic 0, schema
+"""Registry-framed Protobuf (kafka_idem.codecs.protobuf): the Confluent frame (magic 0, schema
 id, message indexes), messages into models and back, every bad frame undecodable with
 the format and the problem, a registry outage never the message's fault; the values a
-message becomes (kafka_idem.protobuf_values)."""
+message becomes (kafka_idem.codecs.protobuf_values)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from confluent_kafka.schema_registry.serde import SchemaId
 
 from consumers.orders_json import OrderPlaced
 from kafka_idem import App
-from kafka_idem.codec import adapter_for
+from kafka_idem.codecs.base import adapter_for
+from kafka_idem.codecs.protobuf import ProtobufCodec
+from kafka_idem.codecs.protobuf_values import from_python, to_python
+from kafka_idem.codecs.registry import RegistryCodec, registry_client
 from kafka_idem.errors import ConfigError, InvalidPayload, SchemaRegistryUnavailable, Undecodable
-from kafka_idem.protobuf import ProtobufCodec
-from kafka_idem.protobuf_values import from_python, to_python
-from kafka_idem.registry import RegistryCodec, registry_client
 from tests import protos
 from tests.registry import Registry
 
@@ -317,7 +317,7 @@ def test_without_a_model_a_key_field_that_is_never_read_as_a_string_fails_at_reg
 
 
 def test_the_protobuf_fields_that_are_never_read_as_a_string() -> None:
-    from kafka_idem.protobuf_values import non_string_fields
+    from kafka_idem.codecs.protobuf_values import non_string_fields
 
     descriptor = protos.Everything.DESCRIPTOR
     assert non_string_fields(descriptor, [f.name for f in descriptor.fields]) == {

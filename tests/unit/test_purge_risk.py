@@ -1,14 +1,15 @@
-"""``purge``'s window against the source topics' retention (:func:`admin.purge_risk`)."""
+"""``purge``'s window against the source topics' retention
+(:func:`kafka_idem.admin.purge.purge_risk`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kafka_idem.admin import (
+from kafka_idem.admin.operations import parse_duration
+from kafka_idem.admin.purge import (
     RETENTION_FLOOR_SECONDS,
     TopicRetention,
     format_duration,
-    parse_duration,
     purge_risk,
 )
 

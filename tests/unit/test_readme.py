@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kafka_idem.cli import cli
+from kafka_idem.cli.commands import cli
 from kafka_idem.settings import Settings
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from kafka_idem.redact import (
+from kafka_idem.observe.redact import (
     MASK,
     option_secrets,
     redact,

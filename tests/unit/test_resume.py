@@ -17,7 +17,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from consumers import payments
 from kafka_idem import App
 from kafka_idem.consume.partitions import PartitionState
-from kafka_idem.runner import Runner
+from kafka_idem.consume.runner import Runner
 from kafka_idem.testing import FakeMessage
 
 TOPIC = "payments.charge-requested"

@@ -1,4 +1,4 @@
-"""The shared claim of a key-ordered dispatch round (:mod:`kafka_idem.consume.rounds`):
+"""The shared claim of a key-ordered dispatch round (:mod:`kafka_idem.consume.paths.round_claim`):
 who sends it, what a job that will not start may withdraw, what a failure means. No
 database: the claim is a stub that records what it was asked."""
 
@@ -8,7 +8,7 @@ import threading
 import uuid
 from concurrent.futures import Future
 
-from kafka_idem.consume.rounds import RoundClaim, Tokens, Wanted
+from kafka_idem.consume.paths.round_claim import RoundClaim, Tokens, Wanted
 from kafka_idem.store import Delivery
 
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from kafka_idem import settings as settings_module
 from kafka_idem.errors import ConfigError
 from kafka_idem.settings import Settings, load_settings
+from kafka_idem.settings import environment as settings_module
 
 SECRET = "s3cr3t-pa55"
 
@@ -343,7 +343,7 @@ def test_an_option_librdkafka_refuses_is_a_configuration_error_naming_it(
 
 
 def test_an_ignored_option_in_kafka_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
-    from kafka_idem import settings as module
+    from kafka_idem.settings import clients as module
 
     module._WARNED.clear()
     s = Settings(kafka={"enable.auto.commit": True, "session.timeout.ms": 1000,
@@ -397,7 +397,7 @@ def test_a_misspelt_variable_is_warned_about_naming_the_setting_it_meant(
     ]
     first = next(r for r in unknown_said.records if getattr(r, "action", None))
     assert (first.levelno, first.name, getattr(first, "kind", None)) == (
-        logging.WARNING, "kafka_idem.settings", "KAFKA_IDEM_BATCH_SIZ")
+        logging.WARNING, "kafka_idem.settings.environment", "KAFKA_IDEM_BATCH_SIZ")
     assert SECRET not in unknown_said.text  # never a value
 
 

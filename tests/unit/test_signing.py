@@ -1,5 +1,5 @@
-"""Signed dead letters (kafka_idem.signing) and the replay's boundary decisions that need
-no service (kafka_idem.replay.trust, targets): what a signature covers, key rotation,
+"""Signed dead letters (kafka_idem.deadletters.signing) and the replay's boundary decisions
+that need no service (kafka_idem.replay.trust, targets): what a signature covers, key rotation,
 the settings' checks, and which record is outside which boundary."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from confluent_kafka import KafkaError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kafka_idem.dlq import DeadLetter, DeadLetterer
+from kafka_idem.deadletters.dead_letter import DeadLetter, DeadLetterer
+from kafka_idem.deadletters.signing import SIGNATURE, Signer, sign, verify
 from kafka_idem.errors import ConfigError
 from kafka_idem.replay import Boundary, DlqRecord
 from kafka_idem.replay.targets import fault_of
 from kafka_idem.settings import Settings, load_settings
-from kafka_idem.signing import SIGNATURE, Signer, sign, verify
 from kafka_idem.testing.letters import MemoryProducer
 from kafka_idem.testing.message import FakeMessage
 

@@ -1,4 +1,4 @@
-"""Handler slots (``consume/slots.py``): how many key-ordered handler calls run at
+"""Handler slots (``consume/paths/slots.py``): how many key-ordered handler calls run at
 once, first come first served, for threads and for tasks alike."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kafka_idem.consume.slots import CallNotStarted, Gate, Slots, Tally
+from kafka_idem.consume.paths.slots import CallNotStarted, Gate, Slots, Tally
 
 
 def test_a_size_below_one_is_refused() -> None:

@@ -1,4 +1,4 @@
-"""The message path's decisions (``kafka_idem.consume.verdicts``), without Kafka or
+"""The message path's decisions (``kafka_idem.consume.paths.verdicts``), without Kafka or
 PostgreSQL: a stub message, claims built by hand, a retry policy with a seeded
 generator."""
 
@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from kafka_idem.consume.outcome import Deferred, Ended, Finished, Prepared, Reason
-from kafka_idem.consume.verdicts import (
+from kafka_idem.consume.paths.verdicts import (
     Failing,
     Letters,
     Verdict,

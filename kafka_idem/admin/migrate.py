@@ -1,0 +1,218 @@
+"""Versioned, add-only schema migrations (``kafka_idem/admin/migrations/NNNN_name.sql``).
+
+``migrate()`` builds a new store from ``schema.sql`` (the full current schema)
+in one step and records every version as applied; an existing store gets the
+missing versions in order, each in its own transaction. An advisory lock keeps
+two migrators apart; running it twice is a no-op. A test checks that
+``schema.sql`` equals all migrations applied in order.
+
+``migrate_app()`` runs an app's own migrations (``@app.migration``) under the same
+advisory lock: concurrent ``kafka-idem migrate --app`` runs would otherwise race
+on ``CREATE ... IF NOT EXISTS`` (not safe against a concurrent create).
+Database errors leave as :mod:`kafka_idem.errors` classes (``StoreUnavailable``...).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from kafka_idem.errors import ConfigError
+from kafka_idem.store import translate_errors
+from kafka_idem.store.queries import identifiers
+
+log = logging.getLogger(__name__)
+
+_FILE = re.compile(r"(\d{4})_(\w+)\.sql")
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    text: str
+
+
+def migrations() -> list[Migration]:
+    found = []
+    for entry in resources.files("kafka_idem.migrations").iterdir():
+        match = _FILE.fullmatch(entry.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], entry.read_text()))
+    return sorted(found, key=lambda m: m.version)
+
+
+def render(migration: Migration, schema: str, table: str) -> sql.Composed:
+    return sql.SQL(migration.text).format(**identifiers(schema, table))
+
+
+def applied_versions(conn: psycopg.Connection[Any], schema: str) -> list[int]:
+    names = identifiers(schema, "x")
+    exists = conn.execute(
+        "SELECT to_regclass(format('%%I.schema_migrations', %s::text)) IS NOT NULL", (schema,)
+    ).fetchone()
+    if not exists or not exists[0]:
+        return []
+    rows = conn.execute(
+        sql.SQL("SELECT version FROM {} ORDER BY version").format(names["migrations"])
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def require_current(conn: psycopg.Connection[Any], schema: str) -> None:
+    """Raise :class:`ConfigError` when the store lacks migrations this code needs
+    (a deploy before its migrate): run `kafka-idem migrate` first."""
+    have = set(applied_versions(conn, schema))
+    if not have:
+        raise ConfigError(
+            f"this database has no kafka_idem store in schema {schema!r}: run `kafka-idem "
+            "migrate` to create it (or give the store's --database-url / --schema)",
+            setting="schema_name",
+        )
+    missing = [m for m in migrations() if m.version not in have]
+    if missing:
+        names = ", ".join(f"{m.version:04d}_{m.name}" for m in missing)
+        raise ConfigError(
+            f"store schema {schema!r} lacks migrations {names}: run `kafka-idem migrate`",
+            setting="schema_name",
+        )
+
+
+def full_schema() -> str:
+    return resources.files("kafka_idem.admin").joinpath("schema.sql").read_text()
+
+
+def _lock(conn: psycopg.Connection[Any], schema: str) -> None:
+    """One migrator per store schema at a time (held to the end of the transaction)."""
+    conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"kafka_idem:{schema}",))
+
+
+_KINDS = {"r": "table", "p": "table", "v": "view", "m": "materialized view"}
+# What an app's migration can create that a reader of its report cares about.
+_CATALOG = """
+SELECT 'schema', nspname, '' FROM pg_namespace
+UNION ALL
+SELECT c.relkind::text, n.nspname, c.relname FROM pg_class c
+  JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind IN ('r','p','v','m')
+UNION ALL
+SELECT 'column', n.nspname, c.relname || '.' || a.attname FROM pg_attribute a
+  JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+  WHERE c.relkind IN ('r','p') AND a.attnum > 0 AND NOT a.attisdropped
+"""
+
+
+@dataclass(frozen=True)
+class AppStep:
+    """What one of an app's migrations (``@app.migration``) did: its name and the
+    objects that exist now and did not before it ran (``kind name``)."""
+
+    name: str
+    created: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"{self.name}: " + (f"created {', '.join(self.created)}" if self.created
+                                   else "nothing new (what it creates exists already)")
+
+
+def _catalog(conn: psycopg.Connection[Any]) -> set[tuple[str, str, str]]:
+    skip = ("pg_catalog", "information_schema")
+    return {(kind, ns, name) for kind, ns, name in conn.execute(_CATALOG).fetchall()
+            if ns not in skip and not ns.startswith(("pg_toast", "pg_temp"))}
+
+
+def _created(before: set[tuple[str, str, str]], after: set[tuple[str, str, str]]) -> tuple[
+        str, ...]:
+    new = after - before
+    tables = {(ns, name) for kind, ns, name in new if kind in ("r", "p")}
+    out = []
+    for kind, ns, name in sorted(new, key=lambda t: (t[0] != "schema", t[1], t[2])):
+        if kind == "column" and (ns, name.split(".", 1)[0]) in tables:
+            continue  # the columns of a new table are the table
+        what = "schema" if kind == "schema" else _KINDS.get(kind, kind)
+        out.append(f"{what} {ns}" if kind == "schema" else f"{what} {ns}.{name}")
+    return tuple(out)
+
+
+def migrate_app(
+    dsn: str, schema: str, steps: Sequence[Callable[[psycopg.Connection[Any]], None]]
+) -> list[AppStep]:
+    """Run an app's own migrations in one transaction, under the store's advisory lock;
+    return what each one created (``kafka-idem migrate --app`` prints it)."""
+    if not steps:
+        return []
+    done = []
+    with (translate_errors(), psycopg.connect(dsn, autocommit=False) as conn,
+          conn.transaction()):
+        _lock(conn, schema)
+        for step in steps:
+            before = _catalog(conn)
+            step(conn)
+            done.append(AppStep(getattr(step, "__name__", repr(step)),
+                                _created(before, _catalog(conn))))
+    return done
+
+
+def migrate(
+    dsn: str, schema: str, table: str, *, from_scratch: bool = True
+) -> list[Migration]:
+    """Apply the missing migrations; return the ones applied.
+
+    ``from_scratch=False`` applies a new store's migrations one by one instead
+    of ``schema.sql`` (the test that compares both uses it).
+    """
+    with translate_errors():
+        return _migrate(dsn, schema, table, from_scratch=from_scratch)
+
+
+def _migrate(dsn: str, schema: str, table: str, *, from_scratch: bool) -> list[Migration]:
+    names = identifiers(schema, table)
+    done: list[Migration] = []
+    with psycopg.connect(dsn, autocommit=False) as conn:
+        with conn.transaction():
+            _lock(conn, schema)
+            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(names["schema"]))
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (version integer PRIMARY KEY, "
+                    "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+                ).format(names["migrations"])
+            )
+        with conn.transaction():
+            _lock(conn, schema)
+            if from_scratch and not applied_versions(conn, schema):
+                conn.execute(sql.SQL(full_schema()).format(**names))
+                for migration in migrations():
+                    conn.execute(
+                        sql.SQL("INSERT INTO {} (version, name) VALUES (%s, %s)").format(
+                            names["migrations"]
+                        ),
+                        (migration.version, migration.name),
+                    )
+                    done.append(migration)
+                log.info("store created", extra={"action": "migrated", "schema": schema})
+                return done
+        for migration in migrations():
+            with conn.transaction():
+                _lock(conn, schema)
+                if migration.version in applied_versions(conn, schema):
+                    continue
+                conn.execute(render(migration, schema, table))
+                conn.execute(
+                    sql.SQL("INSERT INTO {} (version, name) VALUES (%s, %s)").format(
+                        names["migrations"]
+                    ),
+                    (migration.version, migration.name),
+                )
+                log.info(
+                    "migration applied",
+                    extra={"action": "migrated", "version": migration.version, "schema": schema},
+                )
+                done.append(migration)
+    return done

@@ -1,0 +1,242 @@
+"""What the ``kafka-idem`` commands share: loading ``MODULE:APP`` (:func:`load_app`, from
+the current directory: :func:`importable_cwd`), the group's context object (:class:`Ctx`,
+``ctx.obj`` of every command), a connection to a migrated store
+(:func:`store_connection`), the options several commands take (``--namespace``, a
+duration, an ISO 8601 time) and those of the ``dlq`` commands (the DLQ, the selection,
+``--app``).
+
+The command modules import this module, :mod:`~kafka_idem.cli.errors` and the output
+helpers (:mod:`~kafka_idem.cli.table`, :mod:`kafka_idem.observe.text`), never one
+another: :mod:`~kafka_idem.cli.commands` registers them all on the group.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
+
+import click
+
+from kafka_idem import replay
+from kafka_idem.admin import operations as admin
+from kafka_idem.app import App
+from kafka_idem.cli import errors as cli_errors
+from kafka_idem.deadletters.dead_letter import ERROR_KINDS
+from kafka_idem.errors import ConfigError
+from kafka_idem.observe.text import plain, to_json
+from kafka_idem.settings import Settings, load_settings
+from kafka_idem.store import Conn, Store, connect
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+HINT = "'MODULE:APP'"
+
+
+def importable_cwd() -> None:
+    """Make the current directory importable, as ``python -m`` does, so that
+    ``kafka-idem run MODULE:APP`` finds the user's module where it is run."""
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")
+
+
+def load_app(spec: str, *, param_hint: str = HINT) -> App:
+    """Import ``module:attribute`` and return the :class:`App` it names (``param_hint``:
+    what the user typed it as, in the error of a bad one: an option's ``'--app'``)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise click.BadParameter(f"{spec!r} is not MODULE:APP (e.g. consumers.payments:app)",
+                                 param_hint=param_hint)
+    importable_cwd()
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = ""
+        if module_name.endswith(".py"):  # a file name typed for a module name
+            hint = (f" (MODULE is a module name, as for python -m: "
+                    f"{module_name[:-3].replace(os.sep, '.')}:{attr})")
+        raise click.BadParameter(f"cannot import {module_name!r}: {exc}{hint}",
+                                 param_hint=param_hint) from exc
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise click.BadParameter(f"importing {module_name!r} failed{_where(exc)}: "
+                                 f"{type(exc).__name__}: {exc}", param_hint=param_hint) from exc
+    app = getattr(module, attr, None)
+    if isinstance(app, App):
+        return app
+    apps = sorted(name for name, value in vars(module).items() if isinstance(value, App))
+    found = (f"its App objects: {', '.join(f'{module_name}:{a}' for a in apps)}" if apps
+             else "it has no App object")
+    if not hasattr(module, attr):
+        raise click.BadParameter(f"module {module_name!r} has no attribute {attr!r} ({found})",
+                                 param_hint=param_hint)
+    kind = type(app).__name__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    raise click.BadParameter(f"{spec!r} is {article} {kind}, not a kafka_idem App "
+                             f"({found})", param_hint=param_hint)
+
+
+def _where(exc: BaseException) -> str:
+    """' at FILE:LINE' of the last frame outside kafka_idem: the user's line that raised."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if f"{os.sep}kafka_idem{os.sep}" not in f.filename and "<frozen" not in f.filename]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+class Ctx:
+    """``ctx.obj`` of every command: the group's options, the settings they give."""
+
+    def __init__(self, overrides: dict[str, Any]) -> None:
+        self.overrides = overrides
+
+    def settings(self, app: App | None = None) -> Settings:
+        if app is not None:
+            app.configure(**self.overrides)
+            s = app.settings
+        else:
+            s = load_settings(**self.overrides)
+        cli_errors.add_secrets(s.secret_values())  # an app may set its own database URL
+        return s
+
+
+def store_of(s: Settings) -> Store:
+    """The store the settings name (every namespace)."""
+    return Store(schema=s.schema_name, table=s.table)
+
+
+def store_connection(s: Settings) -> Conn:
+    """A connection to the store, refused with one line naming what to run (exit 2)
+    when the store was never created here or lacks migrations (``kafka-idem migrate``),
+    instead of a ``relation ... does not exist`` from the first query."""
+    from kafka_idem.admin.migrate import require_current
+
+    conn = connect(s.dsn)
+    try:
+        require_current(conn, s.schema_name)
+        conn.rollback()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+NAMESPACE_HELP = ("Only records of this namespace (default: every namespace; an app's "
+                  "namespace is its `namespace` setting, else its name).")
+
+
+def duration(text: str, option: str) -> float:
+    """``text`` (``30d``, ``10m``...) in seconds; a bad one is a usage error of ``option``."""
+    try:
+        return admin.parse_duration(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=f"'{option}'") from exc
+
+
+def iso_time(ctx: click.Context, param: click.Parameter, value: str | None) -> dt.datetime | None:
+    """An ISO 8601 date or date-time; without a UTC offset it is taken as UTC."""
+    if value is None:
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not an ISO 8601 date-time (e.g. 2024-05-01T10:00:00Z)"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
+def nothing(message: str) -> None:
+    """Nothing matched: one ``error:`` line, like every failure, and exit 1."""
+    click.echo(plain(f"error: {message}"), err=True)
+    click.get_current_context().exit(1)
+
+
+# --- the dlq commands ---------------------------------------------------------------
+def topic_options(fn: F) -> F:
+    """``--topic SOURCE`` and ``--dlq TOPIC``: the DLQ a ``dlq`` command reads."""
+    fn = click.option("--topic", "source_topic", metavar="SOURCE",
+                      help="Source topic; the DLQ is SOURCE + the DLQ suffix (.dlq).")(fn)
+    fn = click.option("--dlq", "dlq_topic", metavar="TOPIC", help="The DLQ topic.")(fn)
+    return fn
+
+
+def selection_options(fn: F) -> F:
+    """The filters of ``dlq list`` and ``dlq replay`` (read back by :func:`selection`)."""
+    options = [
+        click.option("--key", help="Only this idempotency key."),
+        click.option("--kind", type=click.Choice(ERROR_KINDS), help="Only this error kind."),
+        click.option("--error-class", metavar="NAME",
+                     help="Only records whose idem.error.class is NAME (e.g. TypeError: "
+                     "the code defects a fix addressed)."),
+        click.option("--handler", help="Only records of this handler."),
+        click.option("--namespace", help="Only records of this namespace (records written "
+                     "before namespaces have none: they match)."),
+        click.option("--since", metavar="ISO-DATETIME", callback=iso_time,
+                     help="Last failure at or after this time (ISO 8601; UTC if no offset)."),
+        click.option("--until", metavar="ISO-DATETIME", callback=iso_time,
+                     help="Last failure before this time (ISO 8601; UTC if no offset)."),
+        click.option("--partition", type=click.IntRange(min=0), help="Only this DLQ partition."),
+        click.option("--from-offset", type=click.IntRange(min=0),
+                     help="DLQ offsets from this one (inclusive)."),
+        click.option("--to-offset", type=click.IntRange(min=0),
+                     help="DLQ offsets up to this one (inclusive)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def selection(opts: dict[str, Any]) -> replay.Selection:
+    """The records the :func:`selection_options` given select."""
+    if (opts["from_offset"] is not None and opts["to_offset"] is not None
+            and opts["from_offset"] > opts["to_offset"]):
+        raise click.BadParameter("--from-offset must be <= --to-offset")
+    return replay.Selection(
+        key=opts["key"], kind=opts["kind"], error_class=opts["error_class"],
+        handler=opts["handler"],
+        namespace=opts["namespace"], since=opts["since"],
+        until=opts["until"], partition=opts["partition"], from_offset=opts["from_offset"],
+        to_offset=opts["to_offset"],
+    )
+
+
+def dlq_of(s: Settings, dlq_topic: str | None, source_topic: str | None) -> str:
+    """The DLQ named by exactly one of the :func:`topic_options`."""
+    if bool(dlq_topic) == bool(source_topic):
+        raise click.UsageError("give exactly one of --dlq TOPIC or --topic SOURCE")
+    return dlq_topic or replay.dlq_topic_for(s, source_topic or "")
+
+
+def dlq_typed(s: Settings, dlq_topic: str | None, source_topic: str | None,
+              **options: str | None) -> AbstractContextManager[None]:
+    """:func:`~kafka_idem.cli.errors.as_typed` for the options the user typed, by the
+    replay parameter each one filled: the DLQ named by --dlq or --topic, and
+    ``options`` (``partition="--partition 3"``...)."""
+    if dlq_topic:
+        return cli_errors.as_typed({"dlq_topic": f"--dlq {dlq_topic}", **options})
+    return cli_errors.as_typed({"dlq_topic": f"--topic {source_topic}", **options}, hints={
+        "dlq_topic": f"the DLQ of --topic SOURCE is SOURCE + the dlq_suffix setting "
+                     f"{s.dlq_suffix!r}; --dlq TOPIC names a DLQ itself"})
+
+
+def app_option(app_spec: str | None) -> App | None:
+    """The app given with --app, imported."""
+    if not app_spec:
+        return None
+    return load_app(app_spec, param_hint="'--app'")
+
+
+def typed_option(name: str, value: object | None) -> str | None:
+    """``--name value`` as the user typed it, for :func:`dlq_typed` (None: not given)."""
+    return None if value is None else f"{name} {value}"
+
+
+def echo_json(data: Any) -> None:
+    """A ``dlq`` command's ``--json`` output (keys sorted)."""
+    click.echo(to_json(data, sort_keys=True))

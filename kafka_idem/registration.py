@@ -1,0 +1,67 @@
+"""The checks of a registration (:meth:`kafka_idem.app.App.handler`, ``App(...)``),
+made when it is written, not at the first message: each refusal a
+:class:`~kafka_idem.errors.ConfigError` naming the setting."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from kafka_idem.errors import ConfigError
+from kafka_idem.handler import Mode, check_topic_name
+from kafka_idem.keys import KeySpec
+from kafka_idem.settings import Settings
+
+
+def check_handler_options(
+    topic: str, *, dlq_topic: str | None, mode: Mode, concurrency: int,
+    ordering_key: KeySpec | None, taken: Collection[str],
+) -> None:
+    """``@app.handler(...)``'s options, before the function is known: the topic
+    names, one handler per topic (``taken``: the topics that have one), the mode, and
+    ``concurrency`` / ``ordering_key`` for leased handlers only."""
+    check_topic_name(topic, setting="topic")
+    if dlq_topic is not None:
+        check_topic_name(dlq_topic, setting="dlq_topic")
+    if topic in taken:
+        raise ConfigError(f"topic {topic!r} already has a handler", setting="topic")
+    if mode not in ("local", "leased"):
+        raise ConfigError(f"mode must be 'local' or 'leased', not {mode!r}", setting="mode")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ConfigError(f"concurrency must be a whole number >= 1, not {concurrency!r}",
+                          setting="concurrency")
+    if mode != "leased" and (concurrency > 1 or ordering_key is not None):
+        raise ConfigError(f"handler of topic {topic!r}: concurrency and ordering_key are "
+                          f"for mode='leased' handlers, not mode={mode!r} (local mode "
+                          "runs batches; see local_workers)",
+                          setting="concurrency" if concurrency > 1 else "ordering_key")
+
+
+def check_handler_function(fn: Callable[..., Any], *, name: str, mode: Mode,
+                           hash_fields: Sequence[str]) -> None:
+    """The decorated function fits the options: an ``async def`` one runs in leased
+    mode; ``hash_fields`` names at least one field."""
+    if inspect.iscoroutinefunction(fn) and mode != "leased":
+        raise ConfigError(f"handler {name!r} is async def: async "
+                          "handlers run in mode='leased'", setting="mode")
+    if not hash_fields:
+        raise ConfigError(f"handler {name!r}: hash_fields must name at "
+                          "least one payload field (what makes two requests with one "
+                          "key the same)", setting="hash_fields")
+
+
+def check_setting_names(app: str, overrides: Collection[str]) -> None:
+    """Every keyword ``App(...)`` got names a setting: a misspelt one is refused at
+    once, naming the setting it probably meant (its value is checked when the settings
+    are first read, with the environment's)."""
+    known = list(Settings.model_fields)
+    for name in overrides:
+        if name in Settings.model_fields:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}=?)" if close else ""
+        raise ConfigError(f"App({app!r}) got {name}=, which is not a setting{hint}; the "
+                          "settings are the README's configuration table, lower-case",
+                          setting=name)

@@ -1,0 +1,84 @@
+"""The wheel holds the runtime, the test kit and ``verify``: not the repository's tools
+(the chaos run), not the tests, no ``sys.path`` edit but the CLI's one (``kafka-idem``
+makes the current directory importable, as ``python -m`` does); installed alone in a
+clean virtual environment, every module of it imports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.acceptance.test_readme_first_handler import OFFLINE_BUILD, clone
+
+pytestmark = pytest.mark.slow
+
+IMPORT_ALL = """
+import importlib, pkgutil, sys
+import kafka_idem
+assert kafka_idem.__file__.startswith(sys.prefix), kafka_idem.__file__
+names = [m.name for m in pkgutil.walk_packages(kafka_idem.__path__, "kafka_idem.")
+         if not m.name.endswith(".__main__")]  # running it is what a __main__ is for
+for name in names:
+    importlib.import_module(name)
+print(len(names), "modules")
+"""
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("wheel")
+    repo = clone(tmp)
+    out = tmp / "dist"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--no-index", "-q", "-w", str(out), str(repo)],
+        capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    (found,) = out.glob("kafka_idem-*.whl")
+    return found
+
+
+def test_the_wheel_holds_the_package_and_nothing_of_the_repository(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        sources = {n: zf.read(n).decode() for n in names if n.endswith(".py")}
+    tops = {n.split("/")[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"kafka_idem"}
+    assert not [n for n in names if "chaos" in n or "/tests/" in n or n.startswith("tests/")]
+    assert "kafka_idem/py.typed" in names
+    assert any(n.startswith("kafka_idem/admin/migrations/") and n.endswith(".sql")
+               for n in names)
+    assert {"kafka_idem/store/queries.sql", "kafka_idem/admin/schema.sql"} <= set(names)
+    edits = sorted(n for n, text in sources.items()
+                   if "sys.path.insert" in text or "sys.path.append" in text)
+    assert edits == ["kafka_idem/cli/common.py"]
+
+
+def test_a_clean_venv_with_the_wheel_imports_every_module(wheel: Path, tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    # The dependencies, offline: links to this environment's installed packages, but not
+    # kafka_idem (an editable install of the checkout) nor pip/setuptools.
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    site = Path(next(p for p in sys.path if p.endswith("site-packages")))
+    for entry in site.iterdir():
+        if not entry.name.startswith(OFFLINE_BUILD):
+            (deps / entry.name).symlink_to(entry)
+    target = Path(subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True).stdout.strip())
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(target)  # what pip does for a pure-Python wheel
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env["PYTHONPATH"] = str(deps)
+    done = subprocess.run([str(python), "-c", IMPORT_ALL], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[0]) > 100, done.stdout
