@@ -42,7 +42,7 @@ class Migration:
 
 def migrations() -> list[Migration]:
     found = []
-    for entry in resources.files("kafka_idem.migrations").iterdir():
+    for entry in resources.files("kafka_idem.admin.migrations").iterdir():
         match = _FILE.fullmatch(entry.name)
         if match:
             found.append(Migration(int(match[1]), match[2], entry.read_text()))

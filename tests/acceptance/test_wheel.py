@@ -25,6 +25,9 @@ names = [m.name for m in pkgutil.walk_packages(kafka_idem.__path__, "kafka_idem.
          if not m.name.endswith(".__main__")]  # running it is what a __main__ is for
 for name in names:
     importlib.import_module(name)
+from kafka_idem.admin.migrate import full_schema, migrations
+from kafka_idem.store.queries import raw_queries
+assert migrations() and full_schema() and raw_queries()  # the package's SQL files
 print(len(names), "modules")
 """
 
