@@ -70,7 +70,8 @@ PARTITIONS, TENANTS, GARBAGE = 4, 20, 10
 # rebalances propagate within 1 s, a dead member's leased claims expire after 10 s.
 MEMBER_ENV = {"KAFKA_IDEM_SESSION_TIMEOUT_MS": "6000", "KAFKA_IDEM_LEASE_SECONDS": "10",
               "KAFKA_IDEM_KAFKA": '{"heartbeat.interval.ms": 1000}'}
-REBALANCE = re.compile(r"kafka_idem\.runner: (assigned|revoked|lost) (\S*)")
+# a member's rebalance lines, by their structured action (not a logger name)
+REBALANCE = re.compile(r": (assigned|revoked|lost) (\S+) action=\1(?=\s|$)")
 ROUTINE = ("payload conflict", "cannot be processed", "dead-lettering", "permanent failure")
 console = Console(highlight=False)
 T0 = time.monotonic()
