@@ -21,7 +21,7 @@ import pytest
 from consumers.payments import encode_charge
 from kafka_idem import replay
 from kafka_idem.replay import Selection
-from kafka_idem.replay import run as run_module
+from kafka_idem.replay import transaction as transaction_module
 from kafka_idem.settings import Settings
 from tests.acceptance.conftest import (
     Result,
@@ -218,7 +218,7 @@ def test_a_replay_killed_after_its_database_commit_and_run_again_loses_no_key(
     def killed(_producer: Any) -> None:
         raise KeyboardInterrupt("killed between the two commits")
 
-    monkeypatch.setattr(run_module, "_commit", killed)
+    monkeypatch.setattr(transaction_module, "_commit", killed)
     with pytest.raises(KeyboardInterrupt):
         replay.replay(settings, None, ex.dlq, selection, actor="acceptance", reason=REASON)
     monkeypatch.undo()
