@@ -12,11 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from tests.acceptance.conftest import KAFKA_IDEM, Result, kafka_idem
-from tests.conftest import BOOTSTRAP, DB, ROOT, Topics
+from tests.conftest import ADMIN_DSN, BOOTSTRAP, DB, ROOT, Topics
 
 SECRET = "Hunter2-not-for-logs"
+# The suite's own PostgreSQL (its port may be moved: KAFKA_IDEM_PG_PORT)
+PG = conninfo_to_dict(ADMIN_DSN)
 
 
 def closed_port() -> int:
@@ -207,8 +210,9 @@ def test_a_misspelt_variable_is_said_once_by_run_in_the_log_format_chosen(
 
 
 @pytest.mark.parametrize("url", [
-    f"postgresql://kafka_idem@127.0.0.1:55432/kafka_idem?password={SECRET}",
-    f"host=127.0.0.1 port=55432 user=kafka_idem dbname=kafka_idem password='{SECRET}'",
+    f"postgresql://{PG['user']}@{PG['host']}:{PG['port']}/{PG['dbname']}?password={SECRET}",
+    f"host={PG['host']} port={PG['port']} user={PG['user']} dbname={PG['dbname']} "
+    f"password='{SECRET}'",
 ])
 def test_verify_json_and_text_never_show_the_password(url: str, tmp_path: Path) -> None:
     # The local server trusts 127.0.0.1, so the password is accepted and ignored.
