@@ -1,0 +1,84 @@
+"""The tutorial and every how-to guide, followed as written against the real broker and
+a new database: each code block is run or checked (tests/docs/pages.py says how)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from tests.conftest import ADMIN_DSN, BOOTSTRAP, Topics, dsn_for
+from tests.docs.pages import ROOT, Run, Shell, environment, guides, read, unrunnable
+
+pytestmark = pytest.mark.slow
+
+PAGES = guides()
+WHEEL = os.environ.get("KAFKA_IDEM_DOCS_WHEEL")
+
+
+def test_there_is_a_tutorial_and_guides() -> None:
+    names = {p.relative_to(ROOT).as_posix() for p in PAGES}
+    assert "docs/tutorial.md" in names
+    assert len(names) >= 2, names
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
+def test_every_block_is_run_or_checked(path: Path) -> None:
+    assert unrunnable(read(path)) == []
+
+
+@pytest.fixture
+def database() -> Iterator[str]:
+    name = f"kafka_idem_docs_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    yield dsn_for(name)
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(name)))
+
+
+def clone(into: Path) -> None:
+    """A clone of this repository next to the reader's folder: HEAD plus the uncommitted
+    changes to tracked files (``git stash create``), as a commit would have them."""
+    sha = subprocess.run(["git", "stash", "create"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    target = into / "kafka_idem"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(target)], check=True)
+    if sha:
+        subprocess.run(["git", "checkout", "-q", sha], cwd=target, check=True)
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
+def test_the_page_works_as_written(path: Path, tmp_path: Path, database: str,
+                                   topics: Topics) -> None:
+    page = read(path)
+    test = page.test
+    run_id = uuid.uuid4().hex[:8]
+    substitute = {name: f"{name}-{run_id}" for name in test.get("topics", [])}
+    for name in substitute.values():
+        topics.created += [name, f"{name}.dlq", f"{name}.retry"]
+    if test.get("clone"):
+        clone(tmp_path)
+    env = environment(tmp_path, bootstrap=BOOTSTRAP, dsn=database, group=f"docs-{run_id}",
+                      clone=bool(test.get("clone")), wheel=WHEEL)
+    work = tmp_path / "work"
+    work.mkdir()
+    run = Run(page, Shell(tmp_path if test.get("clone") else work, env), substitute,
+              wheel=WHEEL)
+    try:
+        run.follow()
+    finally:
+        problems = run.stop()
+        run.shell.close()
+    assert problems == []
+    with psycopg.connect(database) as conn:
+        for query, rows in (test.get("expect_sql") or {}).items():
+            got = [list(r) for r in conn.execute(run.text(query)).fetchall()]
+            assert got == rows, f"{path.name}: {query}"
