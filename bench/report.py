@@ -1,6 +1,6 @@
 """Markdown tables from a results file: ``python -m bench.report [bench/results.json]``.
 
-For ``docs/PERFORMANCE.md``: the same figures as the run's console tables,
+For ``docs/PERFORMANCE.md`` and ``bench/HISTORY.md``: the same figures as the run's console tables,
 copied without retyping a number.
 """
 
