@@ -63,13 +63,14 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# Outside the repository, with no PYTHONPATH: only the installed wheel can be imported
+# (a checkout on PYTHONPATH would also make pip take its kafka_idem.egg-info for an
+# installed kafka-idem and skip the wheel).
+cd "$work"
+unset PYTHONPATH PYTHONHOME VIRTUAL_ENV
 say "a new venv with only $(basename "$wheel") and its dependencies"
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "$wheel"
-
-# Outside the repository, with no PYTHONPATH: only the installed wheel can be imported.
-cd "$work"
-unset PYTHONPATH VIRTUAL_ENV
 location="$("$venv/bin/python" -c 'import kafka_idem; print(kafka_idem.__file__)')"
 [[ "$location" == "$venv/"* ]] || { say "kafka_idem imported from $location, not the venv"; exit 1; }
 
