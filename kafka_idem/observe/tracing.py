@@ -1,4 +1,4 @@
-"""OpenTelemetry, when it is installed (``pip install kafka_idem[otel]``) and configured
+"""OpenTelemetry, when it is installed (``pip install 'kafka-idem[otel]'``) and configured
 (a ``TracerProvider`` set by the application, e.g. with the OTLP exporter); otherwise
 every call here is a no-op that costs a check. What the member, the outbox and replays
 share: a trace context as Kafka headers (:func:`inject`, :func:`with_trace`), the one an
