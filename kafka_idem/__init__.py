@@ -19,6 +19,7 @@ Run it with ``kafka-idem run shop:app``, or from code::
     raise SystemExit(runner.run())    # until stopped (runner.stop() from another thread)
 """
 
+from kafka_idem._version import __version__
 from kafka_idem.app import App, AsyncContext, Context, Done, Handler
 from kafka_idem.consume.runner import Runner
 from kafka_idem.errors import (
@@ -76,6 +77,7 @@ __all__ = [
     "StoreUnavailable",
     "Undecodable",
     "UnknownOutcome",
+    "__version__",
     "no_wait",
     "request_hash",
 ]

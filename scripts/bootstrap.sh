@@ -12,8 +12,9 @@
 # What it does (each step is skipped when already done, so it is cheap to run
 # before every command):
 #   1. creates .venv with `python3 -m venv` if missing;
-#   2. runs `pip install -e '.[dev]'` when pyproject.toml is newer than the
-#      stamp .venv/.installed (or the stamp is missing);
+#   2. runs `pip install -e '.[dev]'` when pyproject.toml differs from the one
+#      last installed (its SHA-256, kept in the stamp .venv/.installed; a missing
+#      stamp or a changed file, whatever its mtime, means install);
 #   3. unless KAFKA_IDEM_BOOTSTRAP_SERVERS is already set, starts the local
 #      Kafka (scripts/kafka.sh) and exports
 #        KAFKA_IDEM_BOOTSTRAP_SERVERS=127.0.0.1:39092
@@ -28,7 +29,7 @@
 # .local state folder with KAFKA_IDEM_LOCAL_DIR (see the two service scripts).
 
 kafka_idem_bootstrap() {
-  local root venv stamp local_dir out
+  local root venv stamp local_dir out wanted
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" || return 1
   venv="$root/.venv"
   stamp="$venv/.installed"
@@ -47,13 +48,18 @@ kafka_idem_bootstrap() {
     fi
     if [[ ! -f "$root/pyproject.toml" ]]; then
       echo "bootstrap: no pyproject.toml yet, skipping pip install" >&2
-    elif [[ ! -f "$stamp" || "$root/pyproject.toml" -nt "$stamp" ]]; then
-      echo "bootstrap: pip install -e '.[dev]' (pyproject.toml changed or first run)" >&2
-      (cd "$root" && "$venv/bin/python" -m pip install -q --disable-pip-version-check -e '.[dev]') >&2 || {
-        echo "bootstrap: pip install failed" >&2
-        exit 1
-      }
-      touch "$stamp"
+    else
+      # The stamp holds the installed pyproject.toml's hash: a pull, a checkout or a copy
+      # that changes it (new requirements, a new version) reinstalls, whatever the mtimes.
+      wanted="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)" || exit 1
+      if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$wanted" ]]; then
+        echo "bootstrap: pip install -e '.[dev]' (pyproject.toml changed or first run)" >&2
+        (cd "$root" && "$venv/bin/python" -m pip install -q --disable-pip-version-check -e '.[dev]') >&2 || {
+          echo "bootstrap: pip install failed" >&2
+          exit 1
+        }
+        echo "$wanted" >"$stamp"
+      fi
     fi
   ) 8>"$local_dir/bootstrap.lock" || return 1
 

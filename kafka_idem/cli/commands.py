@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import click
 
+from kafka_idem._version import __version__
 from kafka_idem.admin import audit
 from kafka_idem.admin.migrate import migrate as run_migrations
 from kafka_idem.admin.migrate import migrate_app
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="kafka-idem",
+                      message="%(prog)s %(version)s")
 @click.option("--bootstrap-servers", envvar=None, help="Kafka bootstrap servers.")
 @click.option("--database-url", envvar=None, help="PostgreSQL URL.")
 @click.option("--schema", "schema_name", help="Store schema (default kafka_idem).")

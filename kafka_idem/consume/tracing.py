@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing, when it is installed (``pip install kafka_idem[otel]``) and
+"""OpenTelemetry tracing, when it is installed (``pip install 'kafka-idem[otel]'``) and
 configured (a ``TracerProvider`` set by the application, e.g. with the OTLP exporter).
 Otherwise every call here is a no-op that costs a check.
 

@@ -62,10 +62,10 @@ METRICS: tuple[tuple[str, _Kind, str, str, tuple[str, ...]], ...] = (
      "Deliveries of a key that had already succeeded, answered with its stored "
      "result (the handler did not run).",
      ("topic", "handler")),
-    # Deprecated, kept for one release: a per-process ratio cannot be summed across
-    # members (use the two counters above); removed in the next release.
+    # Deprecated in 0.2.0, removed in 0.3.0 (CHANGELOG.md): a per-process ratio cannot be
+    # summed across members (use the two counters above).
     ("duplicate_ratio", Gauge, "kafka_idem_duplicate_ratio",
-     "DEPRECATED (removed in the next release): replayed / decided messages since "
+     "DEPRECATED (removed in 0.3.0): replayed / decided messages since "
      "this process started; use kafka_idem_duplicates_total / "
      "kafka_idem_deliveries_total.",
      ()),

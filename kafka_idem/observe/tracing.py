@@ -1,4 +1,4 @@
-"""OpenTelemetry, when it is installed (``pip install kafka_idem[otel]``) and configured
+"""OpenTelemetry, when it is installed (``pip install 'kafka-idem[otel]'``) and configured
 (a ``TracerProvider`` set by the application, e.g. with the OTLP exporter); otherwise
 every call here is a no-op that costs a check. What the member, the outbox and replays
 share: a trace context as Kafka headers (:func:`inject`, :func:`with_trace`), the one an
@@ -17,7 +17,11 @@ try:  # the optional extra
     from opentelemetry import propagate, trace
     from opentelemetry.trace import ProxyTracerProvider, SpanKind, Status, StatusCode
 except ImportError:  # pragma: no cover - exercised where opentelemetry is absent
+    # Every name the package imports from here exists without the extra (used only
+    # once enabled() is true): kafka_idem must import in a venv without opentelemetry.
     trace = None  # type: ignore[assignment]
+    propagate = None  # type: ignore[assignment]
+    ProxyTracerProvider = SpanKind = Status = StatusCode = None  # type: ignore[assignment,misc]
 
 INSTRUMENTATION = "kafka_idem"
 TRACE_HEADERS = ("traceparent", "tracestate")

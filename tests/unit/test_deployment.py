@@ -6,7 +6,8 @@ so every name they use is checked to exist.
   ``KAFKA_IDEM_*`` variable is a setting (and its value loads); the topics step
   creates the app's topics; the payments service is a scalable group whose
   /metrics is reachable and scraped.
-* ``Dockerfile``: copies what exists, where the example expects it.
+* ``Dockerfile``: builds the wheel in a first stage and installs it in the runtime;
+  copies what exists, where the example expects it.
 * ``deploy/prometheus.yml``, ``deploy/alerts.yml`` and the Grafana dashboard: every
   PromQL expression parses (promql-parser) and uses only metric names and labels
   that :class:`kafka_idem.observe.metrics.Metrics` exports; the dashboard shows them all,
@@ -627,26 +628,62 @@ def dockerfile() -> list[tuple[str, str]]:
     return out
 
 
-def test_dockerfile_builds_the_app_image() -> None:
-    steps = dockerfile()
-    assert steps[0] == ("FROM", "python:3.11-slim")
-    assert any(op == "RUN" and re.search(r"\bpip install \.(\s|$)", rest) for op, rest in steps)
+def stages() -> list[tuple[str, list[tuple[str, str]]]]:
+    """The Dockerfile's build stages: (the FROM line, its steps after it)."""
+    out: list[tuple[str, list[tuple[str, str]]]] = []
+    for op, rest in dockerfile():
+        if op == "FROM":
+            out.append((rest, []))
+        else:
+            assert out, f"{op} before any FROM"
+            out[-1][1].append((op, rest))
+    return out
+
+
+def copies(steps: list[tuple[str, str]]) -> dict[str, str]:
+    """What a stage copies from the build context: source -> destination in the image
+    (each source checked to exist in the repository; ``COPY --from=`` is left out)."""
     workdir, copied = "/", {}
     for op, rest in steps:
         if op == "WORKDIR":
             workdir = rest
-        if op == "COPY":
+        if op == "COPY" and not rest.startswith("--from="):
             *sources, dest = rest.split()
             for src in sources:
                 if "[" in src:  # an optional file (glob): README.m[d]
                     continue
                 assert (ROOT / src).exists(), f"COPY {src}: missing in the repository"
                 copied[src.rstrip("/")] = str(Path(workdir) / dest)
-    assert {"pyproject.toml", "kafka_idem", "consumers", "schemas"} <= set(copied)
+    return copied
+
+
+def test_dockerfile_builds_the_wheel_and_installs_it() -> None:
+    """Two stages: the first builds the wheel from the package's source (what a wheel
+    build needs, and no more), the runtime installs that wheel: no source install."""
+    (build_from, build), (run_from, runtime) = stages()
+    assert build_from == "python:3.11-slim AS build"
+    assert run_from == "python:3.11-slim"
+    assert {"pyproject.toml", "MANIFEST.in", "kafka_idem"} <= set(copies(build))
+    assert any(op == "RUN" and "python -m build --wheel --outdir /dist" in rest
+               for op, rest in build)
+    assert ("COPY", "--from=build /dist/ /tmp/dist/") in runtime
+    installs = [rest for op, rest in runtime if op == "RUN" and "pip install" in rest]
+    assert installs == ["pip install /tmp/dist/kafka_idem-*-py3-none-any.whl "
+                        "&& rm -rf /tmp/dist"]
+    for _, steps in stages():  # never the source tree: no `pip install .`, no -e
+        assert not [r for op, r in steps if op == "RUN"
+                    and re.search(r"pip install (-e |--editable |\.(\s|$))", r)]
+
+
+def test_dockerfile_runtime_holds_the_app() -> None:
+    _, runtime = stages()[-1]
+    copied = copies(runtime)
+    assert {"consumers", "schemas"} <= set(copied)
+    assert "kafka_idem" not in copied  # the library comes from the wheel
     # consumers/payments.py finds its schemas at ../schemas.
     assert Path(copied["consumers"]).parent == Path(copied["schemas"]).parent
-    assert ("STOPSIGNAL", "SIGTERM") in steps
-    assert any(op == "USER" and rest != "root" for op, rest in steps), "run as non-root"
+    assert ("STOPSIGNAL", "SIGTERM") in runtime
+    assert any(op == "USER" and rest != "root" for op, rest in runtime), "run as non-root"
 
 
 # --- health checks: compose and Kubernetes ---------------------------------------------------

@@ -179,7 +179,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kafka_idem.settings",),
     ("kafka_idem.deadletters",),
     ("kafka_idem.keys", "kafka_idem.retry", "kafka_idem.observe"),
-    ("kafka_idem.errors",),
+    ("kafka_idem.errors", "kafka_idem._version"),
 )
 
 
