@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import kafka_idem
-from tests.acceptance.test_readme_first_handler import OFFLINE_BUILD, clone
+from tests.docs.pages import OFFLINE_BUILD, clone
 
 pytestmark = pytest.mark.slow
 

@@ -323,6 +323,19 @@ def environment(tmp: Path, *, bootstrap: str, dsn: str, group: str,
     return env
 
 
+def clone(into: Path) -> Path:
+    """A clone of this repository in ``into/kafka_idem``: HEAD plus the uncommitted
+    changes to tracked files (``git stash create``), as a commit would have them; a file
+    not yet added to git is not in it, as it would not be in a clone."""
+    sha = subprocess.run(["git", "stash", "create"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    target = into / "kafka_idem"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(target)], check=True)
+    if sha:
+        subprocess.run(["git", "checkout", "-q", sha], cwd=target, check=True)
+    return target
+
+
 def guides() -> list[Path]:
     """The pages whose code blocks are all run: the tutorial and the how-to guides."""
     return sorted([*DOCS.glob("tutorial*.md"), *(DOCS / "how-to").glob("*.md")])

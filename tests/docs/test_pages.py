@@ -4,7 +4,6 @@ a new database: each code block is run or checked (tests/docs/pages.py says how)
 from __future__ import annotations
 
 import os
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 from psycopg import sql
 
 from tests.conftest import ADMIN_DSN, BOOTSTRAP, Topics, dsn_for
-from tests.docs.pages import ROOT, Run, Shell, environment, guides, read, unrunnable
+from tests.docs.pages import ROOT, Run, Shell, clone, environment, guides, read, unrunnable
 
 pytestmark = pytest.mark.slow
 
@@ -42,17 +41,6 @@ def database() -> Iterator[str]:
     with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
             sql.Identifier(name)))
-
-
-def clone(into: Path) -> None:
-    """A clone of this repository next to the reader's folder: HEAD plus the uncommitted
-    changes to tracked files (``git stash create``), as a commit would have them."""
-    sha = subprocess.run(["git", "stash", "create"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    target = into / "kafka_idem"
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(target)], check=True)
-    if sha:
-        subprocess.run(["git", "checkout", "-q", sha], cwd=target, check=True)
 
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
