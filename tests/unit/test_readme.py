@@ -28,17 +28,6 @@ def test_the_quick_start_has_exactly_two_commands() -> None:
     assert [c.split("#")[0].strip() for c in commands] == ["./dev demo", "./dev test"]
 
 
-def test_testing_your_handlers_says_to_install_pytest_before_the_example() -> None:
-    import tomllib
-
-    section = README.split("## Testing your handlers", 1)[1].split("\n## ", 1)[0]
-    before = section.split("```python", 1)[0]
-    assert "pip install 'kafka_idem[testing]'" in before and "pip install pytest" in before
-    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml")
-                            .read_text())["project"]
-    assert any(d.startswith("pytest") for d in project["optional-dependencies"]["testing"])
-
-
 def test_your_first_handler_says_whose_database_it_uses() -> None:
     section = README.split("## Your first handler", 1)[1].split("\n## ", 1)[0]
     assert "That URL is the demo's database" in section
