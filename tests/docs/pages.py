@@ -40,6 +40,7 @@ built wheel runs the tutorial's app).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -267,10 +268,8 @@ class Run:
         """SIGTERM for every background process, in reverse order; their logs' problems."""
         problems = []
         for process in reversed(self.background):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
             deadline = time.monotonic() + 60
             while alive(process.pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
