@@ -16,7 +16,7 @@ answer, a lease taken over, the batch path against the per-message path) and
 compares the app's own tables, the events its handlers emitted (the outbox) and
 remote fakes (:class:`FakeService`, or any :class:`Remote`) with a single delivery.
 The pytest plugin (``kafka_idem_harness`` fixture) is in
-:mod:`kafka_idem.testing.plugin`. README: "Testing your handlers".
+:mod:`kafka_idem.testing.plugin`. The guide: docs/how-to/testing.md.
 """
 
 from kafka_idem.testing.events import EmittedEvent

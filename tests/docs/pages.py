@@ -27,6 +27,7 @@ metadata and does not show) says what the run needs::
       expect_sql:                   # after the page: query -> the rows it must return
         "SELECT count(*) FROM inventory.reservations": [[1]]
       tracebacks: false             # (default) no "Traceback" in a background process's log
+      ports: [9108]                 # each replaced, everywhere on the page, by a free port
 
 Each page gets a new, empty database (``KAFKA_IDEM_DATABASE_URL``), a consumer group
 of its own (``KAFKA_IDEM_GROUP_ID``) and the test broker; the page's ``export
@@ -44,6 +45,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -334,6 +336,17 @@ def clone(into: Path) -> Path:
     if sha:
         subprocess.run(["git", "checkout", "-q", sha], cwd=target, check=True)
     return target
+
+
+def free_ports(test: dict[str, Any]) -> dict[str, str]:
+    """The page's ``ports:`` (a metrics port it shows), each mapped to a port free now, so
+    pages and test runs side by side do not collide."""
+    found = {}
+    for port in test.get("ports", []):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            found[str(port)] = str(sock.getsockname()[1])
+    return found
 
 
 def guides() -> list[Path]:

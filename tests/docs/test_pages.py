@@ -13,7 +13,17 @@ import pytest
 from psycopg import sql
 
 from tests.conftest import ADMIN_DSN, BOOTSTRAP, Topics, dsn_for
-from tests.docs.pages import ROOT, Run, Shell, clone, environment, guides, read, unrunnable
+from tests.docs.pages import (
+    ROOT,
+    Run,
+    Shell,
+    clone,
+    environment,
+    free_ports,
+    guides,
+    read,
+    unrunnable,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -52,6 +62,7 @@ def test_the_page_works_as_written(path: Path, tmp_path: Path, database: str,
     substitute = {name: f"{name}-{run_id}" for name in test.get("topics", [])}
     for name in substitute.values():
         topics.created += [name, f"{name}.dlq", f"{name}.retry"]
+    substitute.update(free_ports(test))
     if test.get("clone"):
         clone(tmp_path)
     env = environment(tmp_path, bootstrap=BOOTSTRAP, dsn=database, group=f"docs-{run_id}",

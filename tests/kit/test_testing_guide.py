@@ -1,7 +1,9 @@
-"""The README's "Testing your handlers" example runs as a user would run it: its two
-files copied into an empty folder and run with pytest in a subprocess, where the
-plugin comes from the installed entry point. Without a database the same tests are
-skipped, saying why; a suite that requires the database fails instead."""
+"""The testing guide (docs/how-to/testing.md) beyond what tests/docs checks (which
+follows the page, against the database): its app and tests copied into an empty
+folder and run with pytest in a subprocess, where the plugin comes from the installed
+entry point, with no database answering: the tests are skipped, saying why (and not
+the password); a suite that requires the database fails instead. And the page says to
+install pytest before its example."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,27 +19,21 @@ from typing import Any
 import pytest
 
 from kafka_idem.testing.plugin import reachable
-from tests.conftest import ADMIN_DSN, ROOT
+from tests.conftest import ROOT
+from tests.docs.pages import file_name, read
 
-SECTION = (ROOT / "README.md").read_text().split("## Testing your handlers", 1)[1]
-SECTION = SECTION.split("\n## ", 1)[0]
-BLOCKS = re.findall(r"```python\n(.*?)```", SECTION, re.S)
+GUIDE = ROOT / "docs" / "how-to" / "testing.md"
 
 
 def files() -> dict[str, str]:
-    """The README's files, by the name on their first line (``# shop.py``)."""
-    found = {}
-    for block in BLOCKS:
-        first = block.splitlines()[0]
-        name = re.match(r"# (\w+\.py)", first)
-        if name:
-            found[name[1]] = block
-    return found
+    """The guide's files, by the name on their first line (``# shop.py``)."""
+    return {name: block.body for block in read(GUIDE).blocks
+            if (name := file_name(block)) is not None}
 
 
 def run(folder: Path, database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    for name, text in files().items():
-        (folder / name).write_text(text)
+    for name in ("shop.py", "test_shop.py"):
+        (folder / name).write_text(files()[name])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["KAFKA_IDEM_DATABASE_URL"] = database_url
     return subprocess.run(
@@ -45,14 +42,15 @@ def run(folder: Path, database_url: str, *args: str) -> subprocess.CompletedProc
         cwd=folder, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_the_readme_has_an_app_and_its_tests() -> None:
-    assert set(files()) == {"shop.py", "test_shop.py"}
+def test_the_guide_has_an_app_its_tests_and_a_handler_that_fails_the_check() -> None:
+    assert set(files()) == {"shop.py", "test_shop.py", "orders.py", "check_orders.py"}
 
 
-def test_the_readme_example_passes_as_a_user_runs_it(tmp_path: Path) -> None:
-    done = run(tmp_path, ADMIN_DSN)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert re.search(r"\b4 passed\b", done.stdout), done.stdout
+def test_the_guide_says_to_install_pytest_before_the_example() -> None:
+    before = GUIDE.read_text().split("```python", 1)[0]
+    assert "pip install 'kafka_idem[testing]'" in before and "pip install pytest" in before
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("pytest") for d in project["optional-dependencies"]["testing"])
 
 
 def test_without_a_database_the_tests_are_skipped_saying_why(tmp_path: Path) -> None:
