@@ -92,6 +92,22 @@ def test_an_async_handler_passes_every_scenario(harness: Harness,
     assert not any("did not arrive" in line for line in concurrent.story), concurrent.story
 
 
+def test_an_emit_without_await_is_seen_by_the_kit_once_and_passes(
+    harness: Harness, mistake: dict[str, str]
+) -> None:
+    mistake["now"] = "forgot_await"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "coroutine ... was never awaited" fails the test
+        first = harness.deliver(kit_async.BOOK, BOOKING)
+        again = harness.deliver(kit_async.BOOK, {**BOOKING, "note": "again"})
+    [event] = harness.events(kit_async.BOOKED)
+    assert first.events == (event,) and again.events == ()
+    assert (event.key, event.decoded) == (b"p-1", {"pickup_id": "p-1", "booking": "carrier-1"})
+    harness.reset()
+    report = harness.check(kit_async.BOOK, BOOKING)
+    assert report.passed and "  reference: events: 1 to x.booked" in str(report).splitlines()
+
+
 def test_an_async_handler_emitting_a_random_id_fails(harness: Harness,
                                                      mistake: dict[str, str]) -> None:
     report = failed(harness, mistake, "event_random_id")
