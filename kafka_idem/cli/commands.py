@@ -24,7 +24,7 @@ from kafka_idem.admin.migrate import migrate as run_migrations
 from kafka_idem.admin.migrate import migrate_app
 from kafka_idem.cli import errors as cli_errors
 from kafka_idem.cli.admin import inspect, rerun, status
-from kafka_idem.cli.common import Ctx, importable_cwd, load_app, store_of
+from kafka_idem.cli.common import Ctx, GlobalOptions, importable_cwd, load_app, store_of
 from kafka_idem.cli.dlq import dlq
 from kafka_idem.cli.dlq_replay import replay_
 from kafka_idem.cli.errors import ServiceError
@@ -40,7 +40,7 @@ from kafka_idem.store import connect
 log = logging.getLogger(__name__)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=GlobalOptions, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--bootstrap-servers", envvar=None, help="Kafka bootstrap servers.")
 @click.option("--database-url", envvar=None, help="PostgreSQL URL.")
 @click.option("--schema", "schema_name", help="Store schema (default kafka_idem).")
