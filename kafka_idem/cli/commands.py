@@ -66,9 +66,10 @@ def cli(ctx: click.Context, /, log_format: str | None, debug: bool, **overrides:
         logs.configure()
         warn_unknown_variables()
         raise
-    logs.configure(s.log_format, s.log_level)
+    logs.configure(s.log_format, s.log_level, s.logger_levels)
     warn_unknown_variables()  # once logging is set: said in the chosen format
-    if ctx.invoked_subcommand != "run" and s.log_level != "DEBUG":
+    if (ctx.invoked_subcommand != "run" and s.log_level != "DEBUG"
+            and not any(n.startswith("kafka_idem") for n in s.logger_levels)):
         # The tools print their own results; librdkafka's notices (INFO) are noise there.
         logging.getLogger("kafka_idem.observe.kafka_logs").setLevel(logging.WARNING)
 

@@ -30,6 +30,7 @@ from kafka_idem.app import App
 from kafka_idem.cli import errors as cli_errors
 from kafka_idem.deadletters.dead_letter import ERROR_KINDS
 from kafka_idem.errors import ConfigError
+from kafka_idem.observe import logs
 from kafka_idem.observe.text import plain, to_json
 from kafka_idem.settings import Settings, load_settings
 from kafka_idem.store import Conn, Store, connect
@@ -70,6 +71,9 @@ def load_app(spec: str, *, param_hint: str = HINT) -> App:
                                  f"{type(exc).__name__}: {exc}", param_hint=param_hint) from exc
     app = getattr(module, attr, None)
     if isinstance(app, App):
+        # the app's loggers show INFO, even when it is installed like a library
+        logs.LIBRARIES.own_modules([module_name, *(getattr(h.fn, "__module__", "")
+                                                   for h in app.handlers.values())])
         return app
     apps = sorted(name for name, value in vars(module).items() if isinstance(value, App))
     found = (f"its App objects: {', '.join(f'{module_name}:{a}' for a in apps)}" if apps
@@ -187,6 +191,7 @@ class Ctx:
         if app is not None:
             app.configure(**self.overrides)
             s = app.settings
+            logs.set_levels(s.logger_levels)  # the app's own log_levels too
         else:
             s = load_settings(**self.overrides)
         cli_errors.add_secrets(s.secret_values())  # an app may set its own database URL
