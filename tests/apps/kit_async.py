@@ -2,7 +2,8 @@
 a user would, for the test kit's own tests; ``MISTAKE`` (set by a test, reset to
 "none") makes it wrong:
 
-* ``event_random_id``: the booked event carries a random id made for each emit;
+* ``event_random_id``: the booked event carries a random id made for each emit (the
+  check leaves it out, said);
 * ``own_connection``: the pickup row is written through a second (autocommit)
   connection, which no rollback undoes;
 * ``not_json``: the handler returns what is not JSON (so no delivery succeeds);
