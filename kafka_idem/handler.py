@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
@@ -121,13 +121,34 @@ class AsyncContext(Context):
 
     tx: psycopg.AsyncConnection[Any]  # type: ignore[assignment]
 
-    async def emit(  # type: ignore[override]
+    def emit(  # type: ignore[override]
         self, topic: str, value: Any, *, key: str | bytes | None = None,
         headers: Mapping[str, str | bytes] | None = None,
-    ) -> None:
-        """:meth:`Context.emit` (``await ctx.emit(...)``): the event is written with the
-        handler's transaction on its async connection, right before the completion."""
+    ) -> Emitted:
+        """:meth:`Context.emit`, done at the call: the event is registered now and written
+        with the handler's transaction on its async connection, right before the
+        completion. It returns an :class:`Emitted` that awaiting does nothing more with,
+        so ``await ctx.emit(...)`` and ``ctx.emit(...)`` both emit exactly once (a
+        forgotten ``await`` neither drops the event nor warns)."""
         Context.emit(self, topic, value, key=key, headers=headers)
+        return EMITTED
+
+
+class Emitted:
+    """What :meth:`AsyncContext.emit` returns: its event is already registered, so
+    awaiting it completes at once, with ``None`` (awaiting it is optional, and can be
+    done any number of times)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        yield from ()
+
+    def __repr__(self) -> str:
+        return "<emitted>"
+
+
+EMITTED = Emitted()
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from kafka_idem.admin.migrate import migrate as run_migrations
 from kafka_idem.admin.migrate import migrate_app
 from kafka_idem.cli import errors as cli_errors
 from kafka_idem.cli.admin import inspect, rerun, status
-from kafka_idem.cli.common import Ctx, importable_cwd, load_app, store_of
+from kafka_idem.cli.common import Ctx, GlobalOptions, importable_cwd, load_app, store_of
 from kafka_idem.cli.dlq import dlq
 from kafka_idem.cli.dlq_replay import replay_
 from kafka_idem.cli.errors import ServiceError
@@ -41,7 +41,7 @@ from kafka_idem.store import connect
 log = logging.getLogger(__name__)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=GlobalOptions, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="kafka-idem",
                       message="%(prog)s %(version)s")
 @click.option("--bootstrap-servers", envvar=None, help="Kafka bootstrap servers.")
@@ -69,9 +69,10 @@ def cli(ctx: click.Context, /, log_format: str | None, debug: bool, **overrides:
         logs.configure()
         warn_unknown_variables()
         raise
-    logs.configure(s.log_format, s.log_level)
+    logs.configure(s.log_format, s.log_level, s.logger_levels)
     warn_unknown_variables()  # once logging is set: said in the chosen format
-    if ctx.invoked_subcommand != "run" and s.log_level != "DEBUG":
+    if (ctx.invoked_subcommand != "run" and s.log_level != "DEBUG"
+            and not any(n.startswith("kafka_idem") for n in s.logger_levels)):
         # The tools print their own results; librdkafka's notices (INFO) are noise there.
         logging.getLogger("kafka_idem.observe.kafka_logs").setLevel(logging.WARNING)
 

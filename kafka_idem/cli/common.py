@@ -13,11 +13,12 @@ another: :mod:`~kafka_idem.cli.commands` registers them all on the group.
 from __future__ import annotations
 
 import datetime as dt
+import difflib
 import importlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
@@ -29,6 +30,7 @@ from kafka_idem.app import App
 from kafka_idem.cli import errors as cli_errors
 from kafka_idem.deadletters.dead_letter import ERROR_KINDS
 from kafka_idem.errors import ConfigError
+from kafka_idem.observe import logs
 from kafka_idem.observe.text import plain, to_json
 from kafka_idem.settings import Settings, load_settings
 from kafka_idem.store import Conn, Store, connect
@@ -69,6 +71,9 @@ def load_app(spec: str, *, param_hint: str = HINT) -> App:
                                  f"{type(exc).__name__}: {exc}", param_hint=param_hint) from exc
     app = getattr(module, attr, None)
     if isinstance(app, App):
+        # the app's loggers show INFO, even when it is installed like a library
+        logs.LIBRARIES.own_modules([module_name, *(getattr(h.fn, "__module__", "")
+                                                   for h in app.handlers.values())])
         return app
     apps = sorted(name for name, value in vars(module).items() if isinstance(value, App))
     found = (f"its App objects: {', '.join(f'{module_name}:{a}' for a in apps)}" if apps
@@ -89,6 +94,93 @@ def _where(exc: BaseException) -> str:
     return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
+# --- the group's own options, before or after the command ---------------------------
+class GlobalOptions(click.Group):
+    """The ``kafka-idem`` group: its own options (``--database-url``, ``--debug``...)
+    are taken before the command, as click parses them, and after it too
+    (``kafka-idem status --database-url URL``), unless the command has an option of
+    that name (its own then). An option the command does not know that is, or is
+    close to, one of the group's says where it goes."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, hoisted(self, ctx, args))
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.NoSuchOption as exc:
+            said = _belongs_before(self, exc) if exc.ctx and exc.ctx.command is not self else None
+            if said is None:
+                raise
+            raise click.NoSuchOption(exc.option_name, said, ctx=exc.ctx) from None
+
+
+def option_table(params: Sequence[click.Parameter]) -> dict[str, bool]:
+    """The names of the options among ``params``, each with whether it takes a value."""
+    table: dict[str, bool] = {}
+    for p in params:
+        if isinstance(p, click.Option):
+            for name in (*p.opts, *p.secondary_opts):
+                table[name] = not (p.is_flag or p.count)
+    return table
+
+
+def _after(table: dict[str, bool], args: Sequence[str], i: int) -> int:
+    """The index after the option ``args[i]`` (after its value when it takes one)."""
+    name, eq, _ = args[i].partition("=")
+    return i + 2 if table.get(name) and not eq else i + 1
+
+
+def _option(token: str) -> bool:
+    return token.startswith("-") and token not in ("-", "--")
+
+
+def hoisted(group: click.Group, ctx: click.Context, args: Sequence[str]) -> list[str]:
+    """``args`` with ``group``'s own options given after the command (and its
+    sub-commands) moved before it; those of the same name as an option of the
+    command path, and everything after ``--``, stay where they are."""
+    args = list(args)
+    own = option_table(group.params)
+    i = 0
+    while i < len(args) and _option(args[i]):
+        i = _after(own, args, i)
+    command = group.get_command(ctx, args[i]) if i < len(args) else None
+    if command is None:
+        return args
+    path = option_table(command.get_params(ctx))
+    kept, moved = args[:i + 1], list[str]()
+    k = i + 1
+    while k < len(args):
+        token = args[k]
+        name = token.partition("=")[0]
+        if token == "--":
+            kept += args[k:]
+            break
+        table = path if name in path or name not in own else own
+        end = _after(table, args, k) if _option(token) else k + 1
+        (moved if table is own else kept).extend(args[k:end])
+        if not _option(token) and isinstance(command, click.Group):
+            sub = command.get_command(ctx, token)
+            if sub is not None:
+                command = sub
+                path.update(option_table(sub.get_params(ctx)))
+        k = end
+    return args[:i] + moved + kept[i:]
+
+
+def _belongs_before(group: click.Group, exc: click.NoSuchOption) -> str | None:
+    """``exc``'s message saying that its option, or the one of ``group``'s it is close
+    to, is the group's own and goes before the command; ``None``: it is close to none."""
+    own = [n for n in option_table(group.params) if n.startswith("--")]
+    near = [exc.option_name] if exc.option_name in own else difflib.get_close_matches(
+        exc.option_name, own, n=1)
+    if not near:
+        return None
+    prog = exc.ctx.find_root().info_name if exc.ctx is not None else "kafka-idem"
+    return (f"No such option: {exc.option_name}. {near[0]} is an option of {prog} "
+            f"itself: it goes before the command ({prog} {near[0]} ... COMMAND)")
+
+
 class Ctx:
     """``ctx.obj`` of every command: the group's options, the settings they give."""
 
@@ -99,6 +191,7 @@ class Ctx:
         if app is not None:
             app.configure(**self.overrides)
             s = app.settings
+            logs.set_levels(s.logger_levels)  # the app's own log_levels too
         else:
             s = load_settings(**self.overrides)
         cli_errors.add_secrets(s.secret_values())  # an app may set its own database URL

@@ -45,6 +45,23 @@ def check_identifier(value: str) -> str:
     return value
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def check_log_levels(value: str) -> str:
+    """``logger=LEVEL`` pairs, comma-separated (``httpx=INFO,myapp.db=DEBUG``), the
+    levels in capitals; a pair that is not one is refused, naming it."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, eq, level = (x.strip() for x in item.partition("="))
+        if not eq or not name or any(c.isspace() for c in name):
+            raise ValueError(f"{item!r} is not LOGGER=LEVEL (e.g. httpx=INFO,myapp.db=DEBUG)")
+        if level.upper() not in LOG_LEVELS:
+            raise ValueError(f"{item!r}: the level must be one of {', '.join(LOG_LEVELS)}")
+        pairs.append(f"{name}={level.upper()}")
+    return ",".join(pairs)
+
+
 def check_group_id(value: str | None) -> str | None:
     if value is not None and (not value.strip() or value != value.strip()
                               or not value.isprintable()):

@@ -25,6 +25,7 @@ from kafka_idem.settings.checks import (
     check_ip_address,
     check_librdkafka_options,
     check_linger,
+    check_log_levels,
     check_namespace,
     check_signing_keys,
     check_topic_affix,
@@ -231,6 +232,14 @@ class Settings(BaseSettings):
     )
     log_format: Literal["text", "json"] = Field("text", description="Log output format.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
+    log_levels: str = Field(
+        "",
+        description="Levels of single loggers, LOGGER=LEVEL comma-separated (e.g. "
+        "httpx=INFO,myapp.db=DEBUG; a logger's children follow it). By default the loggers "
+        "of other libraries (installed packages and the standard library) show WARNING and "
+        "above only, while kafka_idem's and the app's own show log_level and above; a "
+        "logger named here shows its LEVEL and above instead.",
+    )
 
     @field_validator("schema_name", "table")
     @classmethod
@@ -268,6 +277,11 @@ class Settings(BaseSettings):
     @classmethod
     def _signing_keys(cls, value: Any) -> Any:
         return check_signing_keys(value)
+
+    @field_validator("log_levels")
+    @classmethod
+    def _log_levels(cls, value: str) -> str:
+        return check_log_levels(value)
 
     @field_validator("dlq_suffix", "name_prefix")
     @classmethod
@@ -312,6 +326,11 @@ class Settings(BaseSettings):
         if self.lock_timeout_seconds == 0:
             return 0.0
         return min(self.lock_timeout_seconds, self.max_poll_interval_ms / 5000)
+
+    @property
+    def logger_levels(self) -> dict[str, str]:
+        """:attr:`log_levels` as ``{logger: LEVEL}``."""
+        return dict(item.split("=", 1) for item in self.log_levels.split(",") if item)
 
     @property
     def signing_keys(self) -> tuple[bytes, ...]:

@@ -15,10 +15,18 @@ from kafka_idem.errors import ConfigError, MessageError
 from kafka_idem.handler import Handler
 from kafka_idem.retry import no_wait
 from kafka_idem.testing.case import Case, Kit, Reference, settings_for, show, told
-from kafka_idem.testing.events import MADE, Compared, EmittedEvent, Made, made_fields, made_values
+from kafka_idem.testing.events import (
+    MADE,
+    Compared,
+    EmittedEvent,
+    Made,
+    drifting_fields,
+    made_fields,
+    made_values,
+)
 from kafka_idem.testing.message import FakeMessage
 from kafka_idem.testing.processor import KitProcessor
-from kafka_idem.testing.report import CheckReport, ScenarioResult
+from kafka_idem.testing.report import CheckReport, ScenarioResult, remember_left_out
 from kafka_idem.testing.sandbox import Path, Sandbox
 from kafka_idem.testing.scenarios import LEASED_ONLY, RUN, SCENARIOS
 from kafka_idem.testing.tables import (
@@ -120,22 +128,29 @@ def _clean(harness: Kit) -> None:
     harness.hooks.forget()
 
 
-def _probe(harness: Kit, msg: FakeMessage, path: Path) -> tuple[State, Any]:
-    """The tables after a first delivery of the reference, from a clean database: the
-    reference's own delivery is the second, and a column that differs between the two
-    holds a value the handler's SQL makes anew (every scenario would differ in it)."""
+Probe = tuple[State, Any, list[EmittedEvent]]
+
+
+def _probe(harness: Kit, msg: FakeMessage, path: Path) -> Probe:
+    """The tables, the result and the events after a first delivery of the reference,
+    from a clean database: the reference's own delivery is the second, and a column or
+    an event field that differs between the two holds a value the handler makes anew
+    (every scenario would differ in it)."""
     _clean(harness)
     with harness.scratch(**settings_for(path)) as sb:
         d = sb.drive(sb.processor(), msg, path)
-        return sb.state(harness.tables), d.result
+        return sb.state(harness.tables), d.result, sb.events()
 
 
 def _compared(harness: Kit, msg: FakeMessage, path: Path, tables: list[Table],
-              ref: list[EmittedEvent], ref_made: Made) -> tuple[Compared, list[str]]:
+              ref: list[EmittedEvent], ref_made: Made,
+              probed: list[EmittedEvent]) -> tuple[Compared, list[str]]:
     """How events are compared, and the report's lines for the fields left out: the
-    user's ``ignore``, and the fields that carry a value the database makes (found by
+    user's ``ignore``, the fields that carry a value the database makes (found by
     delivering the reference once more, every sequence moved on: a field that then
-    differs and is in both deliveries the value of one left-out column)."""
+    differs and is in both deliveries the value of one left-out column), and the
+    fields that differ between the ``probed`` delivery and the reference's, as a
+    column does (:data:`DRIFTING`)."""
     made: dict[str, dict[str, str]] = {}
     if ref:
         _clean(harness)
@@ -153,6 +168,10 @@ def _compared(harness: Kit, msg: FakeMessage, path: Path, tables: list[Table],
         for name in sorted(names):
             left.setdefault(topic, set()).add(name)
             lines.append(f"event {topic} field {name} (ignored)")
+    for topic, moving in sorted(drifting_fields(probed, ref).items()):
+        for name in sorted(moving - left.get(topic, set())):
+            left.setdefault(topic, set()).add(name)
+            lines.append(f"event {topic} field {name} ({DRIFTING})")
     return Compared({t: frozenset(f) for t, f in left.items()}), lines
 
 
@@ -167,12 +186,12 @@ def _require_comparable(harness: Kit) -> None:
 
 def _reference(harness: Kit, handler: Handler[Any], msg: FakeMessage, paths: list[Path],
                sb: Sandbox, proc: KitProcessor,
-               probe: tuple[State, Any]) -> tuple[Case, Made]:
+               probe: Probe) -> tuple[Case, Made]:
     """Deliver the reference once on the first path (in ``sb`` by ``proc``): the case
     the scenarios are compared with, and the values the database made in its tables.
     ``probe`` is the tables and result of an earlier delivery: what differs between the
     two is not compared."""
-    probe_state, probe_result = probe
+    probe_state, probe_result, _events = probe
     d = sb.drive(proc, msg, paths[0])
     # what differs between two deliveries of the reference is not compared
     tables = leave_out(harness.tables, drifting(probe_state, sb.state(harness.tables)),
@@ -246,7 +265,7 @@ def check(
 
             other, payloads = _derived(harness, topic, data, prepare, conflict, batch)
         case.compared, events_left_out = _compared(harness, msg, paths[0], case.tables,
-                                                   case.ref.events, ref_made)
+                                                   case.ref.events, ref_made, probe[2])
     report = _report(case, topic, events_left_out)
     with no_wait():
         d = case.ref.delivered
@@ -259,6 +278,7 @@ def check(
         for name, path in plan:
             report.results.append(run_one(case, name, path))
     report.seconds = time.monotonic() - started
+    remember_left_out(report)
     if not report.passed:
         raise AssertionError(str(report))
     return report

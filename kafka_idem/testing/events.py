@@ -12,8 +12,9 @@ identity, sequence and volatile-default columns are: found by delivering the
 reference once more with every sequence moved on (:func:`made_fields`), a field
 whose value differs *and* is, in each delivery, the value of one and the same
 left-out column (``payments.ledger.id``, ``payments.ledger.created_at``). A value the
-handler makes itself (a counter, a random id) differs too but comes from no column:
-it stays compared, and fails every scenario that runs the handler again.
+handler makes anew itself (a counter of the process, a random id, the time) is left
+out as such a column is: a field that differs between two deliveries of the
+reference, each from a clean database (:func:`drifting_fields`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from psycopg import sql
 from kafka_idem.app import App
 from kafka_idem.observe.tracing import TRACE_HEADERS
 from kafka_idem.store import Conn
-from kafka_idem.testing.tables import State, Table, freeze, show_value, snapshot
+from kafka_idem.testing.tables import DRIFTING, State, Table, freeze, show_value, snapshot
 
 MADE = "a value the database makes"
 
@@ -125,8 +126,11 @@ Made = dict[str, list[Any]]  # "schema.table.column" -> its values
 
 
 def made_values(conn: Conn, tables: Iterable[Table]) -> Made:
-    """The values of every left-out column of ``tables`` now."""
-    shown = [Table(t.name, tuple(c for c, _ in t.left_out)) for t in tables if t.left_out]
+    """The values of the left-out columns of ``tables`` now, but those the handler
+    makes anew (:data:`DRIFTING`): an event field copying one of those drifts as the
+    column does, and is said so (:func:`drifting_fields`)."""
+    shown = [Table(t.name, made) for t in tables
+             if (made := tuple(c for c, why in t.left_out if why != DRIFTING))]
     return _columns(snapshot(conn, shown))
 
 
@@ -176,6 +180,25 @@ def made_fields(first: list[EmittedEvent], first_made: Made,
             both = _columns_of(fa[name], first_made) & _columns_of(fb[name], second_made)
             if both:
                 out.setdefault(a.topic, {})[name] = sorted(both)[0]
+    return out
+
+
+def drifting_fields(first: list[EmittedEvent],
+                    second: list[EmittedEvent]) -> dict[str, set[str]]:
+    """The event fields whose values differ between two deliveries of the same message
+    that should be equal (each from a clean database), ``{topic: {field}}``: the events
+    paired in the order they were emitted; none when the two differ in number or
+    topics (then nothing is left out: the scenarios show the difference)."""
+    out: dict[str, set[str]] = {}
+    if [e.topic for e in first] != [e.topic for e in second]:
+        return out
+    for a, b in zip(first, second, strict=True):
+        fa, fb = a.fields(), b.fields()
+        if fa is None or fb is None:
+            continue
+        for name in fa.keys() & fb.keys():
+            if freeze(fa[name]) != freeze(fb[name]):
+                out.setdefault(a.topic, set()).add(name)
     return out
 
 

@@ -24,6 +24,7 @@ given now. They are dropped at the end of the session.
 from __future__ import annotations
 
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,6 +45,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "when no database answers")
     parser.addini("kafka_idem_require_database", type="bool", default=False,
                   help="fail, rather than skip, kafka_idem harness tests without a database")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """A section listing what the session's ``Harness.check`` calls left out of their
+    comparisons (each column, stored result key and event field, with why), so that a
+    value no scenario compares is seen even when every check passed."""
+    report = sys.modules.get("kafka_idem.testing.report")
+    left: dict[tuple[str, tuple[str, ...]], list[str]] = getattr(report, "LEFT_OUT", {})
+    if not left:
+        return
+    terminalreporter.section("kafka_idem: values Harness.check LEFT OUT (not compared)",
+                             yellow=True)
+    for (what, lines), tests in left.items():
+        shown = ", ".join(tests[:3]) + (f" and {len(tests) - 3} more" if len(tests) > 3 else "")
+        terminalreporter.write_line(f"{what}, checked by {shown}:")
+        for line in lines:
+            terminalreporter.write_line(f"    - {line}")
 
 
 def _url(config: pytest.Config) -> str:

@@ -11,6 +11,7 @@ differing."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -218,6 +219,15 @@ class CheckReport:
                 return r
         raise KeyError(f"no scenario {name!r}" + (f" on path {path!r}" if path else ""))
 
+    def left_out_lines(self) -> list[str]:
+        """The report's block of what no scenario compares: a heading, then each
+        column, stored result key or event field with why (none: nothing left out)."""
+        if not self.left_out:
+            return []
+        return [f"  LEFT OUT: {len(self.left_out)} value(s) no scenario compares "
+                "(a mistake in them would not fail this check):",
+                *(f"    - {line}" for line in self.left_out)]
+
     def __str__(self) -> str:
         ran = [r for r in self.results if not r.skipped or r.problems]
         verdict = (f"{len(self.failed)} of {len(ran)} scenarios FAILED" if self.failed
@@ -225,20 +235,38 @@ class CheckReport:
         if not self.reference_succeeded:  # not "all passed", as if all were well
             verdict = (f"the reference delivery did not succeed ({self.reference_outcome}); "
                        + (verdict if self.failed else f"{len(ran)} scenarios agree with it"))
+        left = (f"; {len(self.left_out)} value(s) LEFT OUT of the comparison (listed "
+                "below)") if self.left_out else ""
         out = [f"kafka_idem check of handler {self.handler!r} (topic {self.topic}, "
-               f"{self.mode} mode): {verdict} in {self.seconds:.1f}s"]
+               f"{self.mode} mode): {verdict} in {self.seconds:.1f}s{left}"]
         # What differs, then where: each distinct difference once, with its scenarios.
         failed = self.failed
         numbers: dict[str, int] = {}
         for n, d in enumerate(differences(failed), 1):
             out += d.lines(n)
             numbers.update(dict.fromkeys(d.problems, n))
+        out += self.left_out_lines()
         out.append(f"  compared: {', '.join(self.tables) or '(no tables)'}"
                    + (f"; remotes: {', '.join(self.remotes)}" if self.remotes else ""))
-        if self.left_out:
-            out.append(f"  left out: {'; '.join(self.left_out)}")
         out += [f"  reference: {line}" for line in self.reference]
         out.append("")
         for r in failed + [r for r in self.results if r.passed]:
             out += r.lines(numbers) if not r.passed else r.lines()[:1]
         return "\n".join(out)
+
+
+# What every check of the session left out, for the pytest plugin's terminal summary:
+# (what was checked, the left-out lines) -> the tests that checked it.
+LEFT_OUT: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+
+
+def remember_left_out(report: CheckReport) -> None:
+    """Keep ``report``'s left-out values for the end of the pytest session (with the
+    test that ran the check, when pytest runs one)."""
+    if not report.left_out:
+        return
+    what = f"handler {report.handler!r} (topic {report.topic}, {report.mode} mode)"
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0] or "(no test)"
+    tests = LEFT_OUT.setdefault((what, tuple(report.left_out)), [])
+    if test not in tests:
+        tests.append(test)

@@ -220,7 +220,7 @@ class TableDiff:
 
 
 DRIFTING = ("differs between two deliveries of the reference: a value the handler makes "
-            "anew, e.g. now() or a random id in its SQL")
+            "anew, e.g. now(), a random id or a counter of the process")
 
 
 def drifting(first: State, second: State) -> dict[str, list[str]]:

@@ -2,10 +2,13 @@
 a user would, for the test kit's own tests; ``MISTAKE`` (set by a test, reset to
 "none") makes it wrong:
 
-* ``event_random_id``: the booked event carries a random id made for each emit;
+* ``event_random_id``: the booked event carries a random id made for each emit (the
+  check leaves it out, said);
 * ``own_connection``: the pickup row is written through a second (autocommit)
   connection, which no rollback undoes;
-* ``not_json``: the handler returns what is not JSON (so no delivery succeeds).
+* ``not_json``: the handler returns what is not JSON (so no delivery succeeds);
+* ``forgot_await``: ``ctx.emit(...)`` is called without ``await`` (a slip, not a
+  mistake: the event is registered at the call).
 """
 
 from __future__ import annotations
@@ -57,7 +60,10 @@ async def _record(msg: Booking, ctx: AsyncContext, booking: dict[str, Any]) -> d
     event: dict[str, Any] = {"pickup_id": msg.pickup_id, "booking": booking["id"]}
     if MISTAKE["now"] == "event_random_id":
         event["event_id"] = uuid.uuid4().hex
-    await ctx.emit(BOOKED, event, key=msg.pickup_id)
+    if MISTAKE["now"] == "forgot_await":
+        ctx.emit(BOOKED, event, key=msg.pickup_id)
+    else:
+        await ctx.emit(BOOKED, event, key=msg.pickup_id)
     if MISTAKE["now"] == "not_json":
         return {"at": object()}  # type: ignore[dict-item]
     return {"ok": True, "booking": booking["id"]}

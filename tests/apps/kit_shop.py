@@ -15,8 +15,10 @@ the charge and emits ``shop.order-paid``. ``MISTAKE`` (set by a test, reset to
 * ``bulk_skips_counter``: the bulk form forgets the counter;
 * ``reconcile_forgets_row``: the reconciler finds the charge but records nothing;
 * ``event_counter``: the order event carries a number the process counts up, not
-  the key's;
-* ``event_random_id``: the order event carries a random id made for each emit;
+  the key's (not a mistake of exactly-once: the check leaves that field out, as it
+  would a column that differs between two deliveries);
+* ``event_random_id``: the order event carries a random id made for each emit (left
+  out likewise);
 * ``reconcile_emits_twice``: the reconciler emits the paid event again, after the
   recording it shares with the handler emitted it;
 * ``event_own_connection``: the order event is written into the outbox through a

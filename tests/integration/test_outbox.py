@@ -5,8 +5,10 @@ replay; the batch path's fallback emits once."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
+import warnings
 from decimal import Decimal
 from typing import Any
 
@@ -16,7 +18,7 @@ from pydantic import BaseModel
 
 from consumers import payments
 from consumers.payments import encode_charge
-from kafka_idem import Context, Permanent
+from kafka_idem import Context, Permanent, RetryPolicy
 from kafka_idem.handler import AsyncContext
 from kafka_idem.store import Delivery, Store, connect
 from tests.conftest import BOOTSTRAP, DB, InProcess, Topics, caught_up, headers, produce, wait_for
@@ -141,6 +143,40 @@ def test_async_handler_await_emit(db: DB, topics: Topics, group: str) -> None:
         wait_published(db, events, 2)
     assert sorted(events_by_key(events)) == ["o1", "o3"]
     assert db.balances() == {("t1", "EUR"): Decimal("4.00")}
+
+
+def test_async_handler_that_forgets_await_on_emit_still_emits_once_with_its_effect(
+    db: DB, topics: Topics, group: str
+) -> None:
+    """``ctx.emit(...)`` without ``await`` registers the event at the call: it is
+    published once with the charge; an attempt that raises after emitting (a Permanent
+    rejection, a retried error) takes its event back with its transaction; no
+    "never awaited" warning."""
+    events = topics(partitions=1, dlq=False, prefix="ev")
+
+    async def charge(msg: payments.ChargeRequested, ctx: AsyncContext) -> Any:
+        ctx.emit(events, event_of(msg, ctx), key=msg.order_id)  # no await: the user's slip
+        if msg.order_id == "o4" and ctx.attempt == 1:
+            raise RuntimeError("the downstream failed after the emit: retried")
+        return await payments.charge_async(msg, ctx)  # o2's negative amount: Permanent
+
+    app, _ = outbox_app(db, topics, group, charge, events=events, mode="leased",
+                        retry=RetryPolicy(base=0.05, cap=0.05, max_attempts=3))
+    produce(app.topics[0], charges(("o1", "1.00"), ("o2", "-5.00"), ("o3", "3.00"),
+                                   ("o4", "4.00")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with InProcess(app), RelayThread(app):
+            processed(app, group)
+            got = wait_published(db, events, 3)
+        gc.collect()
+    assert sorted((m.key(), json.loads(m.value())["attempt"]) for m in got) == [
+        (b"o1", 1), (b"o3", 1), (b"o4", 2)]
+    assert {k: len(v) for k, v in events_by_key(events).items()} == {"o1": 1, "o3": 1, "o4": 1}
+    assert db.ledger_counts() == {"t1:charge:o1": 1, "t1:charge:o3": 1, "t1:charge:o4": 1}
+    record = db.record("t1:charge:o2")
+    assert record is not None and record["status"] == "failed"
+    assert not [w for w in caught if "never awaited" in str(w.message)]
 
 
 def test_emit_to_an_undeclared_topic_is_a_configuration_error_that_holds_the_message(

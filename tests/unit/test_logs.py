@@ -79,3 +79,41 @@ def test_a_json_line_has_a_utc_timestamp_with_milliseconds() -> None:
     data = json.loads(logs.JsonFormatter().format(record))
     assert data["ts"] == "2023-11-14T22:13:20.250+00:00"
     assert dt.datetime.fromisoformat(data["ts"]).timestamp() == record.created
+
+
+def _record(name: str, level: int) -> logging.LogRecord:
+    return logging.LogRecord(name, level, __file__, 1, "line", None, None)
+
+
+def test_other_libraries_show_warnings_only_unless_named_in_log_levels() -> None:
+    import urllib3  # noqa: F401  (installed: a library)
+
+    from kafka_idem.observe.logs import Libraries
+
+    quiet = Libraries()
+    assert not quiet.filter(_record("urllib3.connectionpool", logging.INFO))
+    assert not quiet.filter(_record("asyncio", logging.INFO))  # the standard library's
+    assert quiet.filter(_record("urllib3.connectionpool", logging.WARNING))
+    for own in ("kafka_idem.consume.runner", "billing.invoices", "__main__"):
+        assert quiet.filter(_record(own, logging.INFO)), own
+    quiet.levels = {"urllib3": "INFO"}  # a parent named in log_levels: its level decides
+    assert quiet.filter(_record("urllib3.connectionpool", logging.INFO))
+    quiet.levels = {}
+    quiet.own_modules(["urllib3.poolmanager"])  # an app installed like a library is the app's
+    assert quiet.filter(_record("urllib3.connectionpool", logging.DEBUG))
+
+
+def test_log_levels_are_normalised_and_a_bad_one_names_the_setting() -> None:
+    from kafka_idem.errors import ConfigError
+    from kafka_idem.settings import load_settings
+
+    s = load_settings(log_levels=" httpx=info , myapp.db=DEBUG,")
+    assert s.log_levels == "httpx=INFO,myapp.db=DEBUG"
+    assert s.logger_levels == {"httpx": "INFO", "myapp.db": "DEBUG"}
+    for bad, said in (("httpx", "'httpx' is not LOGGER=LEVEL"),
+                      ("=INFO", "'=INFO' is not LOGGER=LEVEL"),
+                      ("httpx=LOUD", "'httpx=LOUD': the level must be one of")):
+        with pytest.raises(ConfigError) as caught:
+            load_settings(log_levels=bad)
+        assert "log_levels (KAFKA_IDEM_LOG_LEVELS)" in str(caught.value)
+        assert said in str(caught.value)
