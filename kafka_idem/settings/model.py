@@ -66,13 +66,19 @@ class Settings(BaseSettings):
     )
     schema_name: str = Field("kafka_idem", description="PostgreSQL schema of the store tables.")
     table: str = Field("task_idempotency", description="Name of the idempotency table.")
-    lease_seconds: float = Field(30.0, gt=0, description="Lease of a claimed key (leased mode).")
-    max_attempts: int = Field(5, ge=1, description="Attempts before a key is exhausted.")
+    lease_seconds: float = Field(
+        30.0, gt=0, description="Lease of a claimed key in leased mode: a member that stops "
+        "renewing it for this long loses the key to the next one.")
+    max_attempts: int = Field(
+        5, ge=1, description="Attempts before a key is exhausted (and dead-lettered).")
     max_elapsed_seconds: float = Field(
         3600.0, gt=0, description="Time since the first failure after which a key is exhausted."
     )
-    backoff_base_seconds: float = Field(0.5, ge=0, description="Retry backoff base.")
-    backoff_cap_seconds: float = Field(60.0, ge=0, description="Retry backoff cap.")
+    backoff_base_seconds: float = Field(
+        0.5, ge=0, description="Retry backoff base: the wait before the attempt after the "
+        "n-th failure is random, below base * 2^(n-1) (full jitter).")
+    backoff_cap_seconds: float = Field(
+        60.0, ge=0, description="Retry backoff cap: the longest wait before a retry.")
     busy_retry_seconds: float = Field(
         0.5, gt=0, description="Wait before retrying a key another member holds."
     )
@@ -125,9 +131,11 @@ class Settings(BaseSettings):
         "partitions (one database connection each); 0 runs one batch at a time in the loop.",
     )
     batch_path: bool = Field(
-        True, description="Run local-mode batches on the optimistic batch path (see batch.py)."
+        True, description="Run local-mode batches on the optimistic batch path (one claim "
+        "statement for a batch's keys); false: a transaction per message."
     )
-    dlq_suffix: str = Field(".dlq", min_length=1, description="Default DLQ topic suffix.")
+    dlq_suffix: str = Field(".dlq", min_length=1, description="Suffix of a handler's "
+                            "default dead-letter topic: <topic><suffix>.")
     dlq_signing_keys: SecretStr | None = Field(
         None,
         description="Keys that sign dead letters (secret): a comma-separated list, each at "
@@ -189,7 +197,9 @@ class Settings(BaseSettings):
     kafka: dict[str, Any] = Field(
         default_factory=dict, description="librdkafka options passed through (JSON in env)."
     )
-    max_poll_interval_ms: int = Field(300_000, ge=1000, description="librdkafka option.")
+    max_poll_interval_ms: int = Field(
+        300_000, ge=1000, description="librdkafka max.poll.interval.ms: the longest time "
+        "between two polls before the group considers the member gone.")
     session_timeout_ms: int = Field(
         10_000, ge=1000,
         description="librdkafka session.timeout.ms: how long the group waits for a member "
@@ -217,7 +227,8 @@ class Settings(BaseSettings):
     metrics_addr: str = Field(
         "127.0.0.1", description="Address /metrics binds (0.0.0.0 in a container)."
     )
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="/metrics port.")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Port of /metrics, /livez "
+                                      "and /readyz (unset: not served; 0: any free port).")
     liveness_seconds: float = Field(
         300.0, gt=0, description="/livez fails when the loop made no progress this long."
     )
@@ -230,7 +241,8 @@ class Settings(BaseSettings):
         "this often, and never while idle; 0 switches the line off.",
     )
     log_format: Literal["text", "json"] = Field("text", description="Log output format.")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Lowest level of the log lines the process writes.")
 
     @field_validator("schema_name", "table")
     @classmethod
@@ -303,6 +315,7 @@ class Settings(BaseSettings):
 
     @property
     def dsn(self) -> str:
+        """``database_url`` in clear text, for connecting (never log it)."""
         return self.database_url.get_secret_value()
 
     @property
@@ -322,6 +335,8 @@ class Settings(BaseSettings):
         return tuple(k.strip().encode("utf-8") for k in raw.split(","))
 
     def consumer_config(self, group_id: str | None = None) -> dict[str, Any]:
+        """The librdkafka consumer configuration: ``kafka``'s options, with the ones the
+        guarantees depend on applied over them; ``group_id`` overrides the setting."""
         group = group_id or self.group_id
         if not group:
             raise ConfigError("group_id is required", setting="group_id")
@@ -347,6 +362,8 @@ class Settings(BaseSettings):
         return conf
 
     def producer_config(self) -> dict[str, Any]:
+        """The librdkafka producer configuration (dead letters, ``app.producer()``):
+        ``kafka``'s options less the consumer-only ones, idempotence applied over them."""
         conf: dict[str, Any] = {"linger.ms": 5, "message.timeout.ms": 30_000,
                                 "logger": KAFKA_LOG}
         conf.update({k: v for k, v in self.kafka.items() if not consumer_only(k)})
@@ -355,6 +372,8 @@ class Settings(BaseSettings):
         return conf
 
     def admin_config(self) -> dict[str, Any]:
+        """The librdkafka admin client configuration: ``kafka``'s options less the
+        consumer-only ones."""
         conf: dict[str, Any] = {"logger": KAFKA_LOG}
         conf.update({k: v for k, v in self.kafka.items() if not consumer_only(k)})
         conf["bootstrap.servers"] = self.bootstrap_servers
