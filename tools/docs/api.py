@@ -127,12 +127,12 @@ def _attribute_doc(module: str, name: str) -> bool:
     return False
 
 
-def undocumented() -> list[str]:
-    """Every public name of the API page without a docstring, and every public method
-    or property of its classes without one (members defined in the class itself: the
-    ones its section shows)."""
+def undocumented(names: list[str] | None = None) -> list[str]:
+    """Every public name of the API page (or of ``names``) without a docstring, and every
+    public method or property of its classes without one (members defined in the class
+    itself: the ones its section shows)."""
     missing = []
-    for qualified in public_names():
+    for qualified in public_names() if names is None else names:
         obj = resolve(qualified)
         if inspect.isclass(obj):
             if not _own_class_doc(obj):

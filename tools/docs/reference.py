@@ -61,15 +61,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 naming each stale page")
+    parser.add_argument("--out", type=Path, default=FOLDER, metavar="DIR",
+                        help="the pages' folder (default: docs/reference)")
     args = parser.parse_args(argv)
-    rel = FOLDER.relative_to(ROOT)
+    folder: Path = args.out
+    shown = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder
     if args.check:
-        old = stale()
+        old = stale(folder)
         for name in old:
-            print(f"{rel / name} is stale: run {COMMAND}", file=sys.stderr)
+            print(f"{shown / name} is stale: run {COMMAND}", file=sys.stderr)
         return 1 if old else 0
-    for name in write():
-        print(f"wrote {rel / name}")
+    for name in write(folder):
+        print(f"wrote {shown / name}")
     return 0
 
 
