@@ -235,3 +235,28 @@ def test_the_audit_finds_what_has_no_docstring(monkeypatch: pytest.MonkeyPatch) 
         f"{module.__name__}.bare_function",
         f"{module.__name__}.UNSAID",  # a constant: no string right after its assignment
     ]
+
+
+class _Scope:
+    """What the role rewriter asks of a griffe object: resolve a name in its scope."""
+
+    parent = None
+
+    def resolve(self, name: str) -> str:
+        if name == "Harness":
+            return "kafka_idem.testing.harness.Harness"
+        raise KeyError(name)
+
+
+def test_rest_roles_become_optional_cross_references() -> None:
+    from tools.docs.griffe_rest import rewrite
+
+    text = ("See :class:`~kafka_idem.errors.ConfigError` and :meth:`Harness.check`, "
+            ":func:`nowhere`; from code::\n\n    x = 1\n")
+    assert rewrite(_Scope(), text) == (  # type: ignore[arg-type]
+        'See <autoref identifier="kafka_idem.errors.ConfigError" optional>'
+        "<code>ConfigError</code></autoref> and "
+        '<autoref identifier="kafka_idem.testing.harness.Harness.check" optional>'
+        "<code>Harness.check</code></autoref>, "
+        '<autoref identifier="nowhere" optional><code>nowhere</code></autoref>; '
+        "from code:\n\n    x = 1\n")

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 COMMAND = "python -m tools.docs.reference"
 
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)
-_SPECIAL = re.compile(r"([\\*_\[\]<>|])")
+_SPECIAL = re.compile(r"([\\*_\[\]>|])")  # "<" is not escapable: &lt;
 
 
 def generated_note(source: str) -> str:
@@ -25,11 +25,15 @@ def text(value: str) -> str:
     out = []
     last = 0
     for found in _CODE_SPAN.finditer(value):
-        out.append(_SPECIAL.sub(r"\\\1", value[last:found.start()]))
+        out.append(_escaped(value[last:found.start()]))
         out.append(found.group(0).replace("|", "\\|"))
         last = found.end()
-    out.append(_SPECIAL.sub(r"\\\1", value[last:]))
+    out.append(_escaped(value[last:]))
     return "".join(out)
+
+
+def _escaped(plain: str) -> str:
+    return _SPECIAL.sub(r"\\\1", plain).replace("<", "&lt;")
 
 
 def cell(value: str) -> str:
