@@ -96,7 +96,8 @@ def _commands(command: click.Command, path: str) -> list[tuple[str, click.Comman
     found = [(path, command)]
     if isinstance(command, click.Group):
         for name, sub in command.commands.items():
-            found += _commands(sub, f"{path} {name}")
+            if not sub.hidden:  # a hidden command is left out of the page, as of --help
+                found += _commands(sub, f"{path} {name}")
     return found
 
 
