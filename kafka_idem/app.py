@@ -94,6 +94,7 @@ class App:
 
     @property
     def settings(self) -> Settings:
+        """The app's settings: ``settings=``, else ``KAFKA_IDEM_*`` plus the overrides."""
         if self._settings is None:
             self._settings = load_settings(**self._overrides)
         return self._settings
@@ -124,6 +125,7 @@ class App:
 
     @property
     def group_id(self) -> str:
+        """The consumer group: the ``group_id`` setting, else the app's name."""
         return self.settings.group_id or self.name
 
     @property
@@ -295,6 +297,7 @@ class App:
                                     f"schema {handler.schema!r}")
 
     def bind_codec(self, handler: Handler[Any]) -> Codec:
+        """Make ``handler``'s codec from its format and the settings, and bind it."""
         with self._codec_lock:
             codec = self.make_codec(handler)
             handler.bind(codec, payload_max_bytes=self.settings.payload_max_bytes)
@@ -395,6 +398,7 @@ class App:
         )
 
     def dlq_topic(self, handler: Handler[Any]) -> str:
+        """``handler``'s dead-letter topic: its ``dlq_topic=``, else topic + ``dlq_suffix``."""
         return handler.dlq_topic_override or f"{handler.topic}{self.settings.dlq_suffix}"
 
     def check_topics(self) -> None:
@@ -408,6 +412,7 @@ class App:
 
     @property
     def topics(self) -> list[str]:
+        """The topics the app's handlers consume."""
         return list(self.handlers)
 
 

@@ -315,6 +315,7 @@ class Handler(Generic[M]):
         return self._codec
 
     def bind(self, codec: Codec, *, payload_max_bytes: int) -> None:
+        """Give the handler its codec and the largest value it decodes (the app does)."""
         self._codec = codec
         self.payload_max_bytes = payload_max_bytes
 

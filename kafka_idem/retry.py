@@ -47,6 +47,10 @@ Decision = Retry | Exhausted
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
+    """When a failed key runs again, and when it is exhausted: exponential backoff with
+    full jitter, ``base`` doubling per attempt up to ``cap`` seconds; exhausted after
+    ``max_attempts`` attempts or ``max_elapsed`` seconds since its first failure."""
+
     base: float = 0.5
     cap: float = 60.0
     max_attempts: int = 5
@@ -61,6 +65,9 @@ class RetryPolicy:
     def decide(
         self, *, attempts: int, elapsed: float, rng: random.Random | None = None
     ) -> Decision:
+        """After ``attempts`` failed attempts, ``elapsed`` seconds since the first one:
+        :class:`Retry` with a random delay below :meth:`bound`, or :class:`Exhausted`
+        saying which limit was reached."""
         if attempts >= self.max_attempts:
             return Exhausted(f"{attempts} attempts reached the limit of {self.max_attempts}")
         if elapsed >= self.max_elapsed:

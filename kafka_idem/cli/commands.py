@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 @click.option("--database-url", envvar=None, help="PostgreSQL URL.")
 @click.option("--schema", "schema_name", help="Store schema (default kafka_idem).")
 @click.option("--table", help="Idempotency table (default task_idempotency).")
-@click.option("--log-format", type=click.Choice(["text", "json"]), default=None)
+@click.option("--log-format", type=click.Choice(["text", "json"]), default=None,
+              help="Log output format (default: the log_format setting, text).")
 @click.option("--debug", is_flag=True, help="Print the traceback of an error, not just its "
               "one line.")
 @click.pass_context

@@ -28,7 +28,8 @@ from kafka_idem.settings import Settings
               "least the longest retention.ms of their source topics (one hour when it "
               "cannot be read), else refused without --force.")
 @click.option("--include-failed", is_flag=True, help="Also purge old failed records.")
-@click.option("--batch-size", type=click.IntRange(1, 100_000), default=5000, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1, 100_000), default=5000, show_default=True,
+              help="Records deleted per transaction (each with its own audit row).")
 @click.option("--actor", default=None, help="Who (default: KAFKA_IDEM_ACTOR or the OS user).")
 @click.option("--reason", default=None, help="Why (kept in the audit trail).")
 @click.option("--namespace", help=NAMESPACE_HELP)

@@ -150,6 +150,8 @@ class AvroCodec:
 
     @classmethod
     def from_dir(cls, folder: Path) -> AvroCodec:
+        """Every ``.avsc`` schema of ``folder`` (``schemas_dir``); a missing folder or
+        schema that does not parse is a :class:`ConfigError` naming it."""
         codec = cls()
         if not folder.is_dir():
             what = "is not a folder" if folder.exists() else "does not exist"
@@ -166,6 +168,7 @@ class AvroCodec:
         return codec
 
     def add(self, schema: Any) -> str:
+        """Add a schema (its JSON as Python values); return its full name."""
         parsed = fastavro.parse_schema(schema)
         name = parsed["name"] if isinstance(parsed, dict) else str(parsed)
         self._by_name[name] = parsed
@@ -175,6 +178,7 @@ class AvroCodec:
         return name
 
     def schema(self, name: str) -> Any:
+        """The parsed schema ``name`` (a :class:`ConfigError` when there is none)."""
         try:
             return self._by_name[name]
         except KeyError:
@@ -186,13 +190,16 @@ class AvroCodec:
         return self._raw[name]
 
     def has(self, name: str) -> bool:
+        """Whether a schema is named ``name``."""
         return name in self._by_name
 
     @property
     def names(self) -> list[str]:
+        """The full names of the schemas, sorted."""
         return sorted(self._by_name)
 
     def encode(self, name: str, record: Mapping[str, Any]) -> bytes:
+        """``record`` single-object encoded with schema ``name`` (magic, fingerprint, body)."""
         parsed = self.schema(name)
         buf = io.BytesIO()
         buf.write(SINGLE_OBJECT_MAGIC)
@@ -234,11 +241,14 @@ class AvroObjectCodec:
         schemas.schema(schema)  # a ConfigError now, not at the first message
 
     def decode(self, data: bytes) -> Any:
+        """The handler's payload: ``data`` read with its reader schema, validated into
+        its model."""
         if self.framed is not None and data[0] == CONFLUENT_MAGIC:
             return self.framed.decode(data)
         _name, record = self.schemas.decode(data, reader=self.schema)
         return validate(self.adapter, record, fmt=self.name)
 
     def encode(self, payload: Any) -> bytes:
+        """``payload`` (a model instance or what the model accepts) single-object encoded."""
         return self.schemas.encode(self.schema, as_python(self.adapter, payload))
 

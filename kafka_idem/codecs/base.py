@@ -47,6 +47,8 @@ from kafka_idem.errors import ConfigError, InvalidPayload
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 CONFLUENT_MAGIC = 0
 FORMATS = ("json", "avro", "registry")
+"""The payload formats a handler's ``format=`` names (``default_format`` picks one for
+handlers that name none); a :class:`Codec` or :class:`CodecFactory` may be given instead."""
 
 
 @runtime_checkable
@@ -61,9 +63,13 @@ class Codec(Protocol):
 
     name: str
 
-    def decode(self, data: bytes) -> Any: ...
+    def decode(self, data: bytes) -> Any:
+        """The message value as the handler's payload (raises as said above)."""
+        ...
 
-    def encode(self, payload: Any) -> bytes: ...
+    def encode(self, payload: Any) -> bytes:
+        """``payload`` as the bytes a handler of this format reads."""
+        ...
 
 
 @runtime_checkable
@@ -73,7 +79,9 @@ class CodecFactory(Protocol):
     calls ``for_handler`` when it binds the handler and uses the codec returned as it is
     (it validates into the model itself)."""
 
-    def for_handler(self, app: Any, handler: Any) -> Codec: ...
+    def for_handler(self, app: Any, handler: Any) -> Codec:
+        """The codec of ``handler`` in ``app``, made when the app binds it."""
+        ...
 
 
 # --- models -------------------------------------------------------------------

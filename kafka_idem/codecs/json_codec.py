@@ -35,6 +35,7 @@ class JsonCodec:
         self.adapter = adapter or TypeAdapter(dict[str, Any])
 
     def decode(self, data: bytes) -> Any:
+        """``data``, UTF-8 JSON, validated into the model."""
         if not data:
             raise Undecodable("json: empty value")
         if data[:2] == SINGLE_OBJECT_MAGIC or (data[0] == CONFLUENT_MAGIC and len(data) >= 5):
@@ -51,6 +52,7 @@ class JsonCodec:
                 f"json: payload does not validate: {validation_reasons(exc)}") from exc
 
     def encode(self, payload: Any) -> bytes:
+        """``payload``, validated by the model first, as UTF-8 JSON."""
         # every value is validated (an instance of the model passes as it is): another
         # model's instance or a str is refused, never written as something else
         return self.adapter.dump_json(self.adapter.validate_python(payload))

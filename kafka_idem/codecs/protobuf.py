@@ -178,6 +178,8 @@ class ProtobufCodec:
     # --- decode -------------------------------------------------------------------
 
     def decode(self, data: bytes) -> Any:
+        """Confluent-framed Protobuf ``data`` as the handler's payload: the message's
+        values validated into the handler's model (plain values without one)."""
         self._bound()
         from confluent_kafka.schema_registry.serde import SchemaId
 

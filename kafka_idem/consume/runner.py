@@ -19,21 +19,19 @@ Each round, in the order a message travels:
    goes on, so ``max.poll.interval.ms`` is never exceeded and the member is not
    evicted); resume them when they are due and drained.
 
-Handlers with ``concurrency > 1`` or ``async def`` ones keep their partitions
-key-ordered (:mod:`~kafka_idem.consume.concurrency.keyed_state`): step 3 starts single messages,
-many per partition, one at a time per key. A round that follows a stall of the
-process (e.g. SIGSTOP) longer than half the session timeout starts no key-ordered
-message before the next ``consume()``, which delivers a loss of the partitions
-first (their order across ordering keys depends on owning the partition).
-``async def`` handlers' tasks run on an event loop this thread runs whenever it
-waits (for a unit, a round of what is ready, a drain), or on a thread of its own
-(``event_loop_thread``).
+Handlers with ``concurrency > 1`` or ``async def`` ones keep their partitions key-ordered
+(:mod:`~kafka_idem.consume.concurrency.keyed_state`): step 3 starts single messages, many
+per partition, one at a time per key. A round that follows a stall of the process (e.g.
+SIGSTOP) longer than half the session timeout starts no key-ordered message before the next
+``consume()``, which delivers a loss of the partitions first (their order across ordering
+keys depends on owning the partition). ``async def`` handlers' tasks run on an event loop
+this thread runs whenever it waits (for a unit, a round of what is ready, a drain), or on a
+thread of its own (``event_loop_thread``).
 
-A revoke, a loss or a close first waits for the units in flight and applies
-their results, so callbacks never race with processing of the partitions they
-hand over. Paused partitions keep their fetched messages in our queue:
-librdkafka purges its own prefetch on pause and resumes after the last message
-it handed out.
+A revoke, a loss or a close first waits for the units in flight and applies their results,
+so callbacks never race with processing of the partitions they hand over. Paused partitions
+keep their fetched messages in our queue: librdkafka purges its own prefetch on pause and
+resumes after the last message it handed out.
 """
 
 from __future__ import annotations
@@ -90,10 +88,8 @@ class Runner:
         self.stopping = threading.Event()
         self.parts = Partitions(make=self._make_state)
         self.offsets = Offsets(self.parts)
-        self.units = Units(
-            app, self.parts, store=self.store, metrics=self.metrics,
-            leases=self.leases, stopping=self.stopping,
-        )
+        self.units = Units(app, self.parts, store=self.store, metrics=self.metrics,
+                           leases=self.leases, stopping=self.stopping)
         self.lag = Lag(self.metrics)
         self.newly_assigned: list[TopicPartition] = []
         self.assigned: set[TP] = set()  # as the rebalance callbacks last left it
@@ -136,6 +132,7 @@ class Runner:
         return shutdown
 
     def start(self) -> None:
+        """Check topics and store, subscribe, start the helper threads (:meth:`run` does)."""
         s = self.settings
         self.app.check_topics()
         check_schema(self.settings, self.store, self.app)
@@ -158,8 +155,8 @@ class Runner:
                                 on_revoke=self._on_revoke, on_lost=self._on_lost)
         if s.gc_tuning:
             tune_gc()
-        log.info("consumer started",
-                 extra={"action": "started", "topic": ",".join(self.app.topics)})
+        topics = ",".join(self.app.topics)
+        log.info("consumer started", extra={"action": "started", "topic": topics})
 
     def _warn_missing(self, absent: list[str]) -> None:
         new = [t for t in absent if t not in self.missing_topics]
@@ -192,6 +189,7 @@ class Runner:
     # --- one round -------------------------------------------------------------
 
     def step(self) -> None:
+        """One round of the loop: consume, harvest, dispatch, commit, pause (see above)."""
         assert self.consumer is not None
         if self.newly_assigned:
             # A partition paused before a revoke can come back paused.
@@ -417,6 +415,7 @@ class Runner:
             self.relay.stopping.set()
 
     def close(self) -> None:
+        """Drain the work in flight, commit, leave the group and stop the helper threads."""
         self._drain()
         if self.consumer is not None:
             self._commit_pending(sync=True)

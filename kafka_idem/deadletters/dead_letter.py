@@ -1,8 +1,8 @@
 """Dead-letter records (README, "The dead-letter topic").
 
 A DLQ record keeps the original Kafka key and value bytes unchanged and adds
-headers prefixed ``idem.`` (see :data:`REQUIRED_HEADERS`). Error text is bounded
-(no stack traces: they leak internals and payloads). The produce is acknowledged
+headers prefixed ``idem.`` (:mod:`~kafka_idem.deadletters.headers`). Error text is
+bounded (no stack traces: they leak internals and payloads). The produce is acknowledged
 (idempotent producer, ``acks=all``) before the source offset may be committed;
 :class:`DeadLetterer` raises :class:`DeadLetterError` when it is not.
 """
@@ -18,30 +18,16 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from kafka_idem.deadletters import headers as h
 from kafka_idem.deadletters.signing import Signer
 from kafka_idem.errors import DeadLetterError
 
 log = logging.getLogger(__name__)
 
-PREFIX = "idem."
+PREFIX = h.PREFIX
 ERROR_KINDS = ("permanent", "exhausted", "payload_conflict", "undecodable")
-REQUIRED_HEADERS = (
-    "idem.original.topic",
-    "idem.original.partition",
-    "idem.original.offset",
-    "idem.original.timestamp",
-    "idem.error.kind",
-    "idem.error.class",
-    "idem.error.message",
-    "idem.attempts",
-    "idem.first_failure_at",
-    "idem.last_failure_at",
-    "idem.consumer_group",
-    "idem.handler",
-)
-# Also set: "idem.namespace" (the app's namespace: records from before namespaces
-# lack it), when a key could be built "idem.key", and where signing keys are
-# configured "idem.signature" (kafka_idem.deadletters.signing), last.
+# The headers every dead letter carries (the conditional ones: headers.DEAD_LETTER).
+REQUIRED_HEADERS = tuple(x.name for x in h.DEAD_LETTER if x.present == h.ALWAYS)
 
 
 def bounded(text: str, limit: int) -> str:
@@ -109,34 +95,34 @@ class DeadLetter:
         if len(ours) < len(every):
             dropped.append("headers")
         extra: list[tuple[str, str | bytes | None]] = [
-            ("idem.truncated", ",".join(dropped).encode()),
-            ("idem.original.value_bytes", str(len(value)).encode()),
-            ("idem.original.value_sha256", hashlib.sha256(value).hexdigest().encode()),
+            (h.TRUNCATED.name, ",".join(dropped).encode()),
+            (h.VALUE_BYTES.name, str(len(value)).encode()),
+            (h.VALUE_SHA256.name, hashlib.sha256(value).hexdigest().encode()),
         ]
         return Record(self.dlq_topic, key, b"", ours + extra)
 
     def headers(self, limit: int) -> list[tuple[str, str | bytes | None]]:
         ts_type, ts = self.source.timestamp()
         pairs: list[tuple[str, str]] = [
-            ("idem.original.topic", self.source.topic()),
-            ("idem.original.partition", str(self.source.partition())),
-            ("idem.original.offset", str(self.source.offset())),
-            ("idem.original.timestamp", str(ts if ts_type else -1)),
-            ("idem.error.kind", self.kind),
-            ("idem.error.class", bounded(self.error_class, 200)),
-            ("idem.error.message", bounded(self.error_message, limit)),
-            ("idem.attempts", str(self.attempts)),
-            ("idem.first_failure_at", _iso(self.first_failure_at)),
-            ("idem.last_failure_at", _iso(self.last_failure_at)),
-            ("idem.consumer_group", self.consumer_group),
-            ("idem.handler", self.handler),
+            (h.ORIGINAL_TOPIC.name, self.source.topic()),
+            (h.ORIGINAL_PARTITION.name, str(self.source.partition())),
+            (h.ORIGINAL_OFFSET.name, str(self.source.offset())),
+            (h.ORIGINAL_TIMESTAMP.name, str(ts if ts_type else -1)),
+            (h.ERROR_KIND.name, self.kind),
+            (h.ERROR_CLASS.name, bounded(self.error_class, 200)),
+            (h.ERROR_MESSAGE.name, bounded(self.error_message, limit)),
+            (h.ATTEMPTS.name, str(self.attempts)),
+            (h.FIRST_FAILURE_AT.name, _iso(self.first_failure_at)),
+            (h.LAST_FAILURE_AT.name, _iso(self.last_failure_at)),
+            (h.CONSUMER_GROUP.name, self.consumer_group),
+            (h.HANDLER.name, self.handler),
         ]
         if self.namespace is not None:
-            pairs.append(("idem.namespace", self.namespace))
+            pairs.append((h.NAMESPACE.name, self.namespace))
         if self.idempotency_key is not None:
             # Never cut: ``rerun`` and ``dlq list --key`` look keys up by their exact text
             # (their length is bounded by key_max_bytes before they exist).
-            pairs.append(("idem.key", self.idempotency_key))
+            pairs.append((h.KEY.name, self.idempotency_key))
         # The original headers travel along, except our own from an earlier DLQ trip.
         original: list[tuple[str, str | bytes | None]] = [
             # replay lineage stays: a replayed message that fails again says so

@@ -37,9 +37,11 @@ import hmac
 from collections.abc import Sequence
 from typing import Literal
 
-SIGNATURE = "idem.signature"
+from kafka_idem.deadletters import headers
+
+SIGNATURE = headers.SIGNATURE.name
 VERSION = "v1"
-PREFIX = "idem."
+PREFIX = headers.PREFIX
 MIN_KEY_BYTES = 16
 
 Verdict = Literal["valid", "invalid", "unsigned", "unverifiable"]

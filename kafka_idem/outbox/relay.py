@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
+from kafka_idem.deadletters import headers as h
 from kafka_idem.errors import ConfigError, FrameworkError, StoreError
 from kafka_idem.observe.health import Health
 from kafka_idem.observe.metrics import Metrics
@@ -103,12 +104,13 @@ class Relay:
 
     def headers(self, row: OutboxRow) -> list[tuple[str, bytes]]:
         """An event's headers: the emitter's, then the intent's ``idem.*``."""
-        out = [*row.headers, ("idem.key", row.idem_key.encode()),
-               ("idem.namespace", self._namespace), ("idem.outbox.id", str(row.id).encode())]
+        out = [*row.headers, (h.EVENT_KEY.name, row.idem_key.encode()),
+               (h.EVENT_NAMESPACE.name, self._namespace),
+               (h.EVENT_ID.name, str(row.id).encode())]
         if row.source_topic is not None:
-            out += [("idem.source.topic", row.source_topic.encode()),
-                    ("idem.source.partition", str(row.source_partition).encode()),
-                    ("idem.source.offset", str(row.source_offset).encode())]
+            out += [(h.EVENT_SOURCE_TOPIC.name, row.source_topic.encode()),
+                    (h.EVENT_SOURCE_PARTITION.name, str(row.source_partition).encode()),
+                    (h.EVENT_SOURCE_OFFSET.name, str(row.source_offset).encode())]
         return out
 
     def published(self, rows: Sequence[OutboxRow]) -> None:

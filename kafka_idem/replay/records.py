@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from kafka_idem.deadletters import headers as written
 from kafka_idem.deadletters.dead_letter import ERROR_KINDS, PREFIX
 from kafka_idem.errors import ConfigError, MessageError
 from kafka_idem.settings import Settings
@@ -47,7 +48,7 @@ def _when(value: str | None) -> dt.datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
 
 
-REPLAY_GROUP = "idem.replay.group"  # the replay that sent a copy (its group)
+REPLAY_GROUP = written.REPLAY_GROUP.name  # the replay that sent a copy (its group)
 
 
 @dataclass(frozen=True, slots=True)

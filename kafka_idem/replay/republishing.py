@@ -19,6 +19,7 @@ from typing import Any
 
 from confluent_kafka import Producer
 
+from kafka_idem.deadletters import headers as h
 from kafka_idem.deadletters.dead_letter import PREFIX
 from kafka_idem.errors import BrokerError, ConfigError
 from kafka_idem.observe import tracing
@@ -34,11 +35,11 @@ def replay_headers(
     then one that replay never sends again)."""
     kept = [(k, v) for k, v in record.headers if not k.startswith(PREFIX)]
     lineage = {
-        "idem.replay.at": (at or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).isoformat(),
-        "idem.replay.by": actor,
-        "idem.replay.source_topic": record.dlq_topic,
-        "idem.replay.source_partition": str(record.partition),
-        "idem.replay.source_offset": str(record.offset),
+        h.REPLAY_AT.name: (at or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).isoformat(),
+        h.REPLAY_BY.name: actor,
+        h.REPLAY_SOURCE_TOPIC.name: record.dlq_topic,
+        h.REPLAY_SOURCE_PARTITION.name: str(record.partition),
+        h.REPLAY_SOURCE_OFFSET.name: str(record.offset),
     }
     if group is not None:
         lineage[REPLAY_GROUP] = group

@@ -67,13 +67,22 @@ class Settings(BaseSettings):
     )
     schema_name: str = Field("kafka_idem", description="PostgreSQL schema of the store tables.")
     table: str = Field("task_idempotency", description="Name of the idempotency table.")
-    lease_seconds: float = Field(30.0, gt=0, description="Lease of a claimed key (leased mode).")
-    max_attempts: int = Field(5, ge=1, description="Attempts before a key is exhausted.")
+    lease_seconds: float = Field(
+        30.0, gt=0, description="Lease of a claimed key in leased mode (renewed every third of "
+        "it): a member that stops renewing it for this long loses the key to the next one. Keep "
+        "it above your slowest remote call, its client's timeout included: a call abandoned at "
+        "a stop or a revoke keeps its lease until it runs out, so no other member calls for "
+        "that key while its request may still be in flight.")
+    max_attempts: int = Field(
+        5, ge=1, description="Attempts before a key is exhausted (and dead-lettered).")
     max_elapsed_seconds: float = Field(
         3600.0, gt=0, description="Time since the first failure after which a key is exhausted."
     )
-    backoff_base_seconds: float = Field(0.5, ge=0, description="Retry backoff base.")
-    backoff_cap_seconds: float = Field(60.0, ge=0, description="Retry backoff cap.")
+    backoff_base_seconds: float = Field(
+        0.5, ge=0, description="Retry backoff base: the wait before the attempt after the "
+        "n-th failure is random, below base * 2^(n-1) (full jitter).")
+    backoff_cap_seconds: float = Field(
+        60.0, ge=0, description="Retry backoff cap: the longest wait before a retry.")
     busy_retry_seconds: float = Field(
         0.5, gt=0, description="Wait before retrying a key another member holds."
     )
@@ -126,9 +135,11 @@ class Settings(BaseSettings):
         "partitions (one database connection each); 0 runs one batch at a time in the loop.",
     )
     batch_path: bool = Field(
-        True, description="Run local-mode batches on the optimistic batch path (see batch.py)."
+        True, description="Run local-mode batches on the optimistic batch path (one claim "
+        "statement for a batch's keys); false: a transaction per message."
     )
-    dlq_suffix: str = Field(".dlq", min_length=1, description="Default DLQ topic suffix.")
+    dlq_suffix: str = Field(".dlq", min_length=1, description="Suffix of a handler's "
+                            "default dead-letter topic: <topic><suffix>.")
     dlq_signing_keys: SecretStr | None = Field(
         None,
         description="Keys that sign dead letters (secret): a comma-separated list, each at "
@@ -188,13 +199,24 @@ class Settings(BaseSettings):
         "PayloadTooLarge without being parsed.",
     )
     kafka: dict[str, Any] = Field(
-        default_factory=dict, description="librdkafka options passed through (JSON in env)."
+        default_factory=dict, description="librdkafka options passed through (JSON in the "
+        "variable; SASL/TLS...); secrets are masked. An option librdkafka does not know, or a "
+        "value it refuses, is a configuration error (exit 2) naming it. Options the guarantees "
+        "depend on (enable.auto.commit, enable.auto.offset.store, enable.partition.eof, "
+        "enable.idempotence, acks) and those other settings decide (bootstrap.servers, "
+        "group.id, group.instance.id, session.timeout.ms, max.poll.interval.ms) are ignored "
+        "here, with one WARNING each."
     )
-    max_poll_interval_ms: int = Field(300_000, ge=1000, description="librdkafka option.")
+    max_poll_interval_ms: int = Field(
+        300_000, ge=1000, description="librdkafka max.poll.interval.ms: the longest time "
+        "between two polls before the group considers the member gone.")
     session_timeout_ms: int = Field(
         10_000, ge=1000,
         description="librdkafka session.timeout.ms: how long the group waits for a member "
-        "that stopped heartbeating (e.g. SIGKILLed) before its partitions move.",
+        "that stopped heartbeating (e.g. SIGKILLed) before its partitions move. It must lie "
+        "within the broker's group.min.session.timeout.ms (6 s by default) and "
+        "group.max.session.timeout.ms: outside them run stops with exit 2 naming the setting "
+        "and the bounds.",
     )
     lock_timeout_seconds: float = Field(
         5.0, ge=0,
@@ -218,7 +240,8 @@ class Settings(BaseSettings):
     metrics_addr: str = Field(
         "127.0.0.1", description="Address /metrics binds (0.0.0.0 in a container)."
     )
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="/metrics port.")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Port of /metrics, /livez "
+                                      "and /readyz (unset: not served; 0: any free port).")
     liveness_seconds: float = Field(
         300.0, gt=0, description="/livez fails when the loop made no progress this long."
     )
@@ -231,7 +254,8 @@ class Settings(BaseSettings):
         "this often, and never while idle; 0 switches the line off.",
     )
     log_format: Literal["text", "json"] = Field("text", description="Log output format.")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Lowest level of the log lines the process writes.")
     log_levels: str = Field(
         "",
         description="Levels of single loggers, LOGGER=LEVEL comma-separated (e.g. "
@@ -317,6 +341,7 @@ class Settings(BaseSettings):
 
     @property
     def dsn(self) -> str:
+        """``database_url`` in clear text, for connecting (never log it)."""
         return self.database_url.get_secret_value()
 
     @property
@@ -341,6 +366,8 @@ class Settings(BaseSettings):
         return tuple(k.strip().encode("utf-8") for k in raw.split(","))
 
     def consumer_config(self, group_id: str | None = None) -> dict[str, Any]:
+        """The librdkafka consumer configuration: ``kafka``'s options, with the ones the
+        guarantees depend on applied over them; ``group_id`` overrides the setting."""
         group = group_id or self.group_id
         if not group:
             raise ConfigError("group_id is required", setting="group_id")
@@ -366,6 +393,8 @@ class Settings(BaseSettings):
         return conf
 
     def producer_config(self) -> dict[str, Any]:
+        """The librdkafka producer configuration (dead letters, ``app.producer()``):
+        ``kafka``'s options less the consumer-only ones, idempotence applied over them."""
         conf: dict[str, Any] = {"linger.ms": 5, "message.timeout.ms": 30_000,
                                 "logger": KAFKA_LOG}
         conf.update({k: v for k, v in self.kafka.items() if not consumer_only(k)})
@@ -374,6 +403,8 @@ class Settings(BaseSettings):
         return conf
 
     def admin_config(self) -> dict[str, Any]:
+        """The librdkafka admin client configuration: ``kafka``'s options less the
+        consumer-only ones."""
         conf: dict[str, Any] = {"logger": KAFKA_LOG}
         conf.update({k: v for k, v in self.kafka.items() if not consumer_only(k)})
         conf["bootstrap.servers"] = self.bootstrap_servers

@@ -55,6 +55,7 @@ class EmittedEvent:
     source: tuple[str | None, int | None, int | None]
 
     def header(self, name: str) -> bytes | None:
+        """The value of the event's header ``name`` (``None``: it has none)."""
         return next((v for k, v in self.headers if k == name), None)
 
     def fields(self) -> dict[str, Any] | None:

@@ -65,24 +65,31 @@ class FakeMessage:
             object.__setattr__(self, name, value_)
 
     def topic(self) -> str:
+        """The topic it was read from."""
         return self._topic
 
     def partition(self) -> int:
+        """Its partition."""
         return self._partition
 
     def offset(self) -> int:
+        """Its offset."""
         return self._offset
 
     def key(self) -> bytes | None:
+        """The Kafka key bytes (``None``: no key)."""
         return self._key
 
     def value(self) -> bytes | None:
+        """The value bytes (``None``: a tombstone)."""
         return self._value
 
     def headers(self) -> list[tuple[str, bytes | None]] | None:
+        """A copy of its headers (``None``: it has none)."""
         return None if self._headers is None else list(self._headers)
 
     def timestamp(self) -> tuple[int, int]:
+        """``(timestamp type, milliseconds since the epoch)``, as confluent_kafka's."""
         return self._timestamp
 
     def error(self) -> None:

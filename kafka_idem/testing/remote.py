@@ -90,10 +90,12 @@ class FakeService:
             return None if found is None else dict(found)
 
     def effects(self) -> list[tuple[str, str | None, tuple[tuple[str, Any], ...]]]:
+        """The operations applied, in order: ``(operation, key, sorted fields)``."""
         with self._lock:
             return list(self._applied)
 
     def reset(self) -> None:
+        """Forget every call, answer and effect; ids start from 1 again."""
         with self._lock:
             self.calls.clear()
             self._answers.clear()

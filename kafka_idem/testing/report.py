@@ -37,18 +37,22 @@ class ScenarioResult:
 
     @property
     def status(self) -> Status:
+        """``passed``, ``FAILED`` or ``not applicable`` (:attr:`skipped` says why)."""
         if self.problems:
             return FAILED
         return NOT_APPLICABLE if self.skipped else PASSED
 
     @property
     def passed(self) -> bool:
+        """No problem was found (a scenario that does not apply passes)."""
         return not self.problems
 
     def said(self, line: str) -> None:
+        """Add ``line`` to what happened (:attr:`story`)."""
         self.story.append(line)
 
     def wrong(self, line: str) -> None:
+        """Add ``line`` to what was wrong (:attr:`problems`): the scenario fails."""
         self.problems.append(line)
 
     @property
@@ -210,6 +214,7 @@ class CheckReport:
 
     @property
     def failed(self) -> list[ScenarioResult]:
+        """The results that did not pass."""
         return [r for r in self.results if not r.passed]
 
     def result(self, name: str, path: str | None = None) -> ScenarioResult:

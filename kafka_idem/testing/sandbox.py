@@ -61,6 +61,7 @@ class Delivered:
 
     @property
     def attempts(self) -> int:
+        """The attempts the key's record counts (0: no record)."""
         return 0 if self.record is None else int(self.record["attempts"])
 
 
@@ -108,12 +109,16 @@ class Sandbox:
         return conn
 
     def record(self, key: str | None) -> dict[str, Any] | None:
+        """The idempotency record of ``key`` as a dict of its columns (``None``: none)."""
         return None if key is None else self.store.get(self.conn(), key)
 
     def state(self, tables: Iterable[Table]) -> State:
+        """A snapshot of the rows of ``tables``, to compare with another run's."""
         return snapshot(self.conn(), tables)
 
     def expire_leases(self, key: str | None = None) -> list[str]:
+        """Make the processing records' leases (``key``'s only, when given) expire now, as if
+        their owner had stalled; return the keys whose lease was expired."""
         return self.store.expire_leases(self.conn(), key=key)
 
     def events(self, *, after: int = 0) -> list[EmittedEvent]:

@@ -62,6 +62,7 @@ SCENARIOS: dict[str, str] = {
     "lease_takeover": "the lease expired while the handler ran; another owner took over",
     "batch": "a batch on the batch path against the same batch on the per-message path",
 }
+"""The scenarios :meth:`Harness.check` runs, by name, with what each one does."""
 LEASED_ONLY = ("unknown_outcome", "lease_takeover")
 WAIT = 30.0  # seconds a scenario waits for a thread of its own before it gives up
 

@@ -41,14 +41,18 @@ class Outcome:
     cleanup_errors: list[str] = field(default_factory=list)
 
     def check(self, what: str, ok: bool, detail: Any = "") -> bool:
+        """Record a check (``detail`` says why when it failed); return ``ok``."""
         self.checks.append(Check(what, bool(ok), str(detail)))
         return bool(ok)
 
     def figure(self, **figures: Any) -> None:
+        """Record figures the scenario measured (shown with its verdict, kept in the JSON)."""
         self.figures.update(figures)
 
     @property
     def status(self) -> str:
+        """``PASS`` (every check held), ``FAIL`` (one failed, none ran, or an error) or
+        ``SKIPPED`` (it does not apply here)."""
         if self.skipped is not None and not self.checks and self.error is None:
             return SKIPPED
         if self.error is not None or not self.checks or not all(c.ok for c in self.checks):
@@ -56,6 +60,7 @@ class Outcome:
         return PASS
 
     def to_json(self) -> dict[str, Any]:
+        """The outcome as JSON-able values (the report's ``scenarios`` entries)."""
         return {
             "id": self.id,
             "title": self.title,
@@ -72,6 +77,8 @@ class Outcome:
 
 @dataclass
 class Report:
+    """A verify run: its outcomes, where it ran (secrets masked) and how long it took."""
+
     run_id: str
     bootstrap_servers: str
     database: str
@@ -85,9 +92,11 @@ class Report:
 
     @property
     def passed(self) -> bool:
+        """No scenario failed (skipped ones do not count)."""
         return all(o.status != FAIL for o in self.outcomes)
 
     def to_json(self) -> dict[str, Any]:
+        """The report as JSON-able values, secrets masked (``kafka-idem verify --json``)."""
         counts: dict[str, int] = {}
         for o in self.outcomes:
             counts[o.status] = counts.get(o.status, 0) + 1
@@ -106,6 +115,7 @@ class Report:
         return data
 
     def write_json(self, path: Path) -> None:
+        """Write :meth:`to_json` to ``path``."""
         path.write_text(json.dumps(self.to_json(), indent=2, default=str) + "\n")
 
     def print(self, console: Console) -> None:

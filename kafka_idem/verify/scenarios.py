@@ -33,6 +33,8 @@ from kafka_idem.verify.workspace import Workspace
 
 @dataclass(frozen=True)
 class Scenario:
+    """One verification scenario: its id (``kafka-idem verify 5b``), title and run."""
+
     id: str
     title: str
     run: Callable[[Workspace, Outcome], None]
@@ -50,6 +52,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("7", "outbox: events exactly once through relay kills and a zombie relay",
              outbox_exactly_once),
 )
+"""The scenarios ``kafka-idem verify`` runs, in order (docs/VERIFICATION.md)."""
 
 
 def select(specs: Iterable[str]) -> list[Scenario]:
@@ -80,6 +83,10 @@ def _check_database(settings: Settings) -> None:
 
 def run(settings: Settings, scenarios: list[Scenario], *, keep: bool = False,
         progress: Callable[[str], None] = lambda _line: None) -> Report:
+    """Run ``scenarios`` against the Kafka and PostgreSQL of ``settings``, each in fresh
+    topics and schemas removed afterwards (``keep``: left for a look); ``progress`` is
+    given a line as each starts and ends. Raises :class:`BrokerError` or
+    :class:`StoreUnavailable` when Kafka or PostgreSQL is not reachable."""
     run_id = uuid.uuid4().hex[:8]
     kafka = Kafka(settings, run_id)
     kafka.check()
