@@ -29,11 +29,12 @@ PUBLIC_NAMES = (
 
 
 def exported(module: str) -> list[str]:
-    """``module``'s ``__all__``, sorted without regard to case."""
+    """``module``'s ``__all__``, sorted without regard to case; dunder names
+    (``__version__``) are said in the page's introduction instead."""
     names = getattr(importlib.import_module(module), "__all__", None)
     if names is None:
         raise ValueError(f"{module} has no __all__")
-    return sorted(names, key=lambda n: (n.lower(), n))
+    return sorted((n for n in names if not n.startswith("__")), key=lambda n: (n.lower(), n))
 
 
 def sections() -> list[tuple[str, list[str]]]:
@@ -60,7 +61,8 @@ def api_page() -> str:
     body = [
         "The Python API: every name of the modules users import from, with its "
         "docstring. Import them from the module they are listed under "
-        "(`from kafka_idem import App`, `from kafka_idem.testing import Harness`).",
+        "(`from kafka_idem import App`, `from kafka_idem.testing import Harness`). "
+        "`kafka_idem.__version__` is the installed version (`kafka-idem --version`).",
         "",
     ]
     for module, names in sections():
