@@ -166,8 +166,9 @@ class Shell:
                 line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
                 pytest.fail(f"`{command}` did not finish within {timeout:.0f} s:\n{''.join(out)}")
-            if line.startswith(marker):
-                return int(line[len(marker):]), "".join(out)
+            before, found, code = line.partition(marker)
+            if found:  # after the command's last line, or its last unended one
+                return int(code), "".join([*out, before])
             out.append(line)
 
     def cwd(self) -> Path:
