@@ -27,6 +27,12 @@ metadata and does not show) says what the run needs::
       expect_sql:                   # after the page: query -> the rows it must return
         "SELECT count(*) FROM inventory.reservations": [[1]]
       tracebacks: false             # (default) no "Traceback" in a background process's log
+      names: [billing]              # other names made unique for this run, everywhere on
+                                    # the page: an app's name, so that its namespace, the
+                                    # outbox's control topic ``kafka-idem-outbox.<name>``
+                                    # (deleted afterwards) and transactional ids are its own
+      registry: true                # a real schema registry (tests/conftest.py's); the
+                                    # page's ``export KAFKA_IDEM_SCHEMA_REGISTRY_URL=`` is it
 
 Each page gets a new, empty database (``KAFKA_IDEM_DATABASE_URL``), a consumer group
 of its own (``KAFKA_IDEM_GROUP_ID``) and the test broker; the page's ``export
@@ -39,6 +45,7 @@ built wheel runs the tutorial's app).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -54,6 +61,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+import kafka_idem
 
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.S)
@@ -236,6 +245,9 @@ class Run:
             command = 'export KAFKA_IDEM_BOOTSTRAP_SERVERS="$DOCS_BOOTSTRAP"'
         elif command.startswith("export KAFKA_IDEM_DATABASE_URL="):
             command = 'export KAFKA_IDEM_DATABASE_URL="$DOCS_DSN"'
+        elif command.startswith("export KAFKA_IDEM_SCHEMA_REGISTRY_URL="):
+            assert self.page.test.get("registry"), f"{where}: no `registry: true` in the page"
+            command = 'export KAFKA_IDEM_SCHEMA_REGISTRY_URL="$DOCS_REGISTRY"'
         elif self.wheel and command == "pip install ../kafka_idem":
             command = f"pip install {self.wheel}"
         if command.endswith(" &") or command.startswith("kafka-idem run "):
@@ -266,10 +278,8 @@ class Run:
         """SIGTERM for every background process, in reverse order; their logs' problems."""
         problems = []
         for process in reversed(self.background):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
             deadline = time.monotonic() + 60
             while alive(process.pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -310,6 +320,10 @@ def environment(tmp: Path, *, bootstrap: str, dsn: str, group: str,
     bin_dir.mkdir()
     if not clone:
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        if Path(kafka_idem.__file__).resolve().parents[1] == ROOT:
+            # the checkout under test, also where the environment's editable install is
+            # another one (a git worktree run with PYTHONPATH=.)
+            env["PYTHONPATH"] = str(ROOT)
         return env
     (bin_dir / "python3").symlink_to(sys.executable)
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
