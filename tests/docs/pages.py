@@ -6,7 +6,8 @@ blocks are run in order, in one bash session in an empty folder (so ``cd``, a ve
 
 * a block whose first line names a file (``# app.py``, ``# schemas/order.avsc`` is not
   possible in JSON, so ``// orders.proto`` for Protobuf) is written to that file, as the
-  reader would save it; its language does not matter;
+  reader would save it; its language does not matter; so is a block whose info string
+  gives its ``title="schemas/order.avsc"`` (shown as the block's title on the site);
 * a block whose only line is ``--8<-- "path"`` shows a file of this repository verbatim
   (mkdocs' snippets): the file must exist; its own tests cover it;
 * ``sh``: each line is a command (``\\`` continues a line; ``#`` lines are comments),
@@ -64,7 +65,8 @@ import yaml
 
 import kafka_idem
 
-FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
+FENCE = re.compile(r"^```([\w-]*)([^\n]*)\n(.*?)^```[ \t]*$", re.S | re.M)
+TITLE = re.compile(r'\btitle="([\w./-]+\.\w+)"')
 FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.S)
 FILE_LINE = re.compile(r"^(?:#|//) ([\w./-]+\.\w+)$")
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"$')
@@ -82,6 +84,7 @@ class Block:
     kind: str
     body: str
     line: int  # 1-based, in the page's source
+    title: str | None = None  # ```json title="schemas/x.avsc": the file it is
 
     def where(self, page: Path) -> str:
         return f"{page.relative_to(ROOT)}:{self.line} ({self.kind or 'plain'} block)"
@@ -106,12 +109,15 @@ def read(path: Path) -> Page:
     front = FRONT.match(text)
     if front:
         meta = yaml.safe_load(front.group(1)) or {}
-    blocks = [Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1)
+    blocks = [Block(m.group(1), m.group(3), text.count("\n", 0, m.start()) + 1,
+                    title=found.group(1) if (found := TITLE.search(m.group(2))) else None)
               for m in FENCE.finditer(text)]
     return Page(path, meta, blocks)
 
 
 def file_name(block: Block) -> str | None:
+    if block.title is not None:
+        return block.title
     first = block.body.partition("\n")[0].strip()
     found = FILE_LINE.match(first)
     return found.group(1) if found else None
