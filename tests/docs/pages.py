@@ -6,7 +6,8 @@ blocks are run in order, in one bash session in an empty folder (so ``cd``, a ve
 
 * a block whose first line names a file (``# app.py``, ``# schemas/order.avsc`` is not
   possible in JSON, so ``// orders.proto`` for Protobuf) is written to that file, as the
-  reader would save it; its language does not matter;
+  reader would save it; its language does not matter; so is a block whose info string
+  gives its ``title="schemas/order.avsc"`` (shown as the block's title on the site);
 * a block whose only line is ``--8<-- "path"`` shows a file of this repository verbatim
   (mkdocs' snippets): the file must exist; its own tests cover it;
 * ``sh``: each line is a command (``\\`` continues a line; ``#`` lines are comments),
@@ -14,8 +15,12 @@ blocks are run in order, in one bash session in an empty folder (so ``cd``, a ve
   process "in a second terminal":
   it runs in the background, its output in a log of its own, and gets SIGTERM (what
   Ctrl-C or a deployment's stop asks) when the page ends, which it must obey;
-* ``text``: lines the previous ``sh`` block printed; ``log``: lines the latest
-  background process writes, waited for; in both, ``…`` stands for any text;
+* ``text``: lines the previous ``sh`` block printed (when that block only reads:
+  ``curl``, ``kafka-idem inspect``/``status``/``dlq list``/``dlq show``, ``cat``, a
+  ``--dry-run``, it is run
+  again until they are there, for up to 60 s: the output once the member caught up);
+  ``log``: lines the latest background process writes, waited for; in both, ``…``
+  stands for any text;
 * any other block fails the test: every block of a guide is run or checked.
 
 The page's front matter (YAML between ``---`` lines, which mkdocs takes as the page's
@@ -28,6 +33,12 @@ metadata and does not show) says what the run needs::
         "SELECT count(*) FROM inventory.reservations": [[1]]
       tracebacks: false             # (default) no "Traceback" in a background process's log
       ports: [9108]                 # each replaced, everywhere on the page, by a free port
+      names: [billing]              # other names made unique for this run, everywhere on
+                                    # the page: an app's name, so that its namespace, the
+                                    # outbox's control topic ``kafka-idem-outbox.<name>``
+                                    # (deleted afterwards) and transactional ids are its own
+      registry: true                # a real schema registry (tests/conftest.py's); the
+                                    # page's ``export KAFKA_IDEM_SCHEMA_REGISTRY_URL=`` is it
 
 Each page gets a new, empty database (``KAFKA_IDEM_DATABASE_URL``), a consumer group
 of its own (``KAFKA_IDEM_GROUP_ID``) and the test broker; the page's ``export
@@ -58,9 +69,23 @@ from typing import Any
 import pytest
 import yaml
 
-FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
+import kafka_idem
+
+FENCE = re.compile(r"^```([\w-]*)([^\n]*)\n(.*?)^```[ \t]*$", re.S | re.M)
+TITLE = re.compile(r'\btitle="([\w./-]+\.\w+)"')
 FRONT = re.compile(r"\A---\n(.*?)\n---\n", re.S)
 FILE_LINE = re.compile(r"^(?:#|//) ([\w./-]+\.\w+)$")
+# Commands that only read: a ``text`` block after a block of these waits for its lines.
+READ_ONLY = ("curl ", "kafka-idem inspect ", "kafka-idem status", "kafka-idem dlq list ",
+             "kafka-idem dlq show ", "cat ")
+
+
+def read_only(command: str) -> bool:
+    """Whether ``command`` only reads (a global option before the command is allowed;
+    any ``kafka-idem`` command with ``--dry-run`` only reads)."""
+    bare = re.sub(r'^kafka-idem --database-url ("[^"]*"|\S+) ', "kafka-idem ", command)
+    return bare.startswith(READ_ONLY) or (bare.startswith("kafka-idem ")
+                                          and " --dry-run" in bare)
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"$')
 # The site's own folders, and the repository root (for --8<-- includes).
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,6 +101,7 @@ class Block:
     kind: str
     body: str
     line: int  # 1-based, in the page's source
+    title: str | None = None  # ```json title="schemas/x.avsc": the file it is
 
     def where(self, page: Path) -> str:
         return f"{page.relative_to(ROOT)}:{self.line} ({self.kind or 'plain'} block)"
@@ -100,12 +126,15 @@ def read(path: Path) -> Page:
     front = FRONT.match(text)
     if front:
         meta = yaml.safe_load(front.group(1)) or {}
-    blocks = [Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1)
+    blocks = [Block(m.group(1), m.group(3), text.count("\n", 0, m.start()) + 1,
+                    title=found.group(1) if (found := TITLE.search(m.group(2))) else None)
               for m in FENCE.finditer(text)]
     return Page(path, meta, blocks)
 
 
 def file_name(block: Block) -> str | None:
+    if block.title is not None:
+        return block.title
     first = block.body.partition("\n")[0].strip()
     found = FILE_LINE.match(first)
     return found.group(1) if found else None
@@ -169,8 +198,9 @@ class Shell:
                 line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
                 pytest.fail(f"`{command}` did not finish within {timeout:.0f} s:\n{''.join(out)}")
-            if line.startswith(marker):
-                return int(line[len(marker):]), "".join(out)
+            before, found, code = line.partition(marker)
+            if found:  # after the command's last line, or its last unended one
+                return int(code), "".join([*out, before])
             out.append(line)
 
     def cwd(self) -> Path:
@@ -200,6 +230,7 @@ class Run:
     wheel: str | None = None
     background: list[Background] = field(default_factory=list)
     printed: str = ""
+    last: list[str] = field(default_factory=list)
 
     def text(self, body: str) -> str:
         for old, new in self.substitute.items():
@@ -212,14 +243,11 @@ class Run:
             name = file_name(block)
             where = block.where(self.page.path)
             if block.kind == "sh":
-                self.printed = ""
-                for command in commands(body):
+                self.printed, self.last = "", commands(body)
+                for command in self.last:
                     self.command(command, where)
             elif block.kind == "text":
-                for line in filter(None, body.splitlines()):
-                    assert pattern(line).search(self.printed), (
-                        f"{where}: {line!r} is not in what the commands printed:\n"
-                        f"{self.printed}")
+                self.expect([ln for ln in body.splitlines() if ln], where)
             elif block.kind == "log":
                 assert self.background, f"{where}: no process runs in the background"
                 for line in filter(None, body.splitlines()):
@@ -233,11 +261,32 @@ class Run:
                 assert include is not None, f"{where}: not run, not checked"
                 assert (ROOT / include).is_file(), f"{where}: no file {include}"
 
+    def expect(self, lines: list[str], where: str) -> None:
+        """``lines`` in what the last ``sh`` block printed. A block of read-only commands
+        (``READ_ONLY``) is run again until they are, for up to 60 s: its output is what
+        the reader sees once the member caught up, which a test cannot time."""
+        deadline = time.monotonic() + 60
+        while True:
+            missing = [ln for ln in lines if not pattern(ln).search(self.printed)]
+            if not missing:
+                return
+            if not all(read_only(c) for c in self.last) or (
+                    time.monotonic() > deadline):
+                pytest.fail(f"{where}: {missing[0]!r} is not in what the commands printed:"
+                            f"\n{self.printed}")
+            time.sleep(0.5)
+            self.printed = ""
+            for command in self.last:
+                self.command(command, where)
+
     def command(self, command: str, where: str) -> None:
         if command.startswith("export KAFKA_IDEM_BOOTSTRAP_SERVERS="):
             command = 'export KAFKA_IDEM_BOOTSTRAP_SERVERS="$DOCS_BOOTSTRAP"'
         elif command.startswith("export KAFKA_IDEM_DATABASE_URL="):
             command = 'export KAFKA_IDEM_DATABASE_URL="$DOCS_DSN"'
+        elif command.startswith("export KAFKA_IDEM_SCHEMA_REGISTRY_URL="):
+            assert self.page.test.get("registry"), f"{where}: no `registry: true` in the page"
+            command = 'export KAFKA_IDEM_SCHEMA_REGISTRY_URL="$DOCS_REGISTRY"'
         elif self.wheel and command == "pip install ../kafka_idem":
             command = f"pip install {self.wheel}"
         if command.endswith(" &") or command.startswith("kafka-idem run "):
@@ -310,6 +359,10 @@ def environment(tmp: Path, *, bootstrap: str, dsn: str, group: str,
     bin_dir.mkdir()
     if not clone:
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        if Path(kafka_idem.__file__).resolve().parents[1] == ROOT:
+            # the checkout under test, also where the environment's editable install is
+            # another one (a git worktree run with PYTHONPATH=.)
+            env["PYTHONPATH"] = str(ROOT)
         return env
     (bin_dir / "python3").symlink_to(sys.executable)
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"

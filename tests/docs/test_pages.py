@@ -55,7 +55,7 @@ def database() -> Iterator[str]:
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
 def test_the_page_works_as_written(path: Path, tmp_path: Path, database: str,
-                                   topics: Topics) -> None:
+                                   topics: Topics, request: pytest.FixtureRequest) -> None:
     page = read(path)
     test = page.test
     run_id = uuid.uuid4().hex[:8]
@@ -63,10 +63,15 @@ def test_the_page_works_as_written(path: Path, tmp_path: Path, database: str,
     for name in substitute.values():
         topics.created += [name, f"{name}.dlq", f"{name}.retry"]
     substitute.update(free_ports(test))
+    names = {name: f"{name}-{run_id}" for name in test.get("names", [])}
+    topics.created += [f"kafka-idem-outbox.{name}" for name in names.values()]
+    substitute.update(names)
     if test.get("clone"):
         clone(tmp_path)
     env = environment(tmp_path, bootstrap=BOOTSTRAP, dsn=database, group=f"docs-{run_id}",
                       clone=bool(test.get("clone")), wheel=WHEEL)
+    if test.get("registry"):
+        env["DOCS_REGISTRY"] = request.getfixturevalue("schema_registry")
     work = tmp_path / "work"
     work.mkdir()
     run = Run(page, Shell(tmp_path if test.get("clone") else work, env), substitute,
