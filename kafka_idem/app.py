@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -30,8 +30,6 @@ import psycopg
 from kafka_idem.codecs.avro_codec import (
     AvroCodec,
     AvroObjectCodec,
-    non_string_fields,
-    reader_mismatch,
 )
 from kafka_idem.codecs.base import Codec, CodecFactory, validate
 from kafka_idem.codecs.json_codec import JsonCodec
@@ -51,10 +49,12 @@ from kafka_idem.handler import (
     Mode,
     check_topic_name,
 )
-from kafka_idem.keys import KeySpec, refuse_typed_key_fields
+from kafka_idem.keys import KeySpec
 from kafka_idem.registration import (
+    check_avro_reader,
     check_handler_function,
     check_handler_options,
+    check_loop_closer,
     check_setting_names,
 )
 from kafka_idem.retry import RetryPolicy
@@ -88,6 +88,7 @@ class App:
         self._avro: AvroCodec | None = None
         self._registry: dict[bool, Any] = {}
         self.migrations: list[Callable[[psycopg.Connection[Any]], None]] = []
+        self.loop_closers: list[Callable[[], Awaitable[None]]] = []
         self.declared_topics: dict[str, dict[str, Any]] = {}
         self.event_topics: dict[str, Handler[Any]] = {}
         self._emitter: Emitter | None = None
@@ -262,7 +263,7 @@ class App:
                 return JsonCodec(handler.adapter)
             schemas = self.avro_schemas() if handler.schema else None
             if schemas is not None and handler.schema is not None:
-                self._check_reader(handler, schemas)
+                check_avro_reader(handler, schemas, self.settings.schemas_dir)
             if name == "registry":
                 return RegistryCodec(self.registry_client(), handler.adapter, schemas=schemas,
                                      schema=handler.schema, subject=f"{handler.topic}-value")
@@ -277,25 +278,6 @@ class App:
         except ConfigError as exc:
             raise ConfigError(f"handler {handler.name!r}: {exc.message}",
                               **exc.context) from exc
-
-    def _check_reader(self, handler: Handler[Any], schemas: AvroCodec) -> None:
-        """The handler's ``schema=`` exists and its records can become its payload."""
-        assert handler.schema is not None
-        if not schemas.has(handler.schema):
-            known = ", ".join(schemas.names) or "none"
-            raise ConfigError(
-                f"schema {handler.schema!r} is not among the Avro schemas of "
-                f"{str(self.settings.schemas_dir)!r} (KAFKA_IDEM_SCHEMAS_DIR; found: {known})",
-                setting="schema")
-        reader = schemas.schema(handler.schema)
-        problem = reader_mismatch(reader, handler.adapter,
-                                  handler.model, (*handler.key.fields, *handler.hash_fields))
-        if problem:
-            raise ConfigError(f"schema {handler.schema!r} does not fit the handler: {problem}",
-                              setting="schema")
-        if handler.key.strings_only:  # no model: a key field takes strings only
-            refuse_typed_key_fields(non_string_fields(reader, handler.key.fields),
-                                    f"schema {handler.schema!r}")
 
     def bind_codec(self, handler: Handler[Any]) -> Codec:
         """Make ``handler``'s codec from its format and the settings, and bind it."""
@@ -316,6 +298,27 @@ class App:
     def migration(self, fn: Callable[[psycopg.Connection[Any]], None]) -> Callable[..., None]:
         """Register the app's own schema set-up, run by ``kafka-idem migrate`` (idempotent SQL)."""
         self.migrations.append(fn)
+        return fn
+
+    def on_loop_close(
+        self, fn: Callable[[], Awaitable[None]],
+    ) -> Callable[[], Awaitable[None]]:
+        """Register an ``async def`` that releases what the app's ``async def`` handlers
+        made on an event loop (a shared HTTP client): it is awaited on each event loop
+        that ran them, right before that loop closes (a member's at its stop, after its
+        tasks ended; each process of the test kit's), within
+        ``LOOP_CLOSE_SECONDS`` for all of them; one that raises or overruns is logged
+        and the next one runs. ``asyncio.get_running_loop()`` tells which loop closes.
+
+            clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+
+            @app.on_loop_close
+            async def close_client() -> None:
+                client = clients.pop(asyncio.get_running_loop(), None)
+                if client is not None:
+                    await client.aclose()
+        """
+        self.loop_closers.append(check_loop_closer(fn))
         return fn
 
     def topic(self, name: str, *, partitions: int | None = None,

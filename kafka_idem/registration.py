@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from pathlib import Path
 from typing import Any
 
+from kafka_idem.codecs.avro_codec import AvroCodec, non_string_fields, reader_mismatch
 from kafka_idem.errors import ConfigError
-from kafka_idem.handler import Mode, check_topic_name
-from kafka_idem.keys import KeySpec
+from kafka_idem.handler import Handler, Mode, check_topic_name
+from kafka_idem.keys import KeySpec, refuse_typed_key_fields
 from kafka_idem.settings import Settings
 
 
@@ -65,3 +67,31 @@ def check_setting_names(app: str, overrides: Collection[str]) -> None:
         raise ConfigError(f"App({app!r}) got {name}=, which is not a setting{hint}; the "
                           "settings are the README's configuration table, lower-case",
                           setting=name)
+
+
+def check_avro_reader(handler: Handler[Any], schemas: AvroCodec, schemas_dir: Path) -> None:
+    """The handler's ``schema=`` exists and its records can become its payload."""
+    assert handler.schema is not None
+    if not schemas.has(handler.schema):
+        known = ", ".join(schemas.names) or "none"
+        raise ConfigError(
+            f"schema {handler.schema!r} is not among the Avro schemas of "
+            f"{str(schemas_dir)!r} (KAFKA_IDEM_SCHEMAS_DIR; found: {known})",
+            setting="schema")
+    reader = schemas.schema(handler.schema)
+    problem = reader_mismatch(reader, handler.adapter,
+                              handler.model, (*handler.key.fields, *handler.hash_fields))
+    if problem:
+        raise ConfigError(f"schema {handler.schema!r} does not fit the handler: {problem}",
+                          setting="schema")
+    if handler.key.strings_only:  # no model: a key field takes strings only
+        refuse_typed_key_fields(non_string_fields(reader, handler.key.fields),
+                                f"schema {handler.schema!r}")
+
+
+def check_loop_closer(fn: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """``app.on_loop_close`` takes an ``async def`` function (awaited on the loop)."""
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"app.on_loop_close takes an async def function, not {fn!r}",
+                          setting="on_loop_close")
+    return fn

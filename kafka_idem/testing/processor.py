@@ -17,7 +17,7 @@ import contextlib
 import uuid
 
 from kafka_idem.app import App
-from kafka_idem.consume.concurrency.event_loop import EventLoop
+from kafka_idem.consume.concurrency.event_loop import EventLoop, run_closers
 from kafka_idem.consume.outcome import Message, Prepared, Result
 from kafka_idem.consume.paths.async_connections import AsyncConnections
 from kafka_idem.consume.paths.async_leased_path import AsyncLeasedPath
@@ -91,6 +91,8 @@ class KitProcessor(Processor):
         loop, conns = self._loop, self._conns
         self._loop = self._aio = self._conns = None
         if loop is not None and conns is not None:
+            with contextlib.suppress(Exception):  # the app's on_loop_close, as a member's
+                loop.submit(run_closers(self.app.loop_closers)).result(STOP_SECONDS)
             with contextlib.suppress(Exception):
                 loop.submit(conns.close()).result(STOP_SECONDS)
             loop.stop(STOP_SECONDS)

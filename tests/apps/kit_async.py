@@ -38,6 +38,13 @@ class Booking(BaseModel):
 
 app = App("pickups")
 app.event_topic(BOOKED, format="json")
+# Each event loop that ran the handler, when the kit closed it (app.on_loop_close).
+CLOSED_LOOPS: list[int] = []
+
+
+@app.on_loop_close
+async def _closed() -> None:
+    CLOSED_LOOPS.append(id(asyncio.get_running_loop()))
 
 
 @app.migration

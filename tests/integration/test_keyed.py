@@ -24,7 +24,7 @@ import pytest
 
 from consumers import payments
 from consumers.payments import encode_charge
-from kafka_idem import App, AsyncContext, Context, Retryable, RetryPolicy
+from kafka_idem import App, AsyncContext, ConfigError, Context, Retryable, RetryPolicy
 from kafka_idem.consume.runner import Runner
 from tests.conftest import (
     DB,
@@ -724,3 +724,59 @@ def test_a_stop_starts_no_call_and_withdraws_the_claims_of_messages_waiting_for_
     assert db.status_counts() == {"succeeded": 8}
     assert dict(sync_calls.by_order) == {f"q{i}": 1 for i in range(4)}
     assert sum(db.ledger_counts().values()) == 8
+
+
+def test_on_loop_close_releases_what_handlers_made_on_the_members_loop(
+    db: DB, topic: str, group: str
+) -> None:
+    """A client shared by the ``async def`` handlers of one event loop is closed by
+    ``app.on_loop_close`` at the member's stop: on that loop, after every message, once;
+    a closer that raises is logged and the next one still runs."""
+    clients: dict[asyncio.AbstractEventLoop, dict[str, Any]] = {}
+    closed: list[dict[str, Any]] = []
+
+    async def charge(msg: payments.ChargeRequested, ctx: AsyncContext) -> Any:
+        client = clients.setdefault(asyncio.get_running_loop(), {"calls": 0, "open": True})
+        assert client["open"]
+        client["calls"] += 1
+        await ctx.tx.execute(
+            "INSERT INTO payments.ledger (tenant_id, order_id, amount, currency, idempotency_key)"
+            " VALUES (%s, %s, %s, %s, %s)",
+            (msg.tenant_id, msg.order_id, msg.amount, msg.currency, ctx.idempotency_key))
+        return {"order_id": msg.order_id}
+
+    app = keyed_app(db, topic, group, charge, concurrency=4)
+
+    @app.on_loop_close
+    async def close_client() -> None:
+        client = clients.pop(asyncio.get_running_loop())
+        client["open"] = False
+        closed.append(client)
+
+    @app.on_loop_close
+    async def broken() -> None:
+        raise RuntimeError("a closer of the app that fails")
+
+    @app.on_loop_close
+    async def after_it() -> None:
+        closed.append({"after": True})
+
+    produce(topic, [(f"t{i}".encode(), encode_charge(f"t{i}", f"o{i}", "1.00"))
+                    for i in range(6)])
+    with InProcess(app):
+        wait_for(lambda: caught_up(group, topic), timeout=60, what="the topic to drain")
+        assert closed == []  # nothing closes while the member runs
+    assert closed == [{"calls": 6, "open": False}, {"after": True}]
+    assert clients == {}
+    assert db.status_counts() == {"succeeded": 6}
+
+
+def test_on_loop_close_takes_an_async_def_only() -> None:
+    app = App("keyed")
+
+    def not_async() -> None:
+        return None
+
+    with pytest.raises(ConfigError, match=r"app\.on_loop_close takes an async def") as caught:
+        app.on_loop_close(not_async)  # type: ignore[arg-type]
+    assert caught.value.context["setting"] == "on_loop_close"

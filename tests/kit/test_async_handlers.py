@@ -145,3 +145,16 @@ def test_a_reference_that_does_not_succeed_is_said_in_the_headline(
                            "the reference delivery did not succeed (dead_lettered "
                            "(permanent)); 4 scenarios agree with it")
     assert not report.reference_succeeded
+
+
+def test_the_apps_on_loop_close_runs_when_the_kit_closes_a_process() -> None:
+    """What an app's ``async def`` handlers made on an event loop (a shared client) is
+    released by ``app.on_loop_close`` in the kit as in a member: once per loop that ran
+    them, on that loop, when the harness closes."""
+    before = len(kit_async.CLOSED_LOOPS)
+    with Harness(kit_async.app, database_url=ADMIN_DSN,
+                 remotes={"carrier": kit_async.carrier}) as h:
+        assert h.deliver(kit_async.BOOK, BOOKING).outcome == "succeeded"
+        assert len(kit_async.CLOSED_LOOPS) == before  # not before the process closes
+    closed = kit_async.CLOSED_LOOPS[before:]
+    assert len(closed) >= 1 and len(set(closed)) == len(closed)

@@ -17,15 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
+import time
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from kafka_idem.consume.paths.futures import start_here
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+# How long an app's ``on_loop_close`` functions may take, all together, when a loop
+# closes: within the stop's grace beyond ``drain_seconds``.
+LOOP_CLOSE_SECONDS = 1.0
 
 
 class EventLoop:
@@ -127,3 +133,21 @@ async def settle(timeout: float) -> None:
     others = asyncio.all_tasks() - {asyncio.current_task()} - set(_PUMPS)
     if others:
         await asyncio.wait(others, timeout=timeout)
+
+
+async def run_closers(closers: Sequence[Callable[[], Awaitable[None]]],
+                      timeout: float = LOOP_CLOSE_SECONDS) -> None:
+    """Await the app's ``on_loop_close`` functions on this loop, in the order they were
+    registered, within ``timeout`` for all; one that raises or overruns is logged (it
+    is the app's code: the stop goes on) and the next one runs."""
+    deadline = time.monotonic() + timeout
+    for closer in closers:
+        name = getattr(closer, "__qualname__", repr(closer))
+        try:
+            await asyncio.wait_for(closer(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            log.warning("on_loop_close %s did not finish within %.1f s; the loop closes",
+                        name, timeout, extra={"action": "loop_close_timeout"})
+        except Exception as exc:  # the app's code: logged, never stops the stop
+            log.warning("on_loop_close %s raised %s: %s", name, type(exc).__name__, exc,
+                        extra={"action": "loop_close_error"})

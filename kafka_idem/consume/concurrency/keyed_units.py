@@ -40,7 +40,12 @@ from typing import Any
 
 from kafka_idem.app import App
 from kafka_idem.consume.concurrency.daemon_pool import DaemonPool
-from kafka_idem.consume.concurrency.event_loop import EventLoop, settle
+from kafka_idem.consume.concurrency.event_loop import (
+    LOOP_CLOSE_SECONDS,
+    EventLoop,
+    run_closers,
+    settle,
+)
 from kafka_idem.consume.concurrency.keyed_state import Entry, KeyedState, NotNow
 from kafka_idem.consume.config_hold import ConfigHold
 from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
@@ -426,6 +431,9 @@ class KeyedUnits:
                 with contextlib.suppress(Exception):
                     self._loop.result(self._loop.submit(settle(SETTLE_SECONDS)),
                                       SETTLE_SECONDS + 1.0)
+            with contextlib.suppress(Exception):  # the app's (bounded, logged), then ours
+                self._loop.result(self._loop.submit(run_closers(self.app.loop_closers)),
+                                  LOOP_CLOSE_SECONDS + 1.0)
             with contextlib.suppress(Exception):
                 self._loop.result(self._loop.submit(self._conns.close()), 5.0)
             self._loop.stop(5.0)
