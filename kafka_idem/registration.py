@@ -65,7 +65,7 @@ def check_setting_names(app: str, overrides: Collection[str]) -> None:
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
         hint = f" (did you mean {close[0]}=?)" if close else ""
         raise ConfigError(f"App({app!r}) got {name}=, which is not a setting{hint}; the "
-                          "settings are the README's configuration table, lower-case",
+                          "settings are those of docs/reference/settings.md, lower-case",
                           setting=name)
 
 

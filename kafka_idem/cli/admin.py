@@ -137,8 +137,8 @@ AUDIT_JSON = ("at", "actor", "action", "reason", "previous_status", "previous_er
 
 
 def record_json(key: str, rec: dict[str, Any]) -> dict[str, Any]:
-    """``inspect --json``: the documented fields only (README, "JSON output"), whatever
-    columns later migrations add to the table."""
+    """``inspect --json``: the documented fields only (docs/reference/cli-conventions.md,
+    JSON output), whatever columns later migrations add to the table."""
     out: dict[str, Any] = {"idempotency_key": key}
     out.update({name: rec.get(name) for name in RECORD_FIELDS})
     out["audit"] = [{name: row.get(name) for name in AUDIT_JSON} for row in rec["audit"]]

@@ -6,7 +6,7 @@ masked (:func:`kafka_idem.observe.redact.redact`, with the passwords the command
 given) and the text is put on one line with control characters escaped.
 
 Exit codes (:data:`EXIT_CODES`; also in the ``kafka-idem`` docstring and the
-README's CLI reference): 0 ok; 1 a check failed, nothing matched where something
+docs/reference/cli-conventions.md): 0 ok; 1 a check failed, nothing matched where something
 was required, or refused; 2 usage or configuration error; 3 operational error (the
 database or Kafka unreachable or refusing, a port in use); 4 internal error.
 """

@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-GRACE = 2.0  # what a stop may take beyond drain_seconds (README: run)
+GRACE = 2.0  # what a stop may take beyond drain_seconds (docs/reference/cli-conventions.md: run)
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 

@@ -1,4 +1,4 @@
-"""Dead-letter records (README, "The dead-letter topic").
+"""Dead-letter records (docs/how-to/dead-letters.md).
 
 A DLQ record keeps the original Kafka key and value bytes unchanged and adds
 headers prefixed ``idem.`` (:mod:`~kafka_idem.deadletters.headers`). Error text is

@@ -1,4 +1,5 @@
-"""Prometheus metrics (README, "Metrics"). One registry and one /metrics endpoint per process.
+"""Prometheus metrics (docs/how-to/operating.md, docs/reference/metrics.md). One registry
+and one /metrics endpoint per process.
 
 Counters are updated on the message path; database gauges (records by status,
 expired leases, long-running records) are *sampled* by a background thread at

@@ -1,5 +1,6 @@
 """The settings model (:class:`Settings`): every setting with its default, bounds and
-description (the README's table), the checks it runs on each (:mod:`~kafka_idem.settings.checks`),
+description (docs/reference/settings.md, generated from it), the checks it runs on each
+(:mod:`~kafka_idem.settings.checks`),
 and what it derives: the DSN, the lock wait, the signing keys, and each client's
 librdkafka configuration with the protected options applied over the user's
 (:mod:`~kafka_idem.settings.clients`)."""

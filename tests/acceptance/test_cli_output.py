@@ -32,7 +32,8 @@ HASH = "v1:sha256:" + "ab12" * 16
 MESSAGE = "amount must be positive; the order was rejected by the business rules"
 RAW_RDKAFKA = re.compile(r"^%\d\|\d+\.\d+\|")  # librdkafka's own stderr format
 
-# The JSON shapes the README documents ("JSON output"): a field is only ever added.
+# The JSON shapes docs/reference/cli-conventions.md documents ("JSON output"): a field
+# is only ever added.
 STATUS_FIELDS = {"namespace", "by_status", "by_namespace", "processing", "long_running",
                  "retry_backlog", "failed_by_kind", "outbox"}
 RECORD_FIELDS = {"idempotency_key", "namespace", "status", "request_hash", "attempts",

@@ -2,7 +2,8 @@
 and database, stopped with SIGTERM in the situations long chaos runs found one
 hanging for a minute (a member whose log ended with ``stopping``).
 
-The bound is the README's: ``drain_seconds`` + 2 s after the signal, plus
+The bound is the documented one (docs/reference/cli-conventions.md, run):
+``drain_seconds`` + 2 s after the signal, plus
 :data:`EXIT_SLACK` for the interpreter's own exit on a loaded machine. A stop that
 has not ended by then ends the process at once (a crash, which the protocol is built
 for); a second signal ends it at once too. Every test then checks the effects: each

@@ -1,6 +1,6 @@
 """A code defect in a handler (TypeError, AttributeError, NameError/UnboundLocalError,
 NotImplementedError) is permanent by default: dead-lettered at the first attempt,
-against the real broker and database (README, "Errors and retries"). A mapping
+against the real broker and database (docs/how-to/handlers.md, "Errors and retries"). A mapping
 restores retries; kafka_idem's own defects around the handler are never charged."""
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ ADAPTER = adapter_for(OrderPlaced, handler="h")
 SCHEMAS = AvroCodec.from_dir(ROOT / "schemas")
 
 # Amounts of at most 15 significant digits, 2 decimal places (what an IEEE double
-# carries exactly through a JSON number; README, "Payload formats").
+# carries exactly through a JSON number; docs/how-to/payload-formats.md).
 amounts = st.integers(min_value=1, max_value=10**13 - 1).map(lambda c: Decimal(c).scaleb(-2))
 intents = st.fixed_dictionaries({
     "amount": amounts,

@@ -206,7 +206,7 @@ def test_imports_point_down_the_layers() -> None:
     assert upward == []
 
 
-# Packages whose exports are the user's API (documented in the README), not only what
+# Packages whose exports are the user's API (documented in docs/reference/api.md), not only what
 # other packages of kafka_idem use.
 PUBLIC_PACKAGES = ("kafka_idem.codecs", "kafka_idem.testing", "kafka_idem.verify")
 USERS = ("kafka_idem", "consumers", "bench", "tools", "tests")

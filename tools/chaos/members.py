@@ -56,7 +56,8 @@ LOG_SIGNS = {  # what the members' logs say about the faults (evidence, not verd
     "max_poll_exceeded": "_MAX_POLL_EXCEEDED",  # a member dropped for not polling in time
     "stops_overran": "the stop did not end within",  # a stop ended at its bound
 }
-# Signs read from a line's structured fields (``name=value``, README "Logs"), not its text.
+# Signs read from a line's structured fields (``name=value``, docs/how-to/deploying.md,
+# "Logs"), not its text.
 FIELD_SIGNS = {
     "partitions_lost": ("action", "lost"),  # a member lost partitions without revoking them
 }
