@@ -138,7 +138,8 @@ def cli_page() -> str:
     """Every command of ``kafka-idem``: the top group first, then depth first by name."""
     body = [
         f"Every command of `{PROGRAM}` (also `python -m kafka_idem.cli`). Global "
-        f"options go before the command: `{PROGRAM} --database-url URL status`. Every "
+        f"options go before the command: `{PROGRAM} --database-url URL status` (after it "
+        "they are accepted too, unless the command has an option of that name). Every "
         "command takes `-h`/`--help`. Settings not given as options are read from "
         "`KAFKA_IDEM_*` variables (see the settings page).",
         "",
