@@ -262,3 +262,12 @@ def test_rest_roles_become_optional_cross_references() -> None:
         "<code>Harness.check</code></autoref>, "
         '<autoref identifier="nowhere" optional><code>nowhere</code></autoref>; '
         "from code:\n\n    x = 1\n")
+
+
+def test_a_boolean_setting_is_called_a_boolean() -> None:
+    from tools.docs.pages import type_name
+
+    assert (type_name(bool), type_name(int), type_name(bool | None)) == (
+        "boolean", "integer", "boolean, optional")
+    text = page("settings.md")
+    assert "| `KAFKA_IDEM_EVENT_LOOP_THREAD` | `event_loop_thread` | boolean |" in text

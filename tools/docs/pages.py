@@ -21,7 +21,8 @@ from kafka_idem.settings import Settings
 from tools.docs.markdown import cell, code, page, table
 
 ENV_PREFIX = str(Settings.model_config.get("env_prefix", ""))
-_SIMPLE = {str: "string", int: "integer", float: "number", bool: "boolean",
+# bool before int: a bool is an int to issubclass
+_SIMPLE = {str: "string", bool: "boolean", int: "integer", float: "number",
            SecretStr: "string, secret", PurePath: "path"}
 
 
