@@ -125,7 +125,8 @@ class Boundary:
             return None
         return self.app.handlers.get(rec.original_topic or "")
 
-    def key_holds(self, rec: DlqRecord, state: Mapping[str, Any]) -> bool:
+    def key_holds(self, rec: DlqRecord, state: Mapping[str, Any], *,
+                  compare_hash: bool = True) -> bool:
         """With an app: whether the record's value builds the key its header names and,
         where the key's record holds one, the same request hash. Without an app there
         is no codec to check with: ``True``. A framework error (the schema registry
@@ -142,7 +143,7 @@ class Boundary:
             digest = hash_payload(payload, handler.hash_fields)
         except (MessageError, ValueError, TypeError, ArithmeticError):
             return False
-        stored = state.get("request_hash")
+        stored = state.get("request_hash") if compare_hash else None
         return key == rec.idempotency_key and (not stored or stored == digest)
 
     def verdict(self, rec: DlqRecord, state: Mapping[str, Any] | None = None) -> str:
@@ -152,8 +153,13 @@ class Boundary:
         why = self.outside(rec)
         if why is not None:
             return why
+        state = state or {}
+        # The request hash matters where a replay would re-run or resend the key: not for
+        # a payload conflict (its hash differs from the record's: that is what it says;
+        # a replay skips it) nor for a key that succeeded (skipped too).
+        compare = rec.kind != "payload_conflict" and state.get("status") != "succeeded"
         if rec.idempotency_key is not None and self.app is not None and not self.key_holds(
-                rec, state or {}):
+                rec, state, compare_hash=compare):
             return "key_mismatch"
         return "ok"
 

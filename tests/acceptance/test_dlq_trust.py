@@ -211,6 +211,29 @@ def test_a_value_that_does_not_build_its_key_is_not_re_run(stage: Stage) -> None
     assert "signature:  unverifiable" in shown.out
 
 
+def test_a_payload_conflict_letter_is_not_called_a_key_mismatch(stage: Stage) -> None:
+    """A payload conflict's dead letter holds another request hash than its key's record
+    (that is the conflict): ``dlq list --app`` calls it trusted (the replay skips it as a
+    conflict, never re-runs it); a value that does not build the key it names is still a
+    mismatch in the list."""
+    write(stage.dlq, [
+        (b"n1", encode_charge("t1", "n1", "999.00"),
+         letter_headers(topic=stage.n, key="t1:charge:n1", namespace="nubapp",
+                        kind="payload_conflict")),
+        (b"x", encode_charge("t1", "other", "999.00"),
+         letter_headers(topic=stage.n, key="t1:charge:n1", namespace="nubapp",
+                        kind="payload_conflict")),
+    ])
+    listed = kafka_idem("dlq", "list", "--dlq", stage.dlq, "--app", PAYMENTS_APP, "--json",
+                        db=stage.db, env=stage.env())
+    assert listed.code == 0, listed.err
+    assert [x["trust"] for x in listed.json()] == ["ok", "key_mismatch"]
+    r = stage.replay(*REASON, "--app", PAYMENTS_APP, "--dry-run")
+    assert r.code == 0, r.err
+    assert (r.json()["skipped_conflict"], r.json()["untrusted"], r.json()["would_send"]) == (
+        2, {}, 0)  # a conflict is never re-run: its trust is never in question
+
+
 def test_an_unsendable_record_neither_blocks_the_replay_nor_strands_its_key(
     stage: Stage,
 ) -> None:
