@@ -339,7 +339,7 @@ def alive(pid: int) -> bool:
     # a child of the page's shell that has exited but is not yet reaped is a zombie
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):  # gone meanwhile
         return False
     return state != "Z"
 
