@@ -41,6 +41,21 @@ def dsn_for(dbname: str) -> str:
     return psycopg.conninfo.make_conninfo(ADMIN_DSN, dbname=dbname)
 
 
+@contextlib.contextmanager
+def empty_database(prefix: str) -> Iterator[str]:
+    """A new, empty database on the test server (its name starts with ``prefix``),
+    dropped afterwards, whoever is still connected."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield name
+    finally:
+        with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(name)))
+
+
 def wait_for(predicate: Callable[[], Any], *, timeout: float = 60.0, what: str = "condition",
              interval: float = 0.1) -> Any:
     """Poll ``predicate`` until it returns a truthy value; fail with ``what`` on timeout."""

@@ -16,19 +16,18 @@ from typing import Any
 import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient
-from psycopg import sql
 
 from consumers.payments import encode_charge
 from kafka_idem.store import Delivery, Store, connect
 from tests.acceptance.conftest import set_topic_config
 from tests.conftest import (
-    ADMIN_DSN,
     BOOTSTRAP,
     DB,
     ROOT,
     Members,
     Topics,
     caught_up,
+    empty_database,
     member_env,
     produce,
     read_topic,
@@ -63,13 +62,8 @@ def test_migrate_is_versioned_and_a_second_run_is_a_noop(db: DB) -> None:
 @pytest.fixture
 def empty_db() -> Iterator[DB]:
     """A fresh database with nothing in it (no store, no example tables)."""
-    name = f"kafka_idem_e_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    yield DB(name)
-    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(name)))
+    with empty_database("kafka_idem_e") as name:
+        yield DB(name)
 
 
 def test_concurrent_migrate_app_runs_on_a_fresh_database_all_succeed(empty_db: DB) -> None:

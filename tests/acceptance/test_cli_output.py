@@ -14,18 +14,16 @@ from __future__ import annotations
 import datetime as dt
 import re
 import socket
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient
-from psycopg import sql
 
 from kafka_idem.store import Delivery, Store, connect
 from tests.acceptance.conftest import kafka_idem, produce_with_headers
-from tests.conftest import ADMIN_DSN, BOOTSTRAP, DB, Topics, dsn_for
+from tests.conftest import BOOTSTRAP, DB, Topics, dsn_for, empty_database
 
 KEY = "tenant-0042:charge:order-2026-12-01-000123456789"
 HASH = "v1:sha256:" + "ab12" * 16
@@ -162,13 +160,8 @@ def test_an_unknown_key_or_position_is_a_message_and_exit_1_also_with_json(
 @pytest.fixture
 def empty_db() -> Iterator[DB]:
     """A database where `kafka-idem migrate` never ran."""
-    name = f"kafka_idem_e_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    yield DB(name)
-    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(name)))
+    with empty_database("kafka_idem_e") as name:
+        yield DB(name)
 
 
 def test_status_on_a_database_never_migrated_says_to_run_migrate(empty_db: DB) -> None:

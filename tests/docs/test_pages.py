@@ -10,9 +10,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import sql
 
-from tests.conftest import ADMIN_DSN, BOOTSTRAP, Topics, dsn_for
+from tests.conftest import BOOTSTRAP, Topics, dsn_for, empty_database
 from tests.docs.pages import (
     ROOT,
     Run,
@@ -44,13 +43,8 @@ def test_every_block_is_run_or_checked(path: Path) -> None:
 
 @pytest.fixture
 def database() -> Iterator[str]:
-    name = f"kafka_idem_docs_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    yield dsn_for(name)
-    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(name)))
+    with empty_database("kafka_idem_docs") as name:
+        yield dsn_for(name)
 
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)

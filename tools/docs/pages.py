@@ -54,23 +54,19 @@ def type_name(annotation: Any) -> str:
     raise TypeError(f"no user-facing name for the setting type {annotation!r}")
 
 
+# A constraint of pydantic's metadata: its type, the attribute with its value, the words.
+_BOUNDS = (
+    (annotated_types.Gt, "gt", "> {}"), (annotated_types.Ge, "ge", ">= {}"),
+    (annotated_types.Lt, "lt", "< {}"), (annotated_types.Le, "le", "<= {}"),
+    (annotated_types.MinLen, "min_length", "at least {} characters"),
+    (annotated_types.MaxLen, "max_length", "at most {} characters"),
+)
+
+
 def bounds(info: FieldInfo) -> str:
     """A field's constraints, e.g. ``>= 1, <= 64``."""
-    said = []
-    for rule in info.metadata:
-        if isinstance(rule, annotated_types.Gt):
-            said.append(f"> {rule.gt}")
-        elif isinstance(rule, annotated_types.Ge):
-            said.append(f">= {rule.ge}")
-        elif isinstance(rule, annotated_types.Lt):
-            said.append(f"< {rule.lt}")
-        elif isinstance(rule, annotated_types.Le):
-            said.append(f"<= {rule.le}")
-        elif isinstance(rule, annotated_types.MinLen):
-            said.append(f"at least {rule.min_length} characters")
-        elif isinstance(rule, annotated_types.MaxLen):
-            said.append(f"at most {rule.max_length} characters")
-    return ", ".join(said)
+    return ", ".join(said.format(getattr(rule, attr)) for rule in info.metadata
+                     for kind, attr, said in _BOUNDS if isinstance(rule, kind))
 
 
 def default_of(info: FieldInfo) -> str:
