@@ -27,7 +27,6 @@ from kafka_idem.cli.common import (
 )
 from kafka_idem.cli.errors import ServiceError, as_typed, warn
 from kafka_idem.cli.table import Grid, emit
-from kafka_idem.errors import FrameworkError
 from kafka_idem.observe.text import plain, to_json
 from kafka_idem.settings import Settings
 
@@ -225,64 +224,23 @@ def rerun(obj: Ctx, key: str | None, reason: str | None, actor: str | None,
 
 def _rerun_one(obj: Ctx, key: str, reason: str, actor: str | None,
                dlq_topic: str | None, namespace: str | None, trust_unsigned: bool) -> None:
-    from confluent_kafka import Producer
-
-    from kafka_idem import replay
+    from kafka_idem.replay.single import NotRecorded, rerun_key
 
     s = obj.settings()
     who = actor or audit.default_actor()
     conn = store_connection(s)
     try:
-        if not reason.strip():
-            raise admin.Refused("a reason is required for a re-run: give --reason TEXT",
-                                key=key)
-        store = admin.resolve(conn, store_of(s), key, namespace)  # the key's namespace
-        rec = store.get(conn, key)
-        stranded = (admin.stranded_by(conn, store, key)
-                    if rec is not None and rec["status"] == "retryable_failed" else None)
-        conn.rollback()
-        if rec is None:
-            raise admin.Refused(f"no record with this key in namespace {store.ns!r}", key=key)
-        topic = dlq_topic or f"{rec['kafka_topic']}{s.dlq_suffix}"
-        # Only a dead letter that says it came from the record's own topic, and whose
-        # signature holds where keys are configured: its headers are anyone's who may
-        # write to the DLQ.
-        trusted = replay.Boundary(topic, frozenset({rec["kafka_topic"]}), store.ns,
-                                  secrets=s.signing_keys, trust_unsigned=trust_unsigned)
-        wanted = rec["status"] == "failed" or stranded is not None
         with _dlq_typed(s, dlq_topic):
-            letter = (replay.latest_for_key(s, topic, key, store.ns,
-                                            accept=lambda r: trusted.outside(r) is None)
-                      if wanted else None)
-        if wanted and letter is None:
-            raise admin.Refused(
-                f"no dead-lettered message for this key in {topic} that came from "
-                f"{rec['kafka_topic']}" + (" with a valid signature (--trust-unsigned "
-                                           "admits unsigned ones)" if trusted.verifies else ""),
-                key=key)
-        if letter is not None and letter.truncated is not None:
-            raise admin.Refused(
-                f"its dead letter {topic}[{letter.partition}]@{letter.offset} was written without "
-                f"its {letter.truncated} (too large for the DLQ); the original message is "
-                f"{letter.original_topic}[{letter.original_partition}]@{letter.original_offset}",
-                key=key)
-        with conn.transaction():
-            # The record stays locked until the message is acknowledged: a consumer that
-            # receives it first waits for this commit; a refused message rolls it all back.
-            done = admin.rerun(conn, store, key=key, actor=who, reason=reason,
-                               selection={"via": "rerun"})
-            assert letter is not None
-            conf = s.producer_config()
-            try:
-                target = replay.republish_acknowledged(
-                    Producer(conf), letter, actor=who, timeout=replay.delivery_wait(conf))
-            except FrameworkError as exc:
-                raise ServiceError(f"re-run not recorded, {key} is still failed: {exc}; "
-                                   "fix the cause and run the same rerun again") from exc
+            done = rerun_key(s, conn, store_of(s), key, actor=who, reason=reason,
+                             namespace=namespace, dlq_topic=dlq_topic,
+                             trust_unsigned=trust_unsigned)
+    except NotRecorded as exc:
+        raise ServiceError(f"{exc}; fix the cause and run the same rerun again") from exc
     finally:
         conn.close()
-    if "stranded_by" in done:
-        by = done["stranded_by"]
+    letter, topic, target = done.letter, done.dlq_topic, done.target
+    if done.stranded_by is not None:
+        by = done.stranded_by
         click.echo(plain(f"{key}: retryable_failed since replay {by['group']} (run {by['run']}) "
                          f"re-ran it at {by['at']}, and untouched since (its message may never "
                          f"have been sent); message republished to {target} from "
