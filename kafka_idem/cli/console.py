@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import click
 
 from kafka_idem.admin import audit
@@ -60,8 +62,22 @@ def console(obj: Ctx, app_spec: str, addr: str, port: int, read_only: bool, acto
                       actor=actor or audit.default_actor(), refresh_seconds=refresh,
                       trust_unsigned=trust_unsigned)
     web = create_app(app, s, options)
-    click.echo(f"kafka-idem console of app {app.name}: http://{addr}:{port}/"
+    # Listening before saying so: a request sent once the line is out waits for the
+    # server (it queues) instead of being refused; a port in use is one line, exit 2.
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise click.BadParameter(f"cannot listen on {addr}:{port}: {exc.strerror or exc}",
+                                 param_hint="'--addr' / '--port'") from None
+    shown = f"[{addr}]" if family == socket.AF_INET6 else addr
+    click.echo(f"kafka-idem console of app {app.name}: http://{shown}:{port}/"
                + (" (read-only)" if read_only else "")
                + (" (token required)" if s.console_token is not None else ""), err=True)
-    uvicorn.run(web, host=addr, port=port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(web, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
