@@ -17,6 +17,7 @@ import click
 
 from kafka_idem.admin import audit
 from kafka_idem.admin import operations as admin
+from kafka_idem.admin.operations import AUDIT_COLUMNS, RECORD_FIELDS, record_json
 from kafka_idem.cli.common import (
     NAMESPACE_HELP,
     Ctx,
@@ -118,30 +119,6 @@ def inspect(obj: Ctx, key: str, namespace: str | None, as_json: bool) -> None:
         return
     for rec in recs:
         _print_record(key, rec)
-
-
-RECORD_FIELDS = (
-    "namespace", "status", "request_hash", "attempts", "attempts_counted", "owner_token",
-    "lease_until",
-    "lease_live", "next_attempt_at", "result_json", "error_kind", "error_class",
-    "error_message", "first_failure_at", "last_failure_at", "completed_token", "handler",
-    "kafka_topic", "kafka_partition", "kafka_offset", "created_at", "updated_at",
-    "completed_at",
-)
-AUDIT_COLUMNS = ("at", "actor", "action", "reason", "previous_status", "previous_error")
-
-
-AUDIT_JSON = ("at", "actor", "action", "reason", "previous_status", "previous_error",
-              "selection", "counts")
-
-
-def record_json(key: str, rec: dict[str, Any]) -> dict[str, Any]:
-    """``inspect --json``: the documented fields only (docs/reference/cli-conventions.md,
-    JSON output), whatever columns later migrations add to the table."""
-    out: dict[str, Any] = {"idempotency_key": key}
-    out.update({name: rec.get(name) for name in RECORD_FIELDS})
-    out["audit"] = [{name: row.get(name) for name in AUDIT_JSON} for row in rec["audit"]]
-    return out
 
 
 def _print_record(key: str, rec: dict[str, Any]) -> None:

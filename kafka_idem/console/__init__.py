@@ -8,6 +8,7 @@ read through an in-memory index (:mod:`~kafka_idem.console.dlq_index`). Needs th
 ``console`` extra: ``pip install 'kafka-idem[console]'``.
 """
 
-from kafka_idem.console.app import Options, create_app
+from kafka_idem.console.app import create_app
+from kafka_idem.console.state import Options
 
 __all__ = ["Options", "create_app"]
