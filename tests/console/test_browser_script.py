@@ -224,13 +224,11 @@ def test_usage(tmp_path: Path) -> None:
     assert done.returncode == 2 and "usage" in done.stderr
 
 
-def test_on_this_machine_an_installed_browser_is_found_without_apt(tmp_path: Path) -> None:
-    """For real: ``install`` (as the ``browser`` fixture runs it) leaves a browser; a second
+def test_on_this_machine_an_installed_browser_is_found_without_apt(
+        tmp_path: Path, browser_install: tuple[str, str]) -> None:
+    """For real: ``install`` (the fixture's, before the tests) leaves a browser; another
     ``install`` finds it without calling apt-get (a tripwire first on PATH) or locking."""
-    first = subprocess.run([BASH, str(SCRIPT), "install"], capture_output=True, text=True,
-                           timeout=1800, check=False)
-    assert first.returncode == 0, first.stderr
-    chromium, driver = first.stdout.splitlines()
+    chromium, driver = browser_install
     tripwire = tmp_path / "tripwire"
     tripwire.mkdir()
     for name in ("apt-get", "sudo"):
