@@ -107,6 +107,7 @@ def _install() -> subprocess.CompletedProcess[str]:
     return _installed
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m deselected what will not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # When a selected test needs the browser, install it now, before any test runs: the
     # first install downloads ~100 MB, which must not count against a test's timeout
