@@ -456,8 +456,10 @@ def _console_env(env: Mapping[str, str | None] | None, db: DB | None) -> dict[st
         "KAFKA_IDEM_DATABASE_URL": db.dsn if db is not None else ADMIN_DSN,
         **(env or {}),
     }
-    # The repository first on the path (the apps of tests/apps import), after any folder
-    # the test names in its own PYTHONPATH (an app written to tmp_path).
+    # The repository on the path (the apps of tests/apps import), after any folder the
+    # test names in its own PYTHONPATH (an app written to tmp_path). The kafka_idem
+    # imported is the repository's whatever the path: ``python -m`` puts the working
+    # directory, the repository root, first.
     own = env.get("PYTHONPATH") if env else None
     paths = [*(own or "").split(os.pathsep), str(ROOT),
              *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
