@@ -43,11 +43,13 @@ class GroupView:
         return sum(p.lag or 0 for p in self.partitions)
 
 
-def describe(settings: Settings, group: str, topics: list[str]) -> GroupView:
+def describe(settings: Settings, group: str, topics: list[str],
+             admin: AdminClient | None = None) -> GroupView:
     """``group``'s state, members and per-partition committed offsets and lag over
-    ``topics``; a broker that does not answer gives a view with ``error`` set."""
+    ``topics``; a broker that does not answer gives a view with ``error`` set.
+    ``admin``: a client to reuse (else one is made for this call)."""
     view = GroupView(group)
-    admin = AdminClient(settings.admin_config())
+    admin = admin or AdminClient(settings.admin_config())
     try:
         described = admin.describe_consumer_groups([group], request_timeout=TIMEOUT)[group]
         desc = described.result(timeout=TIMEOUT)

@@ -47,7 +47,8 @@ class Job:
 class Jobs:
     """Runs jobs on threads and keeps the latest :data:`KEEP` of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, secrets: list[str] | None = None) -> None:
+        self.secrets = secrets or []  # masked in a failed job's error, with what looks secret
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
@@ -67,7 +68,7 @@ class Jobs:
                 job.result = work(job)
                 job.state = "done"
             except Exception as exc:  # shown on the job's page, never lost
-                job.error = redact(f"{type(exc).__name__}: {exc}")
+                job.error = redact(f"{type(exc).__name__}: {exc}", self.secrets)
                 job.state = "failed"
                 log.warning("console job %s (%s) failed: %s", job.id, kind, job.error)
             finally:

@@ -8,6 +8,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from confluent_kafka.admin import AdminClient
+
 from kafka_idem.admin import operations as admin
 from kafka_idem.app import App
 from kafka_idem.console.dlq_index import DlqIndex
@@ -41,6 +43,7 @@ class Sampler:
                  every: float) -> None:
         self.app, self.settings, self.store, self.index = app, settings, store, index
         self.every = every
+        self.admin: AdminClient | None = None  # made on the sampler's thread, kept
         self.latest: Snapshot | None = None
         self.last_asked = time.monotonic()
         self.stop_event = threading.Event()
@@ -88,7 +91,9 @@ class Sampler:
                 conn.close()
         except Exception as exc:
             snap.errors.append(redact(f"store: {type(exc).__name__}: {exc}", secrets))
-        snap.group = describe(self.settings, self.app.group_id, self.app.topics)
+        if self.admin is None:
+            self.admin = AdminClient(self.settings.admin_config())
+        snap.group = describe(self.settings, self.app.group_id, self.app.topics, self.admin)
         if snap.group.error:
             snap.errors.append(redact(f"group: {snap.group.error}", secrets))
         snap.dlq_hour = self.index.recent_by_kind(3600)

@@ -70,6 +70,7 @@ class Console:
         self.sampler = Sampler(self.app, s, self.store, self.index,
                                self.options.refresh_seconds)
         self.reader = Reader(s)
+        self.jobs.secrets = s.secret_values()
         self.templates = Environment(
             loader=PackageLoader("kafka_idem.console", "templates"),
             autoescape=select_autoescape(default=True, default_for_string=True))
