@@ -65,7 +65,9 @@ def console(obj: Ctx, app_spec: str, addr: str, port: int, read_only: bool, acto
     # Listening before saying so: a request sent once the line is out waits for the
     # server (it queues) instead of being refused; a port in use is one line, exit 2.
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else Nagle holds
+    # every response body back about 40 ms on a kept-alive connection)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((addr, port))
