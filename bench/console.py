@@ -678,7 +678,8 @@ def measure(client: httpx.Client, page: Page, *, warmup: int, requests: int) -> 
                          f"{page.follow} (HTTP {first.status_code})")
         page = Page(page.name, url=found)
         url = found
-    out = Timed(page.name, url)
+    shown = url if len(page.urls) < 2 else f"{url} (and {len(page.urls) - 1} others)"
+    out = Timed(page.name, shown)
     try:
         for i in range(warmup):
             request(client, page.url_for(i))
