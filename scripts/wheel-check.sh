@@ -4,7 +4,11 @@
 # `kafka-idem` and outside the repository (nothing of the checkout importable):
 #   * `kafka-idem --version` prints the version kafka_idem/_version.py says;
 #   * `kafka-idem migrate` creates the whole store in a NEW database on the local
-#     PostgreSQL (a unique name, dropped at the end), and a second run is a no-op.
+#     PostgreSQL (a unique name, dropped at the end), and a second run is a no-op;
+#   * without the console extra, `kafka-idem console` says to install it (exit 2); with
+#     it (`pip install 'WHEEL[console]'`), the console of a small app serves its pages,
+#     templates and static files from the installed package (needs the local Kafka:
+#     KAFKA_IDEM_BOOTSTRAP_SERVERS).
 #
 # Usage: scripts/wheel-check.sh dist/kafka_idem-X.Y.Z-py3-none-any.whl
 # KAFKA_IDEM_DATABASE_URL names the server (and a database the new one is created from),
@@ -94,4 +98,45 @@ again="$(KAFKA_IDEM_DATABASE_URL="$new_url" "$venv/bin/kafka-idem" migrate)"
   say "a second migrate was not a no-op: '$again'"
   exit 1
 }
-echo "wheel-check: ok ($version; migrate applied 0001..${last_migration%%_*}, then nothing to do)"
+cat > "$work/wheelapp.py" <<'EOF'
+from kafka_idem import App, Context
+
+app = App("wheel-check")
+
+
+@app.handler(topic="wheel-check.orders", key="{order_id}", hash_fields=("order_id",))
+def handle(msg: dict, ctx: Context) -> None:
+    return None
+EOF
+set +e
+out="$(cd "$work" && KAFKA_IDEM_DATABASE_URL="$new_url" "$venv/bin/kafka-idem" console wheelapp:app 2>&1)"
+code=$?
+set -e
+[[ $code == 2 && "$out" == *"kafka-idem[console]"* ]] || {
+  say "without the console extra, kafka-idem console exited $code: $out"
+  exit 1
+}
+say "pip install '$(basename "$wheel")[console]'"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check "$wheel[console]"
+port="$("$venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+(cd "$work" && KAFKA_IDEM_DATABASE_URL="$new_url" exec "$venv/bin/kafka-idem" console wheelapp:app \
+   --port "$port" >"$work/console.log" 2>&1) &
+console_pid=$!
+served=""
+for _ in $(seq 1 60); do
+  if "$venv/bin/python" - "$port" 2>/dev/null <<'EOF'
+import sys, urllib.request
+base = f"http://127.0.0.1:{sys.argv[1]}"
+for path, needle in (("/healthz?ready=1", "ok"), ("/records", "kafka-idem console"),
+                     ("/static/console.css", "kafka-idem console")):
+    with urllib.request.urlopen(base + path, timeout=5) as r:
+        assert needle in r.read().decode(), path
+EOF
+  then served=yes; break; fi
+  sleep 1
+done
+kill -TERM "$console_pid" 2>/dev/null || true
+wait "$console_pid" 2>/dev/null || true
+[[ -n "$served" ]] || { say "the console did not serve its pages:"; cat "$work/console.log" >&2; exit 1; }
+say "kafka-idem console served its pages, templates and static files"
+echo "wheel-check: ok ($version; migrate applied 0001..${last_migration%%_*}, then nothing to do; console served)"

@@ -150,6 +150,30 @@ def resolve(conn: Conn, store: Store, key: str, namespace: str | None) -> Store:
     return store.scoped(found[0])
 
 
+RECORD_FIELDS = (
+    "namespace", "status", "request_hash", "attempts", "attempts_counted", "owner_token",
+    "lease_until",
+    "lease_live", "next_attempt_at", "result_json", "error_kind", "error_class",
+    "error_message", "first_failure_at", "last_failure_at", "completed_token", "handler",
+    "kafka_topic", "kafka_partition", "kafka_offset", "created_at", "updated_at",
+    "completed_at",
+)
+AUDIT_COLUMNS = ("at", "actor", "action", "reason", "previous_status", "previous_error")
+
+
+AUDIT_JSON = ("at", "actor", "action", "reason", "previous_status", "previous_error",
+              "selection", "counts")
+
+
+def record_json(key: str, rec: dict[str, Any]) -> dict[str, Any]:
+    """``inspect --json``: the documented fields only (docs/reference/cli-conventions.md,
+    JSON output), whatever columns later migrations add to the table."""
+    out: dict[str, Any] = {"idempotency_key": key}
+    out.update({name: rec.get(name) for name in RECORD_FIELDS})
+    out["audit"] = [{name: row.get(name) for name in AUDIT_JSON} for row in rec["audit"]]
+    return out
+
+
 def inspect(conn: Conn, store: Store, key: str,
             namespace: str | None = None) -> list[dict[str, Any]]:
     """The records of ``key`` (in ``namespace``, else in every namespace), each with

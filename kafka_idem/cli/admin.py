@@ -17,6 +17,7 @@ import click
 
 from kafka_idem.admin import audit
 from kafka_idem.admin import operations as admin
+from kafka_idem.admin.operations import AUDIT_COLUMNS, RECORD_FIELDS, record_json
 from kafka_idem.cli.common import (
     NAMESPACE_HELP,
     Ctx,
@@ -27,7 +28,6 @@ from kafka_idem.cli.common import (
 )
 from kafka_idem.cli.errors import ServiceError, as_typed, warn
 from kafka_idem.cli.table import Grid, emit
-from kafka_idem.errors import FrameworkError
 from kafka_idem.observe.text import plain, to_json
 from kafka_idem.settings import Settings
 
@@ -121,30 +121,6 @@ def inspect(obj: Ctx, key: str, namespace: str | None, as_json: bool) -> None:
         _print_record(key, rec)
 
 
-RECORD_FIELDS = (
-    "namespace", "status", "request_hash", "attempts", "attempts_counted", "owner_token",
-    "lease_until",
-    "lease_live", "next_attempt_at", "result_json", "error_kind", "error_class",
-    "error_message", "first_failure_at", "last_failure_at", "completed_token", "handler",
-    "kafka_topic", "kafka_partition", "kafka_offset", "created_at", "updated_at",
-    "completed_at",
-)
-AUDIT_COLUMNS = ("at", "actor", "action", "reason", "previous_status", "previous_error")
-
-
-AUDIT_JSON = ("at", "actor", "action", "reason", "previous_status", "previous_error",
-              "selection", "counts")
-
-
-def record_json(key: str, rec: dict[str, Any]) -> dict[str, Any]:
-    """``inspect --json``: the documented fields only (docs/reference/cli-conventions.md,
-    JSON output), whatever columns later migrations add to the table."""
-    out: dict[str, Any] = {"idempotency_key": key}
-    out.update({name: rec.get(name) for name in RECORD_FIELDS})
-    out["audit"] = [{name: row.get(name) for name in AUDIT_JSON} for row in rec["audit"]]
-    return out
-
-
 def _print_record(key: str, rec: dict[str, Any]) -> None:
     table = Grid(["field", "value"], header=False,
                  title=f"{key}  (namespace {admin.shown(rec['namespace'])})")
@@ -225,64 +201,23 @@ def rerun(obj: Ctx, key: str | None, reason: str | None, actor: str | None,
 
 def _rerun_one(obj: Ctx, key: str, reason: str, actor: str | None,
                dlq_topic: str | None, namespace: str | None, trust_unsigned: bool) -> None:
-    from confluent_kafka import Producer
-
-    from kafka_idem import replay
+    from kafka_idem.replay.single import NotRecorded, rerun_key
 
     s = obj.settings()
     who = actor or audit.default_actor()
     conn = store_connection(s)
     try:
-        if not reason.strip():
-            raise admin.Refused("a reason is required for a re-run: give --reason TEXT",
-                                key=key)
-        store = admin.resolve(conn, store_of(s), key, namespace)  # the key's namespace
-        rec = store.get(conn, key)
-        stranded = (admin.stranded_by(conn, store, key)
-                    if rec is not None and rec["status"] == "retryable_failed" else None)
-        conn.rollback()
-        if rec is None:
-            raise admin.Refused(f"no record with this key in namespace {store.ns!r}", key=key)
-        topic = dlq_topic or f"{rec['kafka_topic']}{s.dlq_suffix}"
-        # Only a dead letter that says it came from the record's own topic, and whose
-        # signature holds where keys are configured: its headers are anyone's who may
-        # write to the DLQ.
-        trusted = replay.Boundary(topic, frozenset({rec["kafka_topic"]}), store.ns,
-                                  secrets=s.signing_keys, trust_unsigned=trust_unsigned)
-        wanted = rec["status"] == "failed" or stranded is not None
         with _dlq_typed(s, dlq_topic):
-            letter = (replay.latest_for_key(s, topic, key, store.ns,
-                                            accept=lambda r: trusted.outside(r) is None)
-                      if wanted else None)
-        if wanted and letter is None:
-            raise admin.Refused(
-                f"no dead-lettered message for this key in {topic} that came from "
-                f"{rec['kafka_topic']}" + (" with a valid signature (--trust-unsigned "
-                                           "admits unsigned ones)" if trusted.verifies else ""),
-                key=key)
-        if letter is not None and letter.truncated is not None:
-            raise admin.Refused(
-                f"its dead letter {topic}[{letter.partition}]@{letter.offset} was written without "
-                f"its {letter.truncated} (too large for the DLQ); the original message is "
-                f"{letter.original_topic}[{letter.original_partition}]@{letter.original_offset}",
-                key=key)
-        with conn.transaction():
-            # The record stays locked until the message is acknowledged: a consumer that
-            # receives it first waits for this commit; a refused message rolls it all back.
-            done = admin.rerun(conn, store, key=key, actor=who, reason=reason,
-                               selection={"via": "rerun"})
-            assert letter is not None
-            conf = s.producer_config()
-            try:
-                target = replay.republish_acknowledged(
-                    Producer(conf), letter, actor=who, timeout=replay.delivery_wait(conf))
-            except FrameworkError as exc:
-                raise ServiceError(f"re-run not recorded, {key} is still failed: {exc}; "
-                                   "fix the cause and run the same rerun again") from exc
+            done = rerun_key(s, conn, store_of(s), key, actor=who, reason=reason,
+                             namespace=namespace, dlq_topic=dlq_topic,
+                             trust_unsigned=trust_unsigned)
+    except NotRecorded as exc:
+        raise ServiceError(f"{exc}; fix the cause and run the same rerun again") from exc
     finally:
         conn.close()
-    if "stranded_by" in done:
-        by = done["stranded_by"]
+    letter, topic, target = done.letter, done.dlq_topic, done.target
+    if done.stranded_by is not None:
+        by = done.stranded_by
         click.echo(plain(f"{key}: retryable_failed since replay {by['group']} (run {by['run']}) "
                          f"re-ran it at {by['at']}, and untouched since (its message may never "
                          f"have been sent); message republished to {target} from "

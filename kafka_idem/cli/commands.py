@@ -26,6 +26,7 @@ from kafka_idem.admin.migrate import migrate_app
 from kafka_idem.cli import errors as cli_errors
 from kafka_idem.cli.admin import inspect, rerun, status
 from kafka_idem.cli.common import Ctx, GlobalOptions, importable_cwd, load_app, store_of
+from kafka_idem.cli.console import console
 from kafka_idem.cli.dlq import dlq
 from kafka_idem.cli.dlq_replay import replay_
 from kafka_idem.cli.errors import ServiceError
@@ -203,7 +204,7 @@ def relay(obj: Ctx, app_spec: str, metrics_port: int | None, metrics_addr: str |
 
 # --- operations ------------------------------------------------------------------
 dlq.add_command(replay_)
-for command in (status, inspect, rerun, purge, dlq, verify, topics):
+for command in (status, inspect, rerun, purge, dlq, verify, topics, console):
     cli.add_command(command)
 
 

@@ -15,10 +15,13 @@ transaction (the steps are in :mod:`kafka_idem.replay.run`).
 * :mod:`~kafka_idem.replay.records` — :class:`DlqRecord` (one record, its
   ``idem.*`` headers parsed) and :class:`Selection` (which records to pick);
 * :mod:`~kafka_idem.replay.reading` — bounded reads of a DLQ topic: :func:`scan`,
-  :func:`read_one`, :func:`latest_for_key`;
+  :func:`read_one`, ``latest_for_key``; ``Reader`` reads single records with one
+  consumer kept open;
 * :mod:`~kafka_idem.replay.republishing` — :func:`republish` with lineage headers,
   the target topic, :class:`TokenBucket`, :class:`Deliveries` (delivery reports
   latched) and :func:`republish_acknowledged`;
+* :mod:`~kafka_idem.replay.single` — ``rerun_key``: one key's audited re-run;
+* :mod:`~kafka_idem.replay.bulk` — ``bulk_rerun``: the failed keys a filter selects;
 * :mod:`~kafka_idem.replay.trust` — :class:`Boundary`: which records a replay may
   act on (signature, topic, namespace, key), the reasons in :data:`REASONS`;
 * :mod:`~kafka_idem.replay.targets` — :class:`Targets`: whether a target can take
@@ -32,7 +35,6 @@ The names below are the API; import them from ``kafka_idem.replay``.
 """
 
 from kafka_idem.replay.reading import (
-    latest_for_key,
     read_one,
     scan,
 )
@@ -44,10 +46,6 @@ from kafka_idem.replay.records import (
     payload_view,
 )
 from kafka_idem.replay.redrive import OUTCOMES, SKIPS, WHY
-from kafka_idem.replay.republishing import (
-    delivery_wait,
-    republish_acknowledged,
-)
 from kafka_idem.replay.run import replay
 from kafka_idem.replay.summary import ReplaySummary
 from kafka_idem.replay.trust import REASONS, Boundary
@@ -61,13 +59,10 @@ __all__ = [
     "DlqRecord",
     "ReplaySummary",
     "Selection",
-    "delivery_wait",
     "display_bytes",
     "dlq_topic_for",
-    "latest_for_key",
     "payload_view",
     "read_one",
     "replay",
-    "republish_acknowledged",
     "scan",
 ]

@@ -138,11 +138,13 @@ def bulk_rerun(
     progress: bool = False,
     batch_size: int = BATCH,
     trust_unsigned: bool = False,
+    on_progress: Callable[[int, int, int], None] | None = None,
 ) -> BulkSummary:
     """See the module doc. Raises :class:`admin.Refused` without a reason (unless a dry
     run), before anything is read or changed. A key's dead letter is taken only if it
     says it came from the key's record's own topic and, where signing keys are
-    configured, its signature holds (``trust_unsigned``: or it has none)."""
+    configured, its signature holds (``trust_unsigned``: or it has none).
+    ``on_progress(done, total, 0)`` is called as batches of keys are re-run."""
     if not dry_run and (reason is None or not reason.strip()):
         raise admin.Refused("a reason is required for a re-run: give --reason TEXT "
                             "(kept in the audit trail)")
@@ -181,7 +183,7 @@ def bulk_rerun(
     conf = settings.producer_config()
     producer = Producer(conf)
     wait = delivery_wait(conf)
-    with Progress(progress, len(ready), "re-running") as advance:
+    with Progress(progress, len(ready), "re-running", report=on_progress) as advance:
         for start in range(0, len(ready), batch_size):
             chunk = ready[start:start + batch_size]
             _batch(conn, store, producer, chunk, summary, actor=actor, reason=reason,

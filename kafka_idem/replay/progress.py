@@ -1,6 +1,7 @@
 """A rich progress bar on stderr, when asked for and stderr is a terminal (never in
 pipes, logs or tests): ``replay`` counts records scanned and sent, bulk ``rerun``
-counts keys re-run."""
+counts keys re-run. ``report(done, total, sent)`` is told too, whatever the terminal
+(the console's progress)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from typing import Any
 class Progress:
     """``with Progress(on, total, "replaying", sent=True) as advance: advance(n, sent)``."""
 
-    def __init__(self, enabled: bool, total: int, label: str, *, sent: bool = False) -> None:
+    def __init__(self, enabled: bool, total: int, label: str, *, sent: bool = False,
+                 report: Callable[[int, int, int], None] | None = None) -> None:
         self.bar: Any = None
+        self.total = total
+        self.done = 0
+        self.report = report
         if enabled and sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import (
@@ -34,10 +39,19 @@ class Progress:
             self.task = self.bar.add_task(label, total=total, sent=0)
 
     def __enter__(self) -> Callable[..., None]:
-        if self.bar is None:
-            return lambda n, sent=0: None
-        self.bar.start()
-        return lambda n, sent=0: self.bar.update(self.task, advance=n, sent=sent)
+        if self.report is not None:
+            self.report(0, self.total, 0)
+        if self.bar is not None:
+            self.bar.start()
+
+        def advance(n: int, sent: int = 0) -> None:
+            self.done += n
+            if self.bar is not None:
+                self.bar.update(self.task, advance=n, sent=sent)
+            if self.report is not None:
+                self.report(self.done, self.total, sent)
+
+        return advance
 
     def __exit__(self, *exc: Any) -> None:
         if self.bar is not None:

@@ -9,7 +9,9 @@ partition for :data:`STALL_SECONDS` fails with :class:`BrokerError`. Reads are
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
@@ -145,6 +147,60 @@ def read_one(settings: Settings, dlq_topic: str, partition: int, offset: int) ->
         return next(found, None)
     finally:
         found.close()
+
+
+class Reader:
+    """Reads single records by position with one consumer kept open (the console's
+    record pages: no new consumer and metadata round trip per read). Not thread-safe:
+    callers hold :attr:`lock`."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.lock = threading.Lock()
+        self._consumer: Consumer | None = None
+
+    def read(self, topic: str, partition: int, offset: int,
+             timeout: float = 10.0) -> DlqRecord | None:
+        """The record at ``topic[partition]@offset``, or ``None`` when there is none
+        (never written, compacted or deleted by retention, or an aborted one)."""
+        if self._consumer is None:
+            self._consumer = Consumer(reader_config(
+                self.settings, f"{self.settings.name_prefix}{READER_GROUP}"))
+        consumer = self._consumer
+        try:
+            with kafka_errors("reading a record", topic=topic, partition=partition):
+                low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition),
+                                                           timeout=timeout)
+                if not low <= offset < high:
+                    return None
+                consumer.assign([TopicPartition(topic, partition, offset)])
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    m = consumer.poll(0.2)
+                    if m is None:
+                        continue
+                    err = m.error()
+                    if err is not None:
+                        if err.code() == KafkaError._PARTITION_EOF:
+                            return None
+                        if err.fatal() or not err.retriable():
+                            raise BrokerError(f"reading: {err}", topic=topic,
+                                              partition=partition)
+                        continue
+                    got = m.offset()
+                    if got is None or got < offset:
+                        continue
+                    return DlqRecord.from_message(m) if got == offset else None
+            raise BrokerError("no answer reading the record", topic=topic, partition=partition)
+        except BaseException:
+            self.close()  # a consumer in an unknown state is not reused
+            raise
+
+    def close(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            with contextlib.suppress(Exception):
+                consumer.close()
 
 
 def latest_for_key(settings: Settings, dlq_topic: str, key: str,

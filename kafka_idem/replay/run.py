@@ -104,6 +104,7 @@ def replay(
     on_action: Callable[[DlqRecord, str, str], None] | None = None,
     app: App | None = None,
     trust_unsigned: bool = False,
+    on_progress: Callable[[int, int, int], None] | None = None,
 ) -> ReplaySummary:
     """Republish the records of ``dlq_topic`` matching ``selection`` (see the module doc).
 
@@ -124,6 +125,7 @@ def replay(
     each record sent, once its batch committed (or, in a dry run, that would be
     sent). A real run appends one ``replay`` audit row with the counts, also when it
     is interrupted. ``store`` defaults to the settings' schema and table.
+    ``on_progress(scanned, total, sent)`` is called as batches are done.
     """
     if limit is not None and limit < 1:
         raise ConfigError("limit must be >= 1", setting="limit")
@@ -144,7 +146,8 @@ def replay(
         try:
             _run(settings, conn, store, summary, selection, boundary, rate=rate, limit=limit,
                  actor=actor, progress=progress, on_record=_both(on_record, on_action),
-                 include_permanent=include_permanent, reason=reason)
+                 include_permanent=include_permanent, reason=reason,
+                 on_progress=on_progress)
         except BaseException:
             if not dry_run and summary.scanned:
                 _audit_quietly(conn, store, summary, selection, actor, limit, rate)
@@ -171,6 +174,7 @@ def _run(
     on_record: Callable[[DlqRecord, str, str], None] | None,
     include_permanent: bool,
     reason: str | None,
+    on_progress: Callable[[int, int, int], None] | None = None,
 ) -> None:
     dlq_topic, group, to_topic = summary.dlq_topic, summary.group, summary.to_topic
     consumer = Consumer(reader_config(settings, group))
@@ -197,7 +201,7 @@ def _run(
         bucket = TokenBucket(rate) if rate is not None and producer is not None else None
         # Keep each transaction short (well inside transaction.timeout.ms) when rate-limited.
         size = BATCH_SIZE if rate is None else max(1, min(BATCH_SIZE, int(rate)))
-        with Progress(progress, total, "replaying", sent=True) as advance:
+        with Progress(progress, total, "replaying", sent=True, report=on_progress) as advance:
             for msgs in batches(consumer, dlq_topic, starts, ends, size):
                 done = summary.sent + summary.would_send
                 remaining = None if limit is None else limit - done

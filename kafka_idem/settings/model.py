@@ -149,6 +149,12 @@ class Settings(BaseSettings):
         "new one first. With keys, dlq replay acts only on records whose signature holds "
         "(--trust-unsigned admits unsigned ones written before).",
     )
+    console_token: SecretStr | None = Field(
+        None,
+        description="The token the web console (kafka-idem console) asks for (secret, at "
+        "least 16 characters): required when it listens on an address other than loopback; "
+        "when set, required on loopback too.",
+    )
     name_prefix: str = Field(
         "", description="Put before every topic, consumer group and transactional id that "
         "kafka-idem's own tools create (verify, dlq replay, the DLQ readers), for clusters "
@@ -303,6 +309,14 @@ class Settings(BaseSettings):
     def _signing_keys(cls, value: Any) -> Any:
         return check_signing_keys(value)
 
+    @field_validator("console_token")
+    @classmethod
+    def _console_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value().strip()) < 16:
+            raise ValueError("must be at least 16 characters (e.g. python -c 'import "
+                             "secrets; print(secrets.token_urlsafe(24))')")
+        return value
+
     @field_validator("log_levels")
     @classmethod
     def _log_levels(cls, value: str) -> str:
@@ -430,4 +444,6 @@ class Settings(BaseSettings):
         if self.schema_registry_url:
             found += secrets_in(self.schema_registry_url)
         found += [k.decode("utf-8") for k in self.signing_keys]
+        if self.console_token is not None:
+            found.append(self.console_token.get_secret_value())
         return found

@@ -23,10 +23,18 @@ from kafka_idem.store.types import Conn
 
 Rows = list[dict[str, Any]]
 
+# The columns a page of records shows (the console's records list).
+BROWSE_COLUMNS = ("namespace", "idempotency_key", "status", "handler", "attempts", "error_kind",
+                  "error_class", "updated_at", "kafka_topic", "kafka_partition", "kafka_offset",
+                  "lease_until")
+BY_RECENCY = sql.SQL("updated_at DESC, namespace DESC, idempotency_key DESC")
+
 
 class AdminQueries:
     q: dict[str, sql.SQL]
     namespace: str | None
+    schema: str
+    table: str
 
     @property
     def ns(self) -> str:
@@ -93,6 +101,105 @@ class AdminQueries:
             "ns": self.namespace, "statuses": list(statuses), "older_than": older_than})
         return {r["status"]: int(r["n"]) for r in rows}
 
+    def browse(self, conn: Conn, *, statuses: Sequence[str], namespace: str | None = None,
+               handler: str | None = None, since: dt.datetime | None = None,
+               until: dt.datetime | None = None,
+               after: tuple[dt.datetime, str, str] | None = None, limit: int = 50) -> Rows:
+        """A page of records, the most recently changed first (``updated_at``, then
+        namespace and key, descending), of any of ``statuses``; ``after`` is the last
+        row of the previous page (keyset pagination). Each status is read down the
+        status index (status, updated_at), and the branches merged, so a page costs
+        about ``limit`` index entries per status whatever the table's size (more when
+        ``namespace`` or ``handler`` are rare: they filter the rows read)."""
+        branches = []
+        params: dict[str, Any] = {"ns": namespace, "handler": handler, "since": since,
+                                  "until": until, "limit": limit}
+        where: list[sql.Composable] = []
+        if namespace is not None:
+            where.append(sql.SQL("namespace = %(ns)s"))
+        if handler is not None:
+            where.append(sql.SQL("handler = %(handler)s"))
+        if since is not None:
+            where.append(sql.SQL("updated_at >= %(since)s"))
+        if until is not None:
+            where.append(sql.SQL("updated_at < %(until)s"))
+        if after is not None:
+            params.update(a_at=after[0], a_ns=after[1], a_key=after[2])
+            where.append(sql.SQL("updated_at <= %(a_at)s AND (updated_at, namespace, "
+                                 "idempotency_key) < (%(a_at)s, %(a_ns)s, %(a_key)s)"))
+        columns = sql.SQL(", ").join(map(sql.Identifier, BROWSE_COLUMNS))
+        for i, status in enumerate(statuses):
+            params[f"s{i}"] = status
+            cond = sql.SQL(" AND ").join([sql.SQL("status = ") + sql.Placeholder(f"s{i}"),
+                                          *where])
+            branches.append(sql.SQL("(SELECT {c} FROM {t} WHERE {w} ORDER BY {o} "
+                                    "LIMIT %(limit)s)").format(
+                c=columns, t=self._table(), w=cond, o=BY_RECENCY))
+        if not branches:
+            return []
+        query = sql.SQL("SELECT * FROM ({u}) AS r ORDER BY {o} LIMIT %(limit)s").format(
+            u=sql.SQL(" UNION ALL ").join(branches), o=BY_RECENCY)
+        return self._composed(conn, query, params)
+
+    def browse_prefix(self, conn: Conn, *, prefix: str, namespaces: Sequence[str],
+                      statuses: Sequence[str], handler: str | None = None,
+                      since: dt.datetime | None = None, until: dt.datetime | None = None,
+                      after: tuple[str, str] | None = None, limit: int = 50,
+                      ranged: bool = True) -> Rows:
+        """A page of the records whose key starts with ``prefix``, by namespace and key;
+        ``after`` is the (namespace, key) of the previous page's last row. ``ranged``:
+        the keys sort by code point (the column's collation is C), so the prefix is a
+        range of the primary key; else every key of the namespaces is tested."""
+        params: dict[str, Any] = {"nss": list(namespaces), "p": prefix,
+                                  "statuses": list(statuses), "handler": handler,
+                                  "since": since, "until": until, "limit": limit}
+        where: list[sql.Composable] = [
+            sql.SQL("namespace = n.ns"), sql.SQL("starts_with(idempotency_key, %(p)s)"),
+            sql.SQL("status = ANY(%(statuses)s)")]
+        if ranged and prefix:
+            where.append(sql.SQL("idempotency_key >= %(p)s"))
+            upper = _next_prefix(prefix)
+            if upper is not None:
+                params["hi"] = upper
+                where.append(sql.SQL("idempotency_key < %(hi)s"))
+        if handler is not None:
+            where.append(sql.SQL("handler = %(handler)s"))
+        if since is not None:
+            where.append(sql.SQL("updated_at >= %(since)s"))
+        if until is not None:
+            where.append(sql.SQL("updated_at < %(until)s"))
+        if after is not None:
+            params.update(a_ns=after[0], a_key=after[1])
+            where.append(sql.SQL("(namespace, idempotency_key) > (%(a_ns)s, %(a_key)s)"))
+        columns = sql.SQL(", ").join(map(sql.Identifier, BROWSE_COLUMNS))
+        query = sql.SQL(
+            "SELECT r.* FROM unnest(%(nss)s::text[]) AS n(ns) CROSS JOIN LATERAL ("
+            "SELECT {c} FROM {t} WHERE {w} ORDER BY idempotency_key LIMIT %(limit)s) AS r "
+            "ORDER BY r.namespace, r.idempotency_key LIMIT %(limit)s").format(
+            c=columns, t=self._table(), w=sql.SQL(" AND ").join(where))
+        return self._composed(conn, query, params)
+
+    def collation_is_bytewise(self, conn: Conn) -> bool:
+        """Whether the keys sort by code point (the table's key column collates as C,
+        C.UTF-8 or POSIX), so a key prefix is a range of the primary key."""
+        rows = self._rows(conn, "key_collation", {"schema": self.schema, "table": self.table})
+        name = (rows[0]["collation"] if rows else "") or ""
+        return name.split(".")[0].upper() in ("C", "POSIX", "UCS_BASIC")
+
+    def handler_counts(self, conn: Conn) -> Rows:
+        """Records per (namespace, handler, status)."""
+        return self._rows(conn, "handler_counts")
+
+    def _table(self) -> sql.Composable:
+        return sql.Identifier(self.schema, self.table)
+
+    def _composed(self, conn: Conn, query: sql.Composed, params: dict[str, Any]) -> Rows:
+        with translate_errors():
+            cur = conn.cursor(row_factory=dict_row)
+            # never prepared: each filter's plan is made for its values
+            rows: Rows = cur.execute(query, params, prepare=False).fetchall()
+            return rows
+
     # --- the audit trail ---------------------------------------------------------
 
     def audit_insert(self, conn: Conn, *, actor: str, action: str, key: str | None,
@@ -110,6 +217,17 @@ class AdminQueries:
             }).fetchone()
         assert row is not None
         return int(row[0])
+
+    def audit_after(self, conn: Conn, after_id: int, *, actor: str | None = None,
+                    limit: int = 200) -> Rows:
+        """The audit rows appended after row ``after_id`` (of ``actor``), oldest first."""
+        return self._rows(conn, "audit_after", {"after": after_id, "actor": actor,
+                                                "limit": limit})
+
+    def audit_last_id(self, conn: Conn) -> int:
+        """The id of the latest audit row (0: none)."""
+        rows = self._rows(conn, "audit_last_id")
+        return int(rows[0]["id"]) if rows else 0
 
     def audit_for_key(self, conn: Conn, key: str) -> Rows:
         return self._rows(conn, "audit_for_key", {"ns": self.ns, "key": key})
@@ -142,3 +260,15 @@ class AdminQueries:
         """Move them into this namespace (admin action 'adopt' set by the caller)."""
         return self._rows(conn, "adopt", {
             "ns": self.ns, "topics": [p[0] for p in pairs], "handlers": [p[1] for p in pairs]})
+
+
+def _next_prefix(prefix: str) -> str | None:
+    """The smallest text above every text that starts with ``prefix`` in code point
+    order (``None``: there is none: the last character is the highest code point)."""
+    last = ord(prefix[-1])
+    if last >= 0x10FFFF:
+        return None
+    bump = last + 1
+    if 0xD800 <= bump <= 0xDFFF:  # surrogates are not text
+        bump = 0xE000
+    return prefix[:-1] + chr(bump)

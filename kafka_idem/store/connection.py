@@ -49,6 +49,14 @@ async def connect_async(
     return conn
 
 
+def configure(conn: Conn) -> None:
+    """Give ``conn`` (made elsewhere, e.g. by a pool) the session :func:`connect`'s have."""
+    with translate_errors():
+        for statement, params in _session(0.0):
+            conn.execute(statement, params)
+        conn.commit()
+
+
 def _session(idle_in_transaction_timeout: float,
              lock_timeout: float = 0.0) -> list[tuple[str, tuple[Any, ...]]]:
     # An asynchronously committed success could vanish in a crash after its

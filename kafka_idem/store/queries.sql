@@ -225,6 +225,35 @@ WHERE idempotency_key = %(key)s
   AND (namespace = %(ns)s OR namespace IS NULL)  -- NULL: written before namespaces
 ORDER BY id;
 
+-- name: audit_after
+-- What an action of the console just wrote (rows after the last one it saw).
+SELECT id, at, actor, action, namespace, idempotency_key, reason, previous_status,
+       previous_error, selection, counts
+FROM {audit}
+WHERE id > %(after)s AND (%(actor)s::text IS NULL OR actor = %(actor)s::text)
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: audit_last_id
+SELECT coalesce(max(id), 0) AS id FROM {audit};
+
+-- name: key_collation
+-- The collation the records' keys sort by (the primary key's order).
+SELECT coalesce(c.collname, (SELECT datcollate FROM pg_database
+                             WHERE datname = current_database())) AS collation
+FROM pg_attribute a
+JOIN pg_class t ON t.oid = a.attrelid
+JOIN pg_namespace s ON s.oid = t.relnamespace
+LEFT JOIN pg_collation c ON c.oid = a.attcollation AND c.collname <> 'default'
+WHERE s.nspname = %(schema)s AND t.relname = %(table)s AND a.attname = 'idempotency_key';
+
+-- name: handler_counts
+-- Records per (namespace, handler, status): the console's overview.
+SELECT namespace, coalesce(handler, '') AS handler, status, count(*) AS n
+FROM {table}
+GROUP BY 1, 2, 3
+ORDER BY 1, 2, 3;
+
 -- name: status_summary
 -- Counts for `kafka-idem status` and the sampled metrics gauges, per namespace
 -- (%(ns)s NULL: every namespace).

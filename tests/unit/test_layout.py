@@ -163,7 +163,7 @@ def test_loggers_are_named_after_their_modules() -> None:
 # a module imports only modules of its own layer or of the layers below it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("kafka_idem", "kafka_idem.cli"),
-    ("kafka_idem.verify", "kafka_idem.testing"),
+    ("kafka_idem.verify", "kafka_idem.testing", "kafka_idem.console"),
     ("kafka_idem.replay",),
     ("kafka_idem.consume",),  # the member's loop: runner, offsets, lag, shutdown...
     ("kafka_idem.consume.concurrency",),

@@ -19,6 +19,7 @@ PUBLIC_MODULES = (
     "kafka_idem",
     "kafka_idem.codecs",
     "kafka_idem.codecs.protobuf",  # ProtobufCodec (the protobuf extra)
+    "kafka_idem.console",  # create_app, Options (the console extra)
     "kafka_idem.testing",
     "kafka_idem.verify",
 )

@@ -1,0 +1,229 @@
+"""The console's actions (POST, each with its CSRF token): the dry runs and runs of
+re-drives and re-runs, as jobs, and the login. Each is one of the CLI's operations
+(:func:`kafka_idem.replay.replay`, :func:`~kafka_idem.replay.bulk.bulk_rerun`,
+:func:`~kafka_idem.replay.single.rerun_key`), run with the operator's name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+
+from kafka_idem import replay
+from kafka_idem.console import security
+from kafka_idem.console.forms import (
+    BadInput,
+    filter_of,
+    form,
+    picked_keys,
+    picks_of,
+    selection,
+    selection_fields,
+)
+from kafka_idem.console.jobs import Job
+from kafka_idem.console.state import Console
+from kafka_idem.errors import KafkaIdemError
+from kafka_idem.observe.redact import redact
+from kafka_idem.replay.bulk import bulk_rerun
+from kafka_idem.replay.single import rerun_key
+
+
+def selections(sel: replay.Selection, picks: list[tuple[int, int]],
+               ) -> list[replay.Selection]:
+    if not picks:
+        return [sel]
+    return [replay.Selection(partition=p, from_offset=o, to_offset=o)
+            for p, o in sorted(set(picks))]
+
+
+def run_replays(console: Console, job: Job, *, dry_run: bool, reason: str | None) -> dict[str, Any]:
+    p = job.params
+    topic = p["topic"]
+    sels = selections(selection(p["filters"]), [tuple(x) for x in p["picks"]])
+    summaries: list[replay.ReplaySummary] = []
+    would: list[dict[str, Any]] = []
+
+    def on_action(rec: replay.DlqRecord, target: str, action: str) -> None:
+        if len(would) < 200:
+            would.append({"partition": rec.partition, "offset": rec.offset,
+                          "key": rec.idempotency_key, "kind": rec.kind, "target": target,
+                          "action": action})
+
+    for i, sel in enumerate(sels):
+        def progress(done: int, total: int, sent: int, i: int = i) -> None:
+            if len(sels) == 1:
+                job.report(done, total, sent)
+            else:
+                job.report(i, len(sels), sum(s.sent + s.would_send for s in summaries))
+        summary = replay.replay(
+            console.settings, console.store, topic, sel, dry_run=dry_run,
+            actor=job.actor, reason=reason, include_permanent=p["include_permanent"],
+            app=console.app, trust_unsigned=console.options.trust_unsigned,
+            on_action=on_action if dry_run else None, on_progress=progress)
+        summaries.append(summary)
+    if len(sels) > 1:
+        job.report(len(sels), len(sels), sum(s.sent + s.would_send for s in summaries))
+    return {"summaries": [s.to_json() for s in summaries], "totals": totals(summaries),
+            "would_send": would}
+
+
+def redrive_dry_run(console: Console, request: Request) -> Response:
+    data = form(request)
+    topic = console.dlq_topic(data)
+    sel = selection(data)
+    picks = picks_of(data)
+    fields = selection_fields(sel)
+    params = {"topic": topic, "filters": fields, "picks": picks,
+              "include_permanent": data.get("include_permanent") == "on"}
+    what = (f"{len(picks)} chosen record(s)" if picks else
+            ", ".join(f"{k}={v}" for k, v in fields.items()) or "every record")
+    job = console.jobs.start(
+        "redrive-dry-run", f"Dry run: re-drive {topic} ({what})", params,
+        console.actor(request), lambda job: run_replays(console, job, dry_run=True, reason=None))
+    return RedirectResponse(f"/jobs/{job.id}", status_code=303)
+
+
+def redrive_run(console: Console, request: Request) -> Response:
+    data = form(request)
+    dry = console.jobs.get(str(data.get("dry_run") or ""))
+    if dry is None or dry.kind != "redrive-dry-run" or dry.state != "done":
+        raise BadInput("run the dry run first (its job is gone or did not finish)")
+    reason = str(data.get("reason") or "").strip()
+    if not reason:
+        raise BadInput("reason: say why (it is kept in the audit trail)")
+    with console.conn() as conn:
+        last = console.store.audit_last_id(conn)
+    job = console.jobs.start(
+        "redrive", dry.title.replace("Dry run: r", "R", 1), dict(dry.params),
+        console.actor(request),
+        lambda job: run_replays(console, job, dry_run=False, reason=reason), audit_after=last)
+    return RedirectResponse(f"/jobs/{job.id}", status_code=303)
+
+
+def run_bulk(console: Console, job: Job, *, dry_run: bool, reason: str | None) -> dict[str, Any]:
+    flt = filter_of(job.params["filters"])
+    with console.conn() as conn:
+        summary = bulk_rerun(console.settings, conn, console.store, flt, dlq_topic=None,
+                             actor=job.actor, reason=reason, dry_run=dry_run,
+                             trust_unsigned=console.options.trust_unsigned,
+                             on_progress=job.report)
+    out = summary.to_json()
+    out["selected"] = summary.selected
+    return out
+
+
+def rerun_dry_run(console: Console, request: Request) -> Response:
+    data = form(request)
+    flt = filter_of(data)
+    params = {"filters": {k: str(v) for k, v in flt.to_json().items()}}
+    what = ", ".join(f"{k}={v}" for k, v in params["filters"].items())
+    job = console.jobs.start("rerun-dry-run", f"Dry run: re-run failed records ({what})",
+                             params, console.actor(request),
+                             lambda job: run_bulk(console, job, dry_run=True, reason=None))
+    return RedirectResponse(f"/jobs/{job.id}", status_code=303)
+
+
+def rerun_run(console: Console, request: Request) -> Response:
+    data = form(request)
+    dry = console.jobs.get(str(data.get("dry_run") or ""))
+    if dry is None or dry.kind != "rerun-dry-run" or dry.state != "done":
+        raise BadInput("run the dry run first (its job is gone or did not finish)")
+    reason = str(data.get("reason") or "").strip()
+    if not reason:
+        raise BadInput("reason: say why (it is kept in the audit trail)")
+    with console.conn() as conn:
+        last = console.store.audit_last_id(conn)
+    job = console.jobs.start("rerun", dry.title.replace("Dry run: r", "R", 1),
+                             dict(dry.params), console.actor(request),
+                             lambda job: run_bulk(console, job, dry_run=False, reason=reason),
+                             audit_after=last)
+    return RedirectResponse(f"/jobs/{job.id}", status_code=303)
+
+
+def rerun_keys(console: Console, request: Request) -> Response:
+    data = form(request)
+    picked = picked_keys(data)
+    reason = str(data.get("reason") or "").strip()
+    if not reason:
+        with console.conn() as conn:
+            states = {(r["namespace"], r["idempotency_key"]): r for r in
+                      console.store.redrive_states(conn, picked)}
+        return console.render(request, "rerun_keys.html", title="Re-run chosen records",
+                              picked=picked, states=states)
+    with console.conn() as conn:
+        last = console.store.audit_last_id(conn)
+
+    def work(job: Job) -> dict[str, Any]:
+        results: list[dict[str, Any]] = []
+        for i, (ns, key) in enumerate(picked):
+            job.report(i, len(picked), sum(1 for r in results if r["ok"]))
+            try:
+                with console.conn() as conn:
+                    done = rerun_key(console.settings, conn, console.store, key,
+                                     actor=job.actor, reason=reason, namespace=ns,
+                                     trust_unsigned=console.options.trust_unsigned,
+                                     via="console")
+                results.append({"namespace": ns, "key": key, "ok": True,
+                                "what": f"republished to {done.target} from "
+                                f"{done.dlq_topic}[{done.letter.partition}]@"
+                                f"{done.letter.offset}"})
+            except KafkaIdemError as exc:
+                results.append({"namespace": ns, "key": key, "ok": False,
+                                "what": redact(str(exc), console.secrets())})
+        job.report(len(picked), len(picked), sum(1 for r in results if r["ok"]))
+        return {"results": results, "rerun": sum(1 for r in results if r["ok"]),
+                "refused": sum(1 for r in results if not r["ok"])}
+
+    title = (f"Re-run {picked[0][1]}" if len(picked) == 1
+             else f"Re-run {len(picked)} chosen records")
+    job = console.jobs.start("rerun-keys", title, {"picked": picked},
+                             console.actor(request), work, audit_after=last)
+    return RedirectResponse(f"/jobs/{job.id}", status_code=303)
+
+
+def login(console: Console, request: Request) -> Response:
+    data = form(request)
+    target = security.safe_next(str(data.get("next") or "/"))
+    operator = security.clean_operator(str(data.get("operator") or ""))
+    if console.guard.token is None:
+        return RedirectResponse("/", status_code=303)
+    if not console.guard.check_token(str(data.get("token") or "")) or not operator:
+        why = "wrong token" if operator else "give your name (it goes in the audit trail)"
+        return console.render(request, "login.html", 401, title="Log in", error=why,
+                              next=target)
+    response = RedirectResponse(target, status_code=303)
+    response.set_cookie(security.SESSION_COOKIE, console.guard.session_cookie(operator),
+                        max_age=security.SESSION_SECONDS, httponly=True, samesite="strict",
+                        path="/")
+    return response
+
+
+def logout(console: Console, request: Request) -> Response:
+    response = RedirectResponse("/login" if console.guard.token else "/", status_code=303)
+    response.delete_cookie(security.SESSION_COOKIE, path="/")
+    return response
+
+
+def totals(summaries: list[replay.ReplaySummary]) -> dict[str, Any]:
+    """Several replays' counts added up (the records picked by hand: one replay each)."""
+    by_kind: dict[str, dict[str, int]] = {}
+    untrusted: dict[str, int] = {}
+    for s in summaries:
+        for kind, per in s.by_kind.items():
+            mine = by_kind.setdefault(kind, {})
+            for outcome, n in per.items():
+                mine[outcome] = mine.get(outcome, 0) + n
+        for why, n in s.untrusted.items():
+            untrusted[why] = untrusted.get(why, 0) + n
+    return {"scanned": sum(s.scanned for s in summaries),
+            "matched": sum(s.matched for s in summaries),
+            "sent": sum(s.sent for s in summaries),
+            "would_send": sum(s.would_send for s in summaries),
+            "by_kind": by_kind, "untrusted": untrusted,
+            "unsendable": [u for s in summaries for u in s.unsendable],
+            "groups": [s.group for s in summaries], "runs": [s.run for s in summaries],
+            "outcomes": [o for o in replay.OUTCOMES
+                         if any(per.get(o) for per in by_kind.values())]}
+
+
