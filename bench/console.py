@@ -767,7 +767,8 @@ def setup_line(setup: dict[str, Any]) -> str:
     return (f"{data}; console up in {_s(setup.get('up_s'))}, DLQ indexed (ready) in "
             f"{_s(setup.get('ready_s'))} from its start; console RSS "
             f"{_mb(rss)} once ready, "
-            f"{_mb(setup.get('rss_end_mb'))} at the end (peak {_mb(setup.get('rss_peak_mb'))})")
+            f"{_mb(setup.get('rss_end_mb'))} at the end (peak {_mb(setup.get('rss_peak_mb'))}); "
+            f"client p50 - server p50, median page: {_ms(setup.get('client_minus_server_ms'))} ms")
 
 
 def _s(value: float | None) -> str:
@@ -906,6 +907,10 @@ def run_pages(proc: ConsoleProcess, page_list: Sequence[Page], setup: dict[str, 
             rows.append(indexing)
         mem = rss_mb(proc.pid)
         setup["rss_end_mb"], setup["rss_peak_mb"] = mem.get("VmRSS"), mem.get("VmHWM")
+    # what the server time leaves out: the transfer, the client, TCP (the median page's)
+    gaps = [c - s for t in rows if (c := percentile(t.client, 50)) is not None
+            and (s := percentile(t.server, 50)) is not None]
+    setup["client_minus_server_ms"] = percentile(gaps, 50)
     return rows
 
 
