@@ -3,7 +3,7 @@ batch path, the leased path, the outbox relay, the gateway at concurrency 1), ag
 the shared services: it exits 0 and every row's exactly-once check passed; and
 ``python -m bench.floor`` (the gateway rows' work with no framework) the same way;
 ``python -m bench.console``'s store and dead letters (checked as the framework writes
-them) and, once the console exists, its page timings against a real console process.
+them) and its page timings against a real console process.
 
 The figures mean nothing at these sizes and nothing asserts on them: the test exists
 because the bench is code too (a bench-only bug once broke every framework row and
@@ -198,9 +198,6 @@ def _utf8(data: bytes) -> bool:
     return True
 
 
-# This checkout's package (an editable install elsewhere may lend an unfinished one).
-@pytest.mark.skipif(not (ROOT / "kafka_idem" / "console" / "__init__.py").exists(),
-                    reason="kafka_idem.console does not exist yet: un-skip when it lands")
 def test_the_console_bench_times_every_page_of_a_real_console(tmp_path: Path) -> None:
     """``python -m bench.console`` end to end at a tiny size: a real console process gets
     ready, every page answers 200 with its ``Server-Timing`` server time (the next-page
