@@ -1,7 +1,9 @@
 """``python -m bench`` as a subprocess at the tiniest sizes, on a few rows (raw, the
 batch path, the leased path, the outbox relay, the gateway at concurrency 1), against
 the shared services: it exits 0 and every row's exactly-once check passed; and
-``python -m bench.floor`` (the gateway rows' work with no framework) the same way.
+``python -m bench.floor`` (the gateway rows' work with no framework) the same way;
+``python -m bench.console``'s store and dead letters (checked as the framework writes
+them) and its page timings against a real console process.
 
 The figures mean nothing at these sizes and nothing asserts on them: the test exists
 because the bench is code too (a bench-only bug once broke every framework row and
@@ -10,13 +12,18 @@ no test saw it). The results go to ``tmp_path``; the bench's folder is left as i
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import psycopg
+import pytest
+from confluent_kafka.admin import AdminClient
+from psycopg import sql
 
 from tests.conftest import ADMIN_DSN, BOOTSTRAP, ROOT
 
@@ -93,3 +100,133 @@ def test_the_dead_letter_bench_checks_every_letter_and_its_signature(tmp_path: P
     said = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, said
     assert results.exists(), said
+
+
+# --- the console benchmark (python -m bench.console) -------------------------------------
+
+CONSOLE_SIZES = {"records": 2000, "letters": 200}
+
+
+def test_the_console_bench_makes_the_store_and_the_dlq_the_framework_would() -> None:
+    """``bench.console``'s data steps at a tiny size: the store holds every status in
+    about the mix asked for, made by the product's migration with its insert guard on
+    again afterwards; the DLQ holds one letter per letter asked for, each with the
+    ``idem.*`` headers ``DlqRecord.from_message`` reads, some of them the failed
+    records' own; everything is gone after the clean-up."""
+    from bench import console as bench_console
+    from kafka_idem.settings import load_settings
+
+    s = load_settings(bootstrap_servers=BOOTSTRAP, database_url=ADMIN_DSN)
+    admin = AdminClient(s.admin_config())
+    schema, topics = bench_console.names(uuid.uuid4().hex[:8])
+    data = bench_console.Data("smoke", schema, topics)
+    table = sql.Identifier(schema, bench_console.TABLE)
+    try:
+        bench_console.make_data(s, admin, data, seed=7, **CONSOLE_SIZES)
+        assert data.store is not None and not data.problems, data.problems
+        with psycopg.connect(ADMIN_DSN) as conn:
+            counts = dict(conn.execute(sql.SQL(
+                "SELECT status, count(*) FROM {} GROUP BY 1").format(table)).fetchall())
+            failed = {k: (kind, cls, msg, first, last) for k, kind, cls, msg, first, last in
+                      conn.execute(sql.SQL(
+                          "SELECT idempotency_key, error_kind, error_class, error_message, "
+                          "first_failure_at, last_failure_at FROM {} WHERE namespace = 'shop' "
+                          "AND status = 'failed'").format(table)).fetchall()}
+            spread = conn.execute(sql.SQL(
+                "SELECT count(DISTINCT namespace), count(DISTINCT handler), "
+                "max(created_at) - min(created_at) FROM {}").format(table)).fetchone()
+            audited = conn.execute(sql.SQL(
+                "SELECT count(*), count(*) FILTER (WHERE r.status = 'failed') "
+                "FROM {}.admin_audit a JOIN {} r USING (namespace, idempotency_key)").format(
+                sql.Identifier(schema), table)).fetchone()
+            guard = conn.execute(
+                "SELECT tgenabled FROM pg_trigger WHERE tgname = 'guard_transitions_insert' "
+                "AND tgrelid = %s::regclass", (f"{schema}.{bench_console.TABLE}",)).fetchone()
+            with pytest.raises(psycopg.Error, match="illegal transition"):
+                conn.execute(sql.SQL(
+                    "INSERT INTO {} (namespace, idempotency_key, request_hash, status, "
+                    "completed_token) VALUES ('shop', 'x', 'h', 'succeeded', "
+                    "gen_random_uuid())").format(table))
+        assert sum(counts.values()) == CONSOLE_SIZES["records"] == sum(
+            data.store.by_status.values())
+        assert 0.92 < counts["succeeded"] / CONSOLE_SIZES["records"] < 0.99, counts
+        assert all(counts.get(st, 0) >= 1 for st in (
+            "failed", "retryable_failed", "processing")), counts
+        assert all(kind in ("exhausted", "permanent") and cls and msg and first and last
+                   for kind, cls, msg, first, last in failed.values())
+        assert spread is not None and spread[0] == 2 and spread[1] == 3
+        assert spread[2] > dt.timedelta(days=20)
+        assert audited is not None and audited[0] >= 1 and audited[0] == audited[1]
+        assert guard == ("O",), "the insert guard was left disabled"
+
+        letters = bench_console.read_letters(s, topics["dlq"])
+        assert len(letters) == data.letters == CONSOLE_SIZES["letters"]
+        assert bench_console.check_letters(letters) == []
+        assert {r.kind for r in letters} == {
+            "exhausted", "permanent", "undecodable", "payload_conflict"}
+        for r in letters:
+            names = [k for k, _ in r.headers if k.startswith("idem.")]
+            assert names[:4] == ["idem.original.topic", "idem.original.partition",
+                                 "idem.original.offset", "idem.original.timestamp"], names
+            assert r.original_topic == topics["orders"] and r.consumer_group == "shop"
+        theirs = [r for r in letters if r.idempotency_key in failed]
+        assert theirs, "no letter is a failed record's"
+        for r in theirs:
+            kind, cls, msg, first, _last = failed[r.idempotency_key or ""]
+            assert (r.kind, r.error_class, r.error_message, r.first_failure_at) == (
+                kind, cls, msg, first)
+        assert data.record_key in failed
+        assert any(r.idempotency_key == data.record_key for r in letters)
+        assert any(b"<script>" in (r.value or b"") for r in letters)
+        assert any(r.value and not _utf8(r.value) for r in letters)
+        assert any(r.key and not _utf8(r.key) for r in letters)
+    finally:
+        problems = bench_console.cleanup(s, admin, data)
+    assert problems == []
+    with psycopg.connect(ADMIN_DSN) as conn:
+        left = conn.execute("SELECT count(*) FROM information_schema.schemata "
+                            "WHERE schema_name = %s", (schema,)).fetchone()
+    assert left == (0,)
+    assert not set(topics.values()) & set(admin.list_topics(timeout=10).topics)
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_the_console_bench_times_every_page_of_a_real_console(tmp_path: Path) -> None:
+    """``python -m bench.console`` end to end at a tiny size: a real console process gets
+    ready, every page answers 200 with its ``Server-Timing`` server time (the next-page
+    links found, each letter its own), the figures are in the JSON, and the schema and
+    the topics are dropped afterwards."""
+    results = tmp_path / "console.json"
+    env = {**os.environ, "KAFKA_IDEM_BOOTSTRAP_SERVERS": BOOTSTRAP,
+           "KAFKA_IDEM_DATABASE_URL": ADMIN_DSN, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.console", "--records", str(CONSOLE_SIZES["records"]),
+         "--letters", str(CONSOLE_SIZES["letters"]), "--requests", "3", "--warmup", "1",
+         "--ready-timeout", "120", "--json", str(results)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    said = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, said
+    run = json.loads(results.read_text())
+    assert run["failure"] is None, said
+    setup = run["setup"]
+    assert setup["ready_s"] > 0 and setup["rss_ready_mb"] > 0, setup
+    pages = {p["page"]: p for p in run["pages"]}
+    assert "letter (a different one each time)" in pages and "dlq, next page" in pages
+    for name, page in pages.items():
+        assert page["ok"], (name, page)
+        if name.startswith("overview while indexing"):
+            continue
+        assert page["requests"] == 3 and page["server_ms"]["p95"] is not None, (name, page)
+    assert "?" in pages["records, next page"]["url"], "the next page is the first page"
+    assert "p95 < 300 ms" in proc.stdout
+    with psycopg.connect(ADMIN_DSN) as conn:
+        left = conn.execute("SELECT count(*) FROM information_schema.schemata "
+                            "WHERE schema_name = %s", (setup["schema"],)).fetchone()
+    assert left == (0,), "the bench's schema was left behind"
