@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 METADATA_EVERY = 30.0  # look for new topics and partitions this often
 BATCH = 1000
 MESSAGE_CHARS = 500  # of an error message, what the index keeps
+MAX_SHARED_TEXTS = 200_000  # distinct texts kept once (beyond: each record its own)
 
 
 Order = tuple[int, int, int]  # (timestamp in ms, partition, offset): the list's order
@@ -115,6 +116,7 @@ class DlqIndex:
         self.error: str | None = None  # the last failure to read, shown on the pages
         self.started = time.monotonic()
         self.ready_after: float | None = None  # seconds it took to catch up, once it did
+        self._texts: dict[str, str] = {}  # texts records share, kept once
 
     # --- reading the topics ----------------------------------------------------------
     def start(self) -> None:
@@ -167,13 +169,33 @@ class DlqIndex:
                     if idx is None:
                         continue
                     value = m.value()
-                    rec = DlqRecord.from_message(m)
-                    rec = dataclasses.replace(
-                        rec, value=None, headers=(),
-                        error_message=(rec.error_message or "")[:MESSAGE_CHARS] or None)
-                    idx.add(rec, -1 if value is None else len(value))
+                    idx.add(self._slim(DlqRecord.from_message(m)),
+                            -1 if value is None else len(value))
                 self.error = None
                 self._maybe_ready()
+
+    def _slim(self, rec: DlqRecord) -> DlqRecord:
+        """``rec`` as the index keeps it: no value, no raw headers, the error message
+        cut, and the texts many records share (topic, kind, class, handler, group,
+        namespace, often the message) kept once."""
+        def once(text: str | None) -> str | None:
+            if text is None:
+                return None
+            kept = self._texts.get(text)
+            if kept is None:
+                if len(self._texts) >= MAX_SHARED_TEXTS:
+                    return text
+                kept = self._texts[text] = text
+            return kept
+
+        return dataclasses.replace(
+            rec, value=None, headers=(), dlq_topic=once(rec.dlq_topic) or rec.dlq_topic,
+            kind=once(rec.kind), error_class=once(rec.error_class),
+            error_message=once((rec.error_message or "")[:MESSAGE_CHARS] or None),
+            handler=once(rec.handler), consumer_group=once(rec.consumer_group),
+            original_topic=once(rec.original_topic), namespace=once(rec.namespace),
+            truncated=once(rec.truncated), replayed_from=once(rec.replayed_from),
+            replay_group=once(rec.replay_group))
 
     def _at_end(self, topic: str, partition: int, offset: int | None) -> None:
         idx = self.topics.get(topic)
