@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 
 import click
@@ -77,9 +78,15 @@ def console(obj: Ctx, app_spec: str, addr: str, port: int, read_only: bool, acto
         raise click.BadParameter(f"cannot listen on {addr}:{port}: {exc.strerror or exc}",
                                  param_hint="'--addr' / '--port'") from None
     shown = f"[{addr}]" if family == socket.AF_INET6 else addr
-    click.echo(f"kafka-idem console of app {app.name}: http://{shown}:{port}/"
+    where = (f"http://{shown}:{port}/" if addr not in ("0.0.0.0", "::")
+             else f"port {port} of every address of this host")
+    click.echo(f"kafka-idem console of app {app.name}: {where}"
                + (" (read-only)" if read_only else "")
                + (" (token required)" if s.console_token is not None else ""), err=True)
     server = uvicorn.Server(uvicorn.Config(web, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))
+    # uvicorn stops on SIGTERM/SIGINT, then raises the signal again with the handlers it
+    # found: these make that a plain exit 0, as a member's stop is.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])

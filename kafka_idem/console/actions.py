@@ -25,7 +25,7 @@ from kafka_idem.console.jobs import Job
 from kafka_idem.console.state import Console
 from kafka_idem.errors import KafkaIdemError
 from kafka_idem.observe.redact import redact
-from kafka_idem.replay.bulk import bulk_rerun
+from kafka_idem.replay.bulk import Filter, bulk_rerun
 from kafka_idem.replay.single import rerun_key
 
 
@@ -102,20 +102,30 @@ def redrive_run(console: Console, request: Request) -> Response:
 
 
 def run_bulk(console: Console, job: Job, *, dry_run: bool, reason: str | None) -> dict[str, Any]:
-    flt = filter_of(job.params["filters"])
+    flt = own_filter(console, job.params["filters"])
     with console.conn() as conn:
         summary = bulk_rerun(console.settings, conn, console.store, flt, dlq_topic=None,
                              actor=job.actor, reason=reason, dry_run=dry_run,
                              trust_unsigned=console.options.trust_unsigned,
-                             on_progress=job.report)
+                             on_progress=job.report, app=console.app, via=job.via)
     out = summary.to_json()
     out["selected"] = summary.selected
     return out
 
 
+def own_filter(console: Console, params: Any) -> Filter:
+    """A bulk re-run's filter, inside the app's namespace (the console re-runs its own
+    app's keys only, as a replay with --app does)."""
+    given = {k: str(v) for k, v in params.items()}
+    if given.get("namespace", console.app.namespace) not in ("", console.app.namespace):
+        raise BadInput(f"namespace: {given['namespace']!r} is not app {console.app.name!r}'s "
+                       f"({console.app.namespace!r}); re-run it from its own app's console")
+    return filter_of({**given, "namespace": console.app.namespace})
+
+
 def rerun_dry_run(console: Console, request: Request) -> Response:
     data = form(request)
-    flt = filter_of(data)
+    flt = own_filter(console, data)
     params = {"filters": {k: str(v) for k, v in flt.to_json().items()}}
     what = ", ".join(f"{k}={v}" for k, v in params["filters"].items())
     job = console.jobs.start("rerun-dry-run", f"Dry run: re-run failed records ({what})",
@@ -163,7 +173,7 @@ def rerun_keys(console: Console, request: Request) -> Response:
                     done = rerun_key(console.settings, conn, console.store, key,
                                      actor=job.actor, reason=reason, namespace=ns,
                                      trust_unsigned=console.options.trust_unsigned,
-                                     via="console")
+                                     via=job.via, app=console.app)
                 results.append({"namespace": ns, "key": key, "ok": True,
                                 "what": f"republished to {done.target} from "
                                 f"{done.dlq_topic}[{done.letter.partition}]@"
@@ -200,6 +210,9 @@ def login(console: Console, request: Request) -> Response:
 
 
 def logout(console: Console, request: Request) -> Response:
+    cookie = request.cookies.get(security.SESSION_COOKIE)
+    if cookie:
+        console.guard.revoked.add(cookie)  # the cookie is refused from now on, kept or not
     response = RedirectResponse("/login" if console.guard.token else "/", status_code=303)
     response.delete_cookie(security.SESSION_COOKIE, path="/")
     return response

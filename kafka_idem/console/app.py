@@ -74,6 +74,11 @@ def _page(console: Console, fn: Handler) -> Callable[[Request], Any]:
     return endpoint
 
 
+async def no_icon(request: Request) -> Response:
+    """No icon (a browser asks for one on every first visit)."""
+    return Response(status_code=204)
+
+
 def build(console: Console) -> Starlette:
     """The Starlette application of ``console``."""
     def page(fn: Handler) -> Callable[[Request], Any]:
@@ -110,6 +115,7 @@ def build(console: Console) -> Starlette:
         Route("/login", page(actions.login), methods=["POST"]),
         Route("/logout", page(actions.logout), methods=["POST"]),
         Route("/healthz", healthz),
+        Route("/favicon.ico", no_icon),
         Mount("/static", app=static, name="static"),
     ]
     web = Starlette(routes=routes, lifespan=lifespan)

@@ -286,6 +286,12 @@ class DlqIndex:
                         out.append(rec)
         return out
 
+    def partitions(self, topic: str) -> set[int]:
+        """The partitions of ``topic`` the index knows (as of its last look)."""
+        with self.lock:
+            idx = self.topics.get(topic)
+            return set(idx.ends) if idx is not None else set()
+
     def size_of(self, topic: str, partition: int, offset: int) -> int | None:
         """The value size of a record the index read (-1: a null value; None: unknown)."""
         with self.lock:

@@ -52,10 +52,13 @@ def decode_cursor(text: str | None) -> Any:
 
 
 def opt(params: Any, name: str) -> str | None:
+    """A text field, stripped (``None``: absent or empty)."""
     value = params.get(name)
     if value is None:
         return None
     value = str(value).strip()
+    if "\x00" in value:  # no text column can hold it: a bad field, not a database error
+        raise BadInput(f"{name}: contains a NUL character")
     return value or None
 
 
@@ -75,8 +78,8 @@ def int_param(params: Any, name: str) -> int | None:
     value = opt(params, name)
     if value is None:
         return None
-    if not value.isdigit():
-        raise BadInput(f"{name}: {value!r} is not a number")
+    if not (value.isascii() and value.isdigit()) or len(value) > 18:
+        raise BadInput(f"{name}: {value!r} is not a whole number from 0 to 10^18")
     return int(value)
 
 

@@ -40,6 +40,16 @@ class Job:
     error: str | None = None
     audit_after: int = 0  # the audit rows this job wrote have larger ids
 
+    @property
+    def via(self) -> str:
+        """What the job's audit rows name as their caller (``selection.via``)."""
+        return f"console job {self.id}"
+
+    @property
+    def runs(self) -> list[str]:
+        """The replay runs of this job (their audit rows name them)."""
+        return list((self.result or {}).get("totals", {}).get("runs", []))
+
     def report(self, done: int, total: int, sent: int) -> None:
         self.done, self.total, self.sent = done, total, sent
 

@@ -21,6 +21,7 @@ from kafka_idem.store import Store, connect
 log = logging.getLogger(__name__)
 
 IDLE_SECONDS = 60.0  # nobody looked for this long: stop sampling until someone does
+STALE_WAIT = 2.0  # the first look after an idle spell waits this long for a new sample
 
 
 @dataclass
@@ -60,8 +61,16 @@ class Sampler:
         self.thread.join(timeout=10)
 
     def get(self) -> Snapshot | None:
+        """The latest snapshot; after an idle spell (sampling stopped) the first ask
+        waits for a new one, up to :data:`STALE_WAIT` seconds."""
+        idle = time.monotonic() - self.last_asked >= IDLE_SECONDS
         self.last_asked = time.monotonic()
         self.wake.set()
+        latest = self.latest
+        if idle and latest is not None:
+            deadline = time.monotonic() + STALE_WAIT
+            while self.latest is latest and time.monotonic() < deadline:
+                time.sleep(0.05)
         return self.latest
 
     def _run(self) -> None:

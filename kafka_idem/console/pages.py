@@ -44,8 +44,8 @@ def records(console: Console, request: Request) -> Response:
     q = request.query_params
     key, prefix = opt(q, "key"), opt(q, "prefix")
     namespace, handler, status = opt(q, "namespace"), opt(q, "handler"), status_param(q)
+    kind = opt(q, "error_kind")
     since, until = time_param(q, "since"), time_param(q, "until")
-    after = decode_cursor(q.get("after"))
     statuses = [status] if status else list(admin.STATUSES)
     rows: list[dict[str, Any]]
     next_cursor: Any = None
@@ -53,23 +53,27 @@ def records(console: Console, request: Request) -> Response:
         spaces = [namespace] if namespace is not None else console.store.namespaces(conn)
         if key is not None:
             rows = [r for r in console.store.find(conn, key, spaces)
-                    if r["status"] in statuses and handler in (None, r["handler"])]
+                    if r["status"] in statuses and handler in (None, r["handler"])
+                    and kind in (None, r["error_kind"])]
         elif prefix is not None:
-            cursor = tuple(after) if after else None
             rows = console.store.browse_prefix(
                 conn, prefix=prefix, namespaces=spaces, statuses=statuses, handler=handler,
-                since=since, until=until, after=cursor,
-                limit=PAGE + 1, ranged=console.ranged)
+                since=since, until=until, after=_pair(_cursor(q, 2)), limit=PAGE + 1,
+                ranged=console.ranged, error_kind=kind)
             if len(rows) > PAGE:
                 rows = rows[:PAGE]
                 next_cursor = [rows[-1]["namespace"], rows[-1]["idempotency_key"]]
         else:
+            after = _cursor(q, 3)
             cursor = None
-            if after:
-                cursor = (dt.datetime.fromisoformat(after[0]), after[1], after[2])
+            if after is not None:
+                try:
+                    cursor = (dt.datetime.fromisoformat(after[0]), after[1], after[2])
+                except ValueError:
+                    raise BadInput("the page link is damaged (cursor)") from None
             rows = console.store.browse(
                 conn, statuses=statuses, namespace=namespace, handler=handler, since=since,
-                until=until, after=cursor, limit=PAGE + 1)
+                until=until, after=cursor, limit=PAGE + 1, error_kind=kind)
             if len(rows) > PAGE:
                 rows = rows[:PAGE]
                 last = rows[-1]
@@ -80,6 +84,21 @@ def records(console: Console, request: Request) -> Response:
                           bulk_ok=status == "failed")
 
 
+def _pair(cursor: tuple[str, ...] | None) -> tuple[str, str] | None:
+    return None if cursor is None else (cursor[0], cursor[1])
+
+
+def _cursor(q: Any, size: int) -> tuple[str, ...] | None:
+    """The ``after`` cursor of a records link: ``size`` texts, or a bad link."""
+    after = decode_cursor(q.get("after"))
+    if after is None:
+        return None
+    if not (isinstance(after, list) and len(after) == size
+            and all(isinstance(x, str) and "\x00" not in x for x in after)):
+        raise BadInput("the page link is damaged (cursor)")
+    return tuple(after)
+
+
 def record(console: Console, request: Request) -> Response:
     q = request.query_params
     key = opt(q, "key")
@@ -87,7 +106,10 @@ def record(console: Console, request: Request) -> Response:
         raise BadInput("key: which record? (/record?ns=NAMESPACE&key=KEY)")
     ns = q.get("ns")
     with console.conn() as conn:
-        found = admin.inspect(conn, console.store, key, ns)
+        try:
+            found = admin.inspect(conn, console.store, key, ns)
+        except admin.Refused:  # a namespace with no records
+            found = []
         stranded = {}
         for rec in found:
             if rec["status"] == "retryable_failed":
@@ -114,8 +136,11 @@ def dlq(console: Console, request: Request) -> Response:
     topic = console.dlq_topic(q)
     sel = selection(q)
     before = decode_cursor(q.get("before"))
-    page_ = console.index.page(topic, sel, before=tuple(before) if before else None,
-                               limit=PAGE)
+    if before is not None and not (isinstance(before, list) and len(before) == 3 and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in before)):
+        raise BadInput("the page link is damaged (cursor)")
+    page_ = console.index.page(topic, sel, before=(before[0], before[1], before[2])
+                               if before else None, limit=PAGE)
     keys = console.settings.signing_keys
     filters = {k: v for k, v in q.items() if k not in ("before", "topic") and v}
     return console.render(request, "dlq.html", title=f"Dead letters: {plain(topic)}",
@@ -130,6 +155,9 @@ def letter(console: Console, request: Request) -> Response:
     partition, offset = int_param(q, "partition"), int_param(q, "offset")
     if partition is None or offset is None:
         raise BadInput("partition and offset: which record?")
+    if partition not in console.index.partitions(topic):
+        return console.render(request, "error.html", 404, title="No such record",
+                              message=f"{topic} has no partition {partition}")
     with console.reader.lock:
         rec = console.reader.read(topic, partition, offset)
     if rec is None:
@@ -154,7 +182,8 @@ def letter(console: Console, request: Request) -> Response:
     return console.render(
         request, "letter.html", title=f"Dead letter {plain(topic)}[{partition}]@{offset}",
         rec=rec, topic=topic, payload=shown,
-        payload_json=(json.dumps(shown["value"], indent=2, sort_keys=True, default=str)
+        payload_json=(json.dumps(shown["value"], indent=2, sort_keys=True, default=str,
+                                 ensure_ascii=False)
                       if "value" in shown else None),
         headers=[(name, replay.display_bytes(value)) for name, value in rec.headers],
         kafka_key=replay.display_bytes(rec.key), signature=signature,
@@ -191,7 +220,8 @@ def job_page(console: Console, request: Request) -> Response:
     audit_rows: list[dict[str, Any]] = []
     if job.state != "running" and job.kind in ("redrive", "rerun", "rerun-keys"):
         with console.conn() as conn:
-            audit_rows = console.store.audit_after(conn, job.audit_after, actor=job.actor)
+            audit_rows = console.store.audit_of(conn, job.audit_after, runs=job.runs,
+                                                via=job.via)
     name = "_job.html" if request.query_params.get("fragment") else "job.html"
     return console.render(request, name, title=job.title, job=job, audit=audit_rows)
 

@@ -6,12 +6,15 @@
   ``Authorization: Bearer TOKEN`` (scripts), or the session cookie the login form
   sets (browsers), signed with a key made at start (a restart logs everyone out).
   Tokens and signatures are compared in constant time.
-* **Host.** Without a token only a loopback ``Host`` header is served, so a web page
-  whose name an attacker points at 127.0.0.1 (DNS rebinding) reads nothing.
+* **Host.** Without a token only a loopback ``Host`` header is served (``localhost``
+  or a loopback IP literal), so a web page whose name an attacker points at 127.0.0.1
+  (DNS rebinding) reads nothing.
 * **CSRF.** Every state-changing request is a POST whose form carries a token bound to
   a random cookie of the browser (``SameSite=Strict``); a POST without it, or with
-  another browser's, is refused (403), as is one whose ``Origin`` is another site.
-  Nothing changes state on a GET. ``--read-only`` refuses every POST but the login.
+  another browser's, is refused (403), as is one whose ``Origin`` is another site. A
+  script's POST with the bearer token needs none (a browser never sends that header
+  by itself). Nothing changes state on a GET. ``--read-only`` refuses every POST but
+  the login and the logout. A logout revokes its session.
 * **Headers.** A Content-Security-Policy that allows the console's own script and
   style files only (no inline script, no other origin), ``X-Frame-Options: DENY``,
   ``nosniff``, no referrer, and ``Cache-Control: no-store`` on every page with data;
@@ -23,6 +26,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -38,14 +42,33 @@ SESSION_COOKIE = "kafka_idem_session"
 CSRF_COOKIE = "kafka_idem_csrf"
 CSRF_FIELD = "csrf"
 SESSION_SECONDS = 12 * 3600
-OPEN_PATHS = ("/static/", "/healthz", "/login")
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+OPEN_PATHS = ("/static/", "/healthz", "/login", "/favicon.ico")
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 
 
 def is_loopback(addr: str) -> bool:
-    return addr in LOOPBACK_HOSTS or addr.startswith("127.")
+    """Whether ``addr`` (an address, or a ``Host`` header's name without its port) is
+    loopback: ``localhost``, or an IP literal in 127.0.0.0/8 or ``::1`` — never a name
+    that merely starts like one (``127.0.0.1.evil.example``)."""
+    name = addr.strip().lower()
+    if name == "localhost":
+        return True
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(header: str) -> str:
+    """The name of a ``Host`` header, without its port (``[::1]:8088`` -> ``[::1]``)."""
+    name, colon, port = header.rpartition(":")
+    if not colon or not (port.isascii() and port.isdigit()) or (
+            name.count(":") and not name.startswith("[")):
+        return header  # no port (or an IPv6 literal without brackets, or a bad one)
+    return name
 
 
 @dataclass
@@ -56,6 +79,7 @@ class Guard:
     read_only: bool
     actor: str  # who acts when no one logged in (loopback without a token)
     key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    revoked: set[str] = field(default_factory=set)  # sessions logged out (until a restart)
 
     # --- sessions ------------------------------------------------------------------
     def check_token(self, given: str) -> bool:
@@ -72,7 +96,7 @@ class Guard:
 
     def session_operator(self, cookie: str | None) -> str | None:
         """The operator a valid, unexpired session cookie names (else ``None``)."""
-        if not cookie or cookie.count(".") != 2:
+        if not cookie or cookie.count(".") != 2 or cookie in self.revoked:
             return None
         name, expires, sig = cookie.split(".")
         if not hmac.compare_digest(sig, self._sign(f"{name}.{expires}")):
@@ -131,12 +155,14 @@ class GuardMiddleware(BaseHTTPMiddleware):
         request.state.csrf = guard.csrf_token(request.state.csrf_cookie)
         request.state.operator = guard.actor
         if guard.token is None:
-            host = (request.headers.get("host") or "").rsplit(":", 1)[0]
-            if not is_loopback(host):
+            if not is_loopback(host_name(request.headers.get("host") or "")):
                 return PlainTextResponse("refused: this console serves loopback host names "
                                          "only (it has no token)", status_code=403)
-        elif not path.startswith(OPEN_PATHS):
-            operator = self._authenticated(request)
+        elif path.startswith(OPEN_PATHS):
+            request.state.operator = guard.session_operator(
+                request.cookies.get(SESSION_COOKIE))  # None: nobody logged in yet
+        else:
+            operator, by_bearer = self._authenticated(request)
             if operator is None:
                 if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
                     return RedirectResponse(f"/login?next={quote(_local(request))}",
@@ -145,6 +171,7 @@ class GuardMiddleware(BaseHTTPMiddleware):
                                          "Bearer TOKEN", status_code=401,
                                          headers={"WWW-Authenticate": "Bearer"})
             request.state.operator = operator
+            request.state.bearer = by_bearer
         if request.method not in ("GET", "HEAD"):
             if request.method != "POST":
                 return PlainTextResponse("method not allowed", status_code=405)
@@ -153,22 +180,24 @@ class GuardMiddleware(BaseHTTPMiddleware):
                     "host"):
                 return PlainTextResponse("refused: a request from another site",
                                          status_code=403)
-            if guard.read_only and path != "/login":
+            if guard.read_only and path not in ("/login", "/logout"):
                 return PlainTextResponse("refused: this console is read-only", status_code=403)
             form = await request.form()
             request.state.form = form  # the endpoint's (it cannot read the body again)
             given = form.get(CSRF_FIELD)
-            if not guard.csrf_ok(request.cookies.get(CSRF_COOKIE),
-                                 given if isinstance(given, str) else None):
+            # A script's bearer token is no cookie a browser sends by itself: no CSRF.
+            if not getattr(request.state, "bearer", False) and not guard.csrf_ok(
+                    request.cookies.get(CSRF_COOKIE), given if isinstance(given, str) else None):
                 return PlainTextResponse("refused: missing or wrong CSRF token (reload the "
                                          "page and submit again)", status_code=403)
         return await call_next(request)
 
-    def _authenticated(self, request: Request) -> str | None:
+    def _authenticated(self, request: Request) -> tuple[str | None, bool]:
+        """Who the request is from (None: nobody known), and whether by a bearer token."""
         header = request.headers.get("authorization", "")
         if header.lower().startswith("bearer ") and self.guard.check_token(header[7:].strip()):
-            return self.guard.actor
-        return self.guard.session_operator(request.cookies.get(SESSION_COOKIE))
+            return self.guard.actor, True
+        return self.guard.session_operator(request.cookies.get(SESSION_COOKIE)), False
 
 
 def _local(request: Request) -> str:

@@ -22,6 +22,7 @@ from kafka_idem.console.forms import BadInput, encode_cursor, opt, when
 from kafka_idem.console.jobs import Jobs
 from kafka_idem.console.overview import Sampler
 from kafka_idem.deadletters.dead_letter import ERROR_KINDS
+from kafka_idem.observe.redact import redact
 from kafka_idem.observe.text import plain
 from kafka_idem.replay.reading import Reader
 from kafka_idem.settings import Settings
@@ -75,6 +76,12 @@ class Console:
             loader=PackageLoader("kafka_idem.console", "templates"),
             autoescape=select_autoescape(default=True, default_for_string=True))
         self.templates.filters["shown"] = plain
+        secrets = s.secret_values()
+        # error texts and header values: control characters escaped, and whatever looks
+        # like a password (a URL's, password=...) or is one of the settings' masked
+        self.templates.filters["masked"] = lambda v: redact(plain(v), secrets)
+        self.templates.filters["shown_lines"] = lambda v: "\n".join(
+            plain(line) for line in str(v).split("\n"))
         self.templates.filters["when"] = when
         self.templates.filters["cursor"] = encode_cursor
         self.templates.filters["pick"] = lambda r: encode_cursor(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Producer
 
@@ -32,6 +32,9 @@ from kafka_idem.replay.republishing import Deliveries, delivery_wait, republish
 from kafka_idem.replay.trust import Boundary
 from kafka_idem.settings import Settings
 from kafka_idem.store import Conn, Store
+
+if TYPE_CHECKING:
+    from kafka_idem.app import App
 
 BATCH = 200
 RecordId = tuple[str, str]  # (namespace, idempotency key)
@@ -139,12 +142,16 @@ def bulk_rerun(
     batch_size: int = BATCH,
     trust_unsigned: bool = False,
     on_progress: Callable[[int, int, int], None] | None = None,
+    app: App | None = None,
+    via: str = "rerun",
 ) -> BulkSummary:
     """See the module doc. Raises :class:`admin.Refused` without a reason (unless a dry
     run), before anything is read or changed. A key's dead letter is taken only if it
     says it came from the key's record's own topic and, where signing keys are
     configured, its signature holds (``trust_unsigned``: or it has none).
-    ``on_progress(done, total, 0)`` is called as batches of keys are re-run."""
+    ``on_progress(done, total, 0)`` is called as batches of keys are re-run. With
+    ``app``, a key's DLQ is its handler's (``dlq_topic``) when ``dlq_topic`` is not
+    given; ``via`` names the caller in each audit row's selection."""
     if not dry_run and (reason is None or not reason.strip()):
         raise admin.Refused("a reason is required for a re-run: give --reason TEXT "
                             "(kept in the audit trail)")
@@ -154,7 +161,7 @@ def bulk_rerun(
     topics: dict[str, set[RecordId]] = {}
     source: dict[RecordId, str] = {}
     for row in rows:
-        topic = dlq_topic or dlq_topic_for(settings, row["kafka_topic"])
+        topic = dlq_topic or dlq_topic_for(settings, row["kafka_topic"], app)
         rid = (row["namespace"], row["idempotency_key"])
         topics.setdefault(topic, set()).add(rid)
         source[rid] = row["kafka_topic"]
@@ -187,7 +194,7 @@ def bulk_rerun(
         for start in range(0, len(ready), batch_size):
             chunk = ready[start:start + batch_size]
             _batch(conn, store, producer, chunk, summary, actor=actor, reason=reason,
-                   selection={"via": "rerun", "filter": flt.to_json(),
+                   selection={"via": via, "filter": flt.to_json(),
                               "dlq_topic": dlq_topic}, wait=wait)
             advance(len(chunk))
     return summary

@@ -260,5 +260,10 @@ class Selection:
         return out
 
 
-def dlq_topic_for(settings: Settings, source_topic: str) -> str:
+def dlq_topic_for(settings: Settings, source_topic: str, app: App | None = None) -> str:
+    """The DLQ of ``source_topic``: its handler's in ``app`` (a handler may name its own
+    ``dlq_topic``), else ``source_topic`` + the ``dlq_suffix`` setting."""
+    handler = app.handlers.get(source_topic) if app is not None else None
+    if app is not None and handler is not None:
+        return app.dlq_topic(handler)
     return f"{source_topic}{settings.dlq_suffix}"

@@ -10,18 +10,21 @@ its state and gets its dead letter sent again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Producer
 
 from kafka_idem.admin import operations as admin
 from kafka_idem.errors import BrokerError, FrameworkError
 from kafka_idem.replay.reading import latest_for_key
-from kafka_idem.replay.records import DlqRecord
+from kafka_idem.replay.records import DlqRecord, dlq_topic_for
 from kafka_idem.replay.republishing import delivery_wait, republish_acknowledged
 from kafka_idem.replay.trust import Boundary
 from kafka_idem.settings import Settings
 from kafka_idem.store import Conn, Store
+
+if TYPE_CHECKING:
+    from kafka_idem.app import App
 
 
 class NotRecorded(BrokerError):
@@ -44,23 +47,29 @@ class KeyRerun:
 
 def rerun_key(settings: Settings, conn: Conn, store: Store, key: str, *, actor: str,
               reason: str, namespace: str | None = None, dlq_topic: str | None = None,
-              trust_unsigned: bool = False, via: str = "rerun") -> KeyRerun:
+              trust_unsigned: bool = False, via: str = "rerun",
+              app: App | None = None) -> KeyRerun:
     """Re-run ``key`` (in ``namespace``; without one, the only namespace that has it).
 
     Raises :class:`~kafka_idem.admin.operations.Refused` (no reason, no such key, not
     failed, no trusted dead letter, a dead letter without its value) before anything
     changes, and :class:`NotRecorded` when the broker did not take the message (the
-    key is still ``failed``). ``via`` is kept in the audit row's selection."""
+    key is still ``failed``). ``via`` is kept in the audit row's selection. With
+    ``app``, the key must be of its namespace, and its DLQ (unless ``dlq_topic``) is
+    its handler's."""
     if not reason.strip():
         raise admin.Refused("a reason is required for a re-run: give --reason TEXT", key=key)
-    scoped = admin.resolve(conn, store, key, namespace)  # the key's namespace
+    if app is not None and namespace not in (None, app.namespace):
+        raise admin.Refused(f"the key is of namespace {namespace!r}, not app {app.name!r}'s "
+                            f"({app.namespace!r}): re-run it from its own app", key=key)
+    scoped = admin.resolve(conn, store, key, app.namespace if app is not None else namespace)
     rec = scoped.get(conn, key)
     stranded = (admin.stranded_by(conn, scoped, key)
                 if rec is not None and rec["status"] == "retryable_failed" else None)
     conn.rollback()
     if rec is None:
         raise admin.Refused(f"no record with this key in namespace {scoped.ns!r}", key=key)
-    topic = dlq_topic or f"{rec['kafka_topic']}{settings.dlq_suffix}"
+    topic = dlq_topic or dlq_topic_for(settings, rec["kafka_topic"], app)
     # Only a dead letter that says it came from the record's own topic, and whose
     # signature holds where keys are configured: its headers are anyone's who may
     # write to the DLQ.

@@ -104,7 +104,8 @@ class AdminQueries:
     def browse(self, conn: Conn, *, statuses: Sequence[str], namespace: str | None = None,
                handler: str | None = None, since: dt.datetime | None = None,
                until: dt.datetime | None = None,
-               after: tuple[dt.datetime, str, str] | None = None, limit: int = 50) -> Rows:
+               after: tuple[dt.datetime, str, str] | None = None, limit: int = 50,
+               error_kind: str | None = None) -> Rows:
         """A page of records, the most recently changed first (``updated_at``, then
         namespace and key, descending), of any of ``statuses``; ``after`` is the last
         row of the previous page (keyset pagination). Each status is read down the
@@ -113,8 +114,10 @@ class AdminQueries:
         ``namespace`` or ``handler`` are rare: they filter the rows read)."""
         branches = []
         params: dict[str, Any] = {"ns": namespace, "handler": handler, "since": since,
-                                  "until": until, "limit": limit}
+                                  "until": until, "limit": limit, "kind": error_kind}
         where: list[sql.Composable] = []
+        if error_kind is not None:
+            where.append(sql.SQL("error_kind = %(kind)s"))
         if namespace is not None:
             where.append(sql.SQL("namespace = %(ns)s"))
         if handler is not None:
@@ -145,14 +148,15 @@ class AdminQueries:
                       statuses: Sequence[str], handler: str | None = None,
                       since: dt.datetime | None = None, until: dt.datetime | None = None,
                       after: tuple[str, str] | None = None, limit: int = 50,
-                      ranged: bool = True) -> Rows:
+                      ranged: bool = True, error_kind: str | None = None) -> Rows:
         """A page of the records whose key starts with ``prefix``, by namespace and key;
         ``after`` is the (namespace, key) of the previous page's last row. ``ranged``:
         the keys sort by code point (the column's collation is C), so the prefix is a
         range of the primary key; else every key of the namespaces is tested."""
         params: dict[str, Any] = {"nss": list(namespaces), "p": prefix,
                                   "statuses": list(statuses), "handler": handler,
-                                  "since": since, "until": until, "limit": limit}
+                                  "since": since, "until": until, "limit": limit,
+                                  "kind": error_kind}
         where: list[sql.Composable] = [
             sql.SQL("namespace = n.ns"), sql.SQL("starts_with(idempotency_key, %(p)s)"),
             sql.SQL("status = ANY(%(statuses)s)")]
@@ -164,6 +168,8 @@ class AdminQueries:
                 where.append(sql.SQL("idempotency_key < %(hi)s"))
         if handler is not None:
             where.append(sql.SQL("handler = %(handler)s"))
+        if error_kind is not None:
+            where.append(sql.SQL("error_kind = %(kind)s"))
         if since is not None:
             where.append(sql.SQL("updated_at >= %(since)s"))
         if until is not None:
@@ -218,11 +224,12 @@ class AdminQueries:
         assert row is not None
         return int(row[0])
 
-    def audit_after(self, conn: Conn, after_id: int, *, actor: str | None = None,
-                    limit: int = 200) -> Rows:
-        """The audit rows appended after row ``after_id`` (of ``actor``), oldest first."""
-        return self._rows(conn, "audit_after", {"after": after_id, "actor": actor,
-                                                "limit": limit})
+    def audit_of(self, conn: Conn, after_id: int, *, runs: Sequence[str] = (),
+                 via: str | None = None, limit: int = 200) -> Rows:
+        """The audit rows after row ``after_id`` that name one of the replay ``runs`` or
+        the caller ``via`` in their selection, oldest first (what one action wrote)."""
+        return self._rows(conn, "audit_of", {"after": after_id, "runs": list(runs),
+                                             "via": via, "limit": limit})
 
     def audit_last_id(self, conn: Conn) -> int:
         """The id of the latest audit row (0: none)."""

@@ -225,12 +225,14 @@ WHERE idempotency_key = %(key)s
   AND (namespace = %(ns)s OR namespace IS NULL)  -- NULL: written before namespaces
 ORDER BY id;
 
--- name: audit_after
--- What an action of the console just wrote (rows after the last one it saw).
+-- name: audit_of
+-- What one action of the console wrote: rows after the last one before it started
+-- that name its replay runs or its caller (selection "via") in their selection.
 SELECT id, at, actor, action, namespace, idempotency_key, reason, previous_status,
        previous_error, selection, counts
 FROM {audit}
-WHERE id > %(after)s AND (%(actor)s::text IS NULL OR actor = %(actor)s::text)
+WHERE id > %(after)s
+  AND (selection->>'run' = ANY(%(runs)s::text[]) OR selection->>'via' = %(via)s::text)
 ORDER BY id
 LIMIT %(limit)s;
 

@@ -129,8 +129,15 @@ def test_after_the_login_only_a_path_of_this_site(target: str | None, safe: str)
 def test_operator_names_and_loopback_addresses() -> None:
     assert security.clean_operator("  ann\n\x1b[31m ") == "ann[31m"
     assert len(security.clean_operator("x" * 100)) == 64
-    assert all(map(security.is_loopback, ["127.0.0.1", "127.1.2.3", "localhost", "::1"]))
-    assert not any(map(security.is_loopback, ["0.0.0.0", "10.0.0.1", "example.com", ""]))
+    assert all(map(security.is_loopback, ["127.0.0.1", "127.1.2.3", "localhost", "::1",
+                                          "[::1]", "LOCALHOST"]))
+    assert not any(map(security.is_loopback, [
+        "0.0.0.0", "10.0.0.1", "example.com", "", "127.evil.example", "127.0.0.1.evil.example",
+        "127.0.0.1evil.example", "localhost.evil.example", "[::1].evil"]))
+    hosts = {"127.0.0.1:8088": "127.0.0.1", "[::1]:8088": "[::1]", "localhost": "localhost",
+             "127.0.0.1:8088.evil.example": "127.0.0.1:8088.evil.example"}
+    for header, name in hosts.items():
+        assert security.host_name(header) == name
 
 
 def test_bad_filters_say_which_field() -> None:
