@@ -28,6 +28,9 @@ from kafka_idem.replay.reading import Reader
 from kafka_idem.settings import Settings
 from kafka_idem.store import Store
 from kafka_idem.store.connection import configure
+from kafka_idem.store.errors import translate_errors
+
+POOL_TIMEOUT = 10.0  # seconds a page waits for a database connection
 
 
 @dataclass
@@ -64,7 +67,7 @@ class Console:
         s = self.settings
         self.store = Store(schema=s.schema_name, table=s.table)
         self.pool = ConnectionPool(
-            s.dsn, min_size=1, max_size=4, open=False, configure=configure,
+            s.dsn, min_size=1, max_size=4, open=False, configure=configure, timeout=POOL_TIMEOUT,
             kwargs={"autocommit": False, "application_name": "kafka_idem.console"})
         dlqs = sorted({self.app.dlq_topic(h) for h in self.app.handlers.values()})
         self.index = DlqIndex(s, dlqs)
@@ -90,7 +93,9 @@ class Console:
 
     @contextmanager
     def conn(self) -> Iterator[Any]:
-        with self.pool.connection() as conn:
+        # translated: a store that went away (no connection within POOL_TIMEOUT) is the
+        # error page's StoreUnavailable, as on any other database error
+        with translate_errors(), self.pool.connection() as conn:
             yield conn
             conn.rollback()
 
