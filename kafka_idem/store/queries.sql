@@ -240,12 +240,15 @@ LIMIT %(limit)s;
 SELECT coalesce(max(id), 0) AS id FROM {audit};
 
 -- name: key_collation
--- The collation the records' keys sort by (the primary key's order).
-SELECT coalesce(c.collname, (SELECT datcollate FROM pg_database
-                             WHERE datname = current_database())) AS collation
+-- The collation the records' keys sort by (the primary key's order): the column's,
+-- else the database's; 'icu' when either is ICU's, whatever its name or the database's
+-- LC_COLLATE say (datlocprovider, PostgreSQL 15+, read through to_jsonb: NULL before).
+SELECT CASE WHEN coalesce(c.collprovider::text, to_jsonb(d) ->> 'datlocprovider') = 'i'
+            THEN 'icu' ELSE coalesce(c.collname, d.datcollate) END AS collation
 FROM pg_attribute a
 JOIN pg_class t ON t.oid = a.attrelid
 JOIN pg_namespace s ON s.oid = t.relnamespace
+JOIN pg_database d ON d.datname = current_database()
 LEFT JOIN pg_collation c ON c.oid = a.attcollation AND c.collname <> 'default'
 WHERE s.nspname = %(schema)s AND t.relname = %(table)s AND a.attname = 'idempotency_key';
 
