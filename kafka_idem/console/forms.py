@@ -51,6 +51,17 @@ def decode_cursor(text: str | None) -> Any:
         raise BadInput("the page link is damaged (cursor)") from exc
 
 
+def exact(params: Any, name: str) -> str | None:
+    """A key or key prefix as given (a key may start or end with spaces), ``None``
+    when empty."""
+    value = params.get(name)
+    if value is None or value == "":
+        return None
+    if "\x00" in str(value):  # no text column can hold it: a bad field, not a database error
+        raise BadInput(f"{name}: contains a NUL character")
+    return str(value)
+
+
 def opt(params: Any, name: str) -> str | None:
     """A text field, stripped (``None``: absent or empty)."""
     value = params.get(name)
@@ -99,7 +110,7 @@ def selection(params: Any) -> replay.Selection:
     kind = opt(params, "kind")
     if kind is not None and kind not in ERROR_KINDS:
         raise BadInput(f"kind must be one of {', '.join(ERROR_KINDS)}")
-    sel = dict(key=opt(params, "key"), kind=kind, error_class=opt(params, "error_class"),
+    sel = dict(key=exact(params, "key"), kind=kind, error_class=opt(params, "error_class"),
                handler=opt(params, "handler"), namespace=opt(params, "namespace"),
                since=time_param(params, "since"), until=time_param(params, "until"),
                partition=int_param(params, "partition"),
@@ -125,7 +136,7 @@ def filter_of(params: Any) -> Filter:
     if kind is not None and kind not in ("exhausted", "permanent"):
         raise BadInput("kind must be exhausted or permanent")
     flt = Filter(kind=kind, handler=opt(params, "handler"), since=time_param(params, "since"),
-                 until=time_param(params, "until"), key_prefix=opt(params, "key_prefix"),
+                 until=time_param(params, "until"), key_prefix=exact(params, "key_prefix"),
                  limit=int_param(params, "limit"), namespace=opt(params, "namespace"))
     if not flt.to_json() or list(flt.to_json()) == ["limit"]:
         raise BadInput("give at least one filter (kind, handler, namespace, since, until, "

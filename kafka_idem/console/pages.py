@@ -15,6 +15,7 @@ from kafka_idem.console import security
 from kafka_idem.console.forms import (
     BadInput,
     decode_cursor,
+    exact,
     int_param,
     opt,
     selection,
@@ -42,7 +43,7 @@ def overview(console: Console, request: Request) -> Response:
 
 def records(console: Console, request: Request) -> Response:
     q = request.query_params
-    key, prefix = opt(q, "key"), opt(q, "prefix")
+    key, prefix = exact(q, "key"), exact(q, "prefix")
     namespace, handler, status = opt(q, "namespace"), opt(q, "handler"), status_param(q)
     kind = opt(q, "error_kind")
     since, until = time_param(q, "since"), time_param(q, "until")
@@ -101,7 +102,7 @@ def _cursor(q: Any, size: int) -> tuple[str, ...] | None:
 
 def record(console: Console, request: Request) -> Response:
     q = request.query_params
-    key = opt(q, "key")
+    key = exact(q, "key")
     if key is None:
         raise BadInput("key: which record? (/record?ns=NAMESPACE&key=KEY)")
     ns = q.get("ns")
