@@ -120,6 +120,7 @@ def own_filter(console: Console, params: Any) -> Filter:
     if given.get("namespace", console.app.namespace) not in ("", console.app.namespace):
         raise BadInput(f"namespace: {given['namespace']!r} is not app {console.app.name!r}'s "
                        f"({console.app.namespace!r}); re-run it from its own app's console")
+    filter_of(given)  # the operator's own filters: at least one (never every failed key)
     return filter_of({**given, "namespace": console.app.namespace})
 
 
