@@ -10,7 +10,9 @@ collations.
 from __future__ import annotations
 
 import datetime as dt
+import html
 import random
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,8 +24,9 @@ from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
 from kafka_idem.admin.migrate import migrate
+from kafka_idem.admin.operations import STATUSES as ORDER
 from kafka_idem.store import Store
-from tests.conftest import ADMIN_DSN, dsn_for, empty_database
+from tests.conftest import ADMIN_DSN, dsn_for, empty_database, wait_for
 from tests.integration.console_support import (
     World,
     console,
@@ -388,3 +391,33 @@ def test_the_migrated_stores_collation_is_bytewise(w: World) -> None:
     store = Store(schema="kafka_idem", table="task_idempotency")
     with psycopg.connect(w.db.dsn) as conn:
         assert store.collation_is_bytewise(conn) is True
+
+
+def table_rows(html_text: str, ident: str) -> list[list[str]]:
+    """The text of each cell of each body row of table ``ident``."""
+    table = html_text[html_text.index(f'id="{ident}"'):]
+    body = table[table.index("<tbody>"):table.index("</tbody>")]
+    return [[html.unescape(re.sub(r"<[^>]+>", "", c)).strip()
+             for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+            for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body, re.S)]
+
+
+def test_the_overview_counts_the_records_per_namespace_handler_and_status(
+        w: World, client: Any) -> None:
+    def sampled() -> str | None:
+        text = client.get("/?fragment=1").text
+        return text if 'id="by-namespace"' in text else None
+
+    text = wait_for(sampled, timeout=30, what="the overview's first sample")
+    counts: dict[tuple[str, str], dict[str, int]] = {}
+    for r in w.db.rows("SELECT namespace, coalesce(handler, '') AS handler, status, "
+                       "count(*) AS n FROM kafka_idem.task_idempotency GROUP BY 1, 2, 3"):
+        for key in ((r["namespace"], "all"), (r["namespace"], r["handler"])):
+            per = counts.setdefault(key, dict.fromkeys(ORDER, 0))
+            per[r["status"]] += r["n"]
+    shown: dict[tuple[str, str], dict[str, int]] = {}
+    ns = ""
+    for cells in table_rows(text, "by-namespace"):
+        ns = cells[0].split()[0] if cells[0] else ns  # "consoled (this app)"
+        shown[(ns, cells[1])] = dict(zip(ORDER, map(int, cells[2:]), strict=True))
+    assert shown == counts
