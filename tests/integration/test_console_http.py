@@ -266,6 +266,12 @@ def test_with_a_token_every_page_needs_it(w: World) -> None:
             assert r.status_code == 401, url
             r = client.get(url, headers={"authorization": TOKEN})  # not a bearer
             assert r.status_code == 401, url
+        # the open paths open nothing else
+        for url in ("/static/%2e%2e/records", "/login/%2e%2e/records", "/healthz/%2e%2e/records",
+                    "/static/..%2frecords", "/loginx", "//records", "/Records"):
+            r = client.get(url)
+            assert r.status_code in (401, 404), (url, r.status_code)
+            assert 'id="records"' not in r.text
         # a write without the token: refused before anything is read
         before = state(w.db)
         r = client.post("/rerun/keys", data={"pick": pick("consoled", order_key("victim")),
