@@ -31,6 +31,8 @@ OWN_VARIABLES = frozenset({
     "KAFKA_IDEM_KAFKA_EXTRA_CONFIG",
     "KAFKA_IDEM_PG_PORT",  # scripts/postgres.sh
     "KAFKA_IDEM_REGISTRY_PORT", "KAFKA_IDEM_REGISTRY_START_TIMEOUT",  # scripts/registry.sh
+    "KAFKA_IDEM_CHROMIUM", "KAFKA_IDEM_CHROMEDRIVER",  # scripts/browser.sh (console tests)
+    "KAFKA_IDEM_SCREENSHOTS",  # where the console's browser tests put their screenshots
 })
 _SAID_UNKNOWN: set[str] = set()  # the unknown variables already warned about (per process)
 
