@@ -24,6 +24,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
+from kafka_idem.observe.redact import redact
 from kafka_idem.replay.reading import READER_GROUP, reader_config
 from kafka_idem.replay.records import DlqRecord, Selection
 from kafka_idem.settings import Settings
@@ -127,7 +128,7 @@ class DlqIndex:
     def stop(self) -> None:
         self.stop_event.set()
         if self.thread is not None:
-            self.thread.join(timeout=10)
+            self.thread.join(timeout=3)  # a daemon: a broker that does not answer ends with us
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
@@ -137,7 +138,8 @@ class DlqIndex:
                     self.settings, f"{self.settings.name_prefix}{READER_GROUP}"))
                 self._tail(consumer)
             except Exception as exc:  # the broker went away: say so, try again
-                self.error = f"{type(exc).__name__}: {exc}"
+                self.error = redact(f"{type(exc).__name__}: {exc}",
+                                    self.settings.secret_values())
                 log.warning("console: reading the dead-letter topics failed: %s", exc)
                 self.stop_event.wait(5.0)
             finally:

@@ -58,7 +58,7 @@ class Sampler:
     def stop(self) -> None:
         self.stop_event.set()
         self.wake.set()
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=3)  # a daemon: a broker that does not answer ends with us
 
     def get(self) -> Snapshot | None:
         """The latest snapshot; after an idle spell (sampling stopped) the first ask
