@@ -10,10 +10,12 @@
   the test fails, a screenshot of where it was goes to ``.local/screenshots/failed/``.
 * ``console_server`` (function): a factory, ``console_server(app_spec, *, env=None,
   args=(), db=None)``, that starts ``python -m kafka_idem.cli console APP --port P``,
-  waits for ``GET /healthz?ready=1`` to answer 200 and stops it (SIGTERM) at teardown.
+  waits for ``GET /healthz?ready=1`` to answer 200 and stops it (SIGTERM) at teardown;
+  ``Consoles`` is that factory for fixtures of a wider scope.
 * helpers: ``wait_for(browser, css)``, ``wait_text(browser, css, text)``,
   ``screenshot(browser, name)`` (into ``$KAFKA_IDEM_SCREENSHOTS``, the docs' run sets it
-  to ``docs/images/console``, else ``.local/screenshots``).
+  to ``docs/images/console``, else ``.local/screenshots``), ``screenshot(browser, name,
+  whole=True)`` the whole page (the window made as tall as the page, 2000 px at most).
 
 Chromium runs with the flags this closed network needs (no background networking, no
 component updates, no sync, no QUIC: their connections are refused, many at a time) and
@@ -64,6 +66,7 @@ CONSOLE_COMMAND = [sys.executable, "-m", "kafka_idem.cli", "console"]
 CONSOLE_READY_TIMEOUT = 60.0
 CONSOLE_STOP_TIMEOUT = 10.0
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+MAX_SHOT_HEIGHT = 2000  # pixels of page in a whole-page screenshot
 
 # --headless is Chromium's new headless mode (the old one is a separate binary now).
 # The background-networking, component-update, sync and QUIC switches keep Chromium off
@@ -384,12 +387,26 @@ def _save_png(browser: WebDriver, folder: Path, name: str) -> Path:
     return path
 
 
-def screenshot(browser: WebDriver, name: str) -> Path:
+def screenshot(browser: WebDriver, name: str, *, whole: bool = False,
+               max_height: int = MAX_SHOT_HEIGHT) -> Path:
     """A PNG of the browser's viewport, saved as ``NAME.png`` in :func:`screenshots_dir`
-    (replacing one of that name); returns its path."""
+    (replacing one of that name); returns its path. ``whole``: of the whole page, the
+    window made as tall as the page for it (``max_height`` pixels of page at most, the
+    width unchanged), then given back its size."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
         raise ValueError(f"a screenshot's name is a file name, not {name!r}")
-    return _save_png(browser, screenshots_dir(), name)
+    if not whole:
+        return _save_png(browser, screenshots_dir(), name)
+    size = browser.get_window_size()
+    # The window holds the (invisible, in headless mode) toolbars besides the viewport.
+    chrome, page_height = browser.execute_script(
+        "return [window.outerHeight - window.innerHeight,"
+        " document.documentElement.scrollHeight]")
+    browser.set_window_size(size["width"], min(page_height, max_height) + chrome)
+    try:
+        return _save_png(browser, screenshots_dir(), name)
+    finally:
+        browser.set_window_size(size["width"], size["height"])
 
 
 def is_png(path: Path) -> bool:
@@ -467,32 +484,29 @@ def _console_env(env: Mapping[str, str | None] | None, db: DB | None) -> dict[st
     return {k: v for k, v in merged.items() if v is not None}
 
 
-@pytest.fixture
-def console_server(tmp_path: Path) -> Iterator[Callable[..., ConsoleServer]]:
-    """A factory: ``console_server(app_spec, *, env=None, args=(), db=None)`` starts
-    ``python -m kafka_idem.cli console APP_SPEC --port <free port> ARGS`` from the
-    repository root, with ``os.environ``, the test services (the broker, and ``db``'s
-    database or the admin one) and ``env`` (a ``None`` value removes a variable), waits
-    until ``GET /healthz?ready=1`` answers 200 (60 s; if the process ends first the test
-    fails with its stderr) and returns a :class:`ConsoleServer`. At teardown each is sent
-    SIGTERM and must exit within 10 s (it is killed otherwise, and the test errors); a
-    test may also stop one itself, with :meth:`ConsoleServer.stop`."""
-    servers: list[ConsoleServer] = []
+class Consoles:
+    """Starts ``kafka-idem console`` subprocesses (their output in files under ``folder``)
+    and stops them all with :meth:`stop_all`: the body of the ``console_server`` fixture,
+    for fixtures of a wider scope too (one console for a module's tests)."""
 
-    def start(app_spec: str, *, env: Mapping[str, str | None] | None = None,
-              args: Sequence[str] = (), db: DB | None = None) -> ConsoleServer:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.servers: list[ConsoleServer] = []
+
+    def __call__(self, app_spec: str, *, env: Mapping[str, str | None] | None = None,
+                 args: Sequence[str] = (), db: DB | None = None) -> ConsoleServer:
         full_env = _console_env(env, db)
         for attempt in range(3):
-            n = len(servers)
+            n = len(self.servers)
             port = free_port()
-            out, err = tmp_path / f"console-{n}.out", tmp_path / f"console-{n}.err"
+            out, err = self.folder / f"console-{n}.out", self.folder / f"console-{n}.err"
             with out.open("wb") as stdout, err.open("wb") as stderr:
                 proc = subprocess.Popen(
                     [*CONSOLE_COMMAND, app_spec, "--port", str(port), *args],
                     cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL, stdout=stdout,
                     stderr=stderr)
             server = ConsoleServer(f"http://127.0.0.1:{port}", port, proc, out, err)
-            servers.append(server)
+            self.servers.append(server)
             code = _wait_ready(server)
             if code is None:
                 return server
@@ -504,19 +518,35 @@ def console_server(tmp_path: Path) -> Iterator[Callable[..., ConsoleServer]]:
                         f"ready on {server.url}; its stderr:\n{text[-6000:]}", pytrace=False)
         raise AssertionError("unreachable")
 
-    yield start
+    def stop_all(self) -> None:
+        """SIGTERM each console still running; fails if one had to be killed."""
+        slow = []
+        for server in self.servers:
+            if server.proc.poll() is not None:
+                continue  # ended already (it failed to start, or the test stopped it)
+            if server.stop() is None:
+                slow.append(f"{server.url} (pid {server.proc.pid}) did not exit within "
+                            f"{CONSOLE_STOP_TIMEOUT:.0f}s of SIGTERM and was killed; its "
+                            f"stderr:\n{server.stderr_text()[-4000:]}")
+        assert all(s.proc.poll() is not None for s in self.servers)
+        if slow:
+            pytest.fail("\n".join(slow), pytrace=False)
 
-    slow = []
-    for server in servers:
-        if server.proc.poll() is not None:
-            continue  # ended already (it failed to start, or the test stopped it)
-        if server.stop() is None:
-            slow.append(f"{server.url} (pid {server.proc.pid}) did not exit within "
-                        f"{CONSOLE_STOP_TIMEOUT:.0f}s of SIGTERM and was killed; its stderr:\n"
-                        f"{server.stderr_text()[-4000:]}")
-    assert all(s.proc.poll() is not None for s in servers)
-    if slow:
-        pytest.fail("\n".join(slow), pytrace=False)
+
+@pytest.fixture
+def console_server(tmp_path: Path) -> Iterator[Callable[..., ConsoleServer]]:
+    """A factory: ``console_server(app_spec, *, env=None, args=(), db=None)`` starts
+    ``python -m kafka_idem.cli console APP_SPEC --port <free port> ARGS`` from the
+    repository root, with ``os.environ``, the test services (the broker, and ``db``'s
+    database or the admin one) and ``env`` (a ``None`` value removes a variable), waits
+    until ``GET /healthz?ready=1`` answers 200 (60 s; if the process ends first the test
+    fails with its stderr) and returns a :class:`ConsoleServer`. At teardown each is sent
+    SIGTERM and must exit within 10 s (it is killed otherwise, and the test errors); a
+    test may also stop one itself, with :meth:`ConsoleServer.stop`. (:class:`Consoles`
+    does the same for a fixture of a wider scope.)"""
+    consoles = Consoles(tmp_path)
+    yield consoles
+    consoles.stop_all()
 
 
 def _wait_ready(server: ConsoleServer) -> int | None:

@@ -53,6 +53,9 @@ SENT = """<!doctype html><html><head><title>sent</title></head><body>
 ESCAPED = """<!doctype html><html><head><title>escaped</title></head><body>
 <p id="shown">{text}</p></body></html>"""
 
+TALL = """<!doctype html><html><head><title>tall</title></head>
+<body style="margin:0"><div id="tall" style="height:3000px">tall</div></body></html>"""
+
 # The same-origin script runs first (parser-blocking) and listens for CSP violations, so
 # the refusal of the inline script after it is seen by the page itself.
 CSP_PAGE = """<!doctype html><html><head><title>csp</title>
@@ -90,6 +93,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(CSP_PAGE, headers={"Content-Security-Policy": "script-src 'self'"})
         elif path == "/nocsp":  # the control: the same page without the policy
             self._send(CSP_PAGE)
+        elif path == "/tall":
+            self._send(TALL)
         elif path == "/app.js":
             self._send(APP_JS, "text/javascript; charset=utf-8")
         else:
@@ -152,6 +157,19 @@ def test_a_screenshot_is_a_png_of_the_window(page: Chrome, site: str, tmp_path: 
     monkeypatch.setenv("KAFKA_IDEM_SCREENSHOTS", str(tmp_path / "docs-images"))
     assert screenshot(page, "x.png") == tmp_path / "docs-images" / "x.png"
     assert is_png(tmp_path / "docs-images" / "x.png")
+
+
+def test_a_screenshot_of_the_whole_page_is_as_tall_as_the_page_up_to_a_cap(
+        page: Chrome, site: str) -> None:
+    page.get(f"{site}/tall")
+    wait_for(page, "#tall")
+    assert png_size(screenshot(page, "browser-smoke-tall", whole=True, max_height=1200)) == (
+        WINDOW[0], 1200)
+    assert page.get_window_size() == {"width": WINDOW[0], "height": WINDOW[1]}  # given back
+    page.get(f"{site}/escaped")  # shorter than the window: the viewport
+    wait_for(page, "#shown")
+    viewport = page.execute_script("return [window.innerWidth, window.innerHeight]")
+    assert png_size(screenshot(page, "browser-smoke-short", whole=True)) == tuple(viewport)
 
 
 def test_selenium_manager_is_never_run() -> None:
