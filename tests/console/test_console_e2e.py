@@ -556,6 +556,30 @@ def test_a_console_with_a_token_logs_in_and_audits_the_operator(
     wait_for(page, "#login-form")
 
 
+def test_a_page_that_refreshes_itself_goes_to_the_login_when_the_session_ends(
+        page: Chrome, token_console: ConsoleServer) -> None:
+    """The overview, open when the session ends (it expired, or the console restarted:
+    its cookies' key is new): its next refresh loads the login page as a page (not the
+    login page inside the overview), and the login brings the overview back."""
+    console = token_console
+    page.get(console.url + "/")
+    log_in(page, "carol")
+    assert page.current_url == console.url + "/"
+    until(page, lambda: health(page, "processing, live lease") is not None, "the first sample")
+    page.execute_cdp_cmd("Network.clearBrowserCookies", {})  # the session ends
+    until(page, lambda: page.current_url.startswith(console.url + "/login?next=")
+          and page.find_elements(By.CSS_SELECTOR, "#login-form"),
+          "the login page after the session ended")
+    assert len(page.find_elements(By.TAG_NAME, "header")) == 1
+    assert page.find_element(By.CSS_SELECTOR, "#login-form input[name=next]").get_attribute(
+        "value") == "/"
+    log_in(page, "carol")
+    assert page.current_url == console.url + "/"
+    wait_for(page, "#overview")
+    assert len(page.find_elements(By.TAG_NAME, "header")) == 1
+    assert page.find_elements(By.CSS_SELECTOR, "#login-form") == []
+
+
 # --- CSRF ------------------------------------------------------------------------------------
 
 

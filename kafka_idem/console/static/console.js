@@ -2,6 +2,9 @@
 // Parts marked data-refresh-url are fetched again every data-refresh-seconds and
 // replaced by the server's HTML (escaped there); once a part says data-final, the
 // whole page is loaded once more (a job that ended shows its result and its form).
+// A part sent to the login page instead (the session expired, or the console
+// restarted) loads the whole page once more too: the login page, as a page, which
+// comes back here after the login.
 "use strict";
 (function () {
   function refresh(el) {
@@ -9,8 +12,12 @@
     var seconds = parseFloat(el.getAttribute("data-refresh-seconds") || "5");
     function tick() {
       fetch(url, { credentials: "same-origin", headers: { "Accept": "text/html" } })
-        .then(function (r) { return r.ok ? r.text() : Promise.reject(r.status); })
+        .then(function (r) {
+          if (r.redirected) { window.location.reload(); return null; }
+          return r.ok ? r.text() : Promise.reject(r.status);
+        })
         .then(function (html) {
+          if (html === null) { return; }
           el.innerHTML = html;
           if (el.querySelector("[data-final]")) { window.location.reload(); return; }
           window.setTimeout(tick, seconds * 1000);
