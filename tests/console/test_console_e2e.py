@@ -268,6 +268,12 @@ def log_in(page: Chrome, operator: str) -> None:
     go(page, "#login")
 
 
+def who(page: Chrome) -> tuple[str, bool]:
+    """Who the header says is logged in, and whether it offers to log out."""
+    name = page.find_element(By.CSS_SELECTOR, "header .who").text.removesuffix("log out")
+    return name.strip(), bool(page.find_elements(By.CSS_SELECTOR, "header .who form"))
+
+
 def links(page: Chrome, css: str) -> list[str]:
     return [a.text for a in page.find_elements(By.CSS_SELECTOR, css)]
 
@@ -522,6 +528,7 @@ def test_a_console_with_a_token_logs_in_and_audits_the_operator(
     wait_for(page, "#login-form")
     assert page.current_url.startswith(console.url + "/login?next=")
     assert not page.find_elements(By.CSS_SELECTOR, "#records")
+    assert who(page) == ("", False)  # nobody is logged in
     type_into(page, "#operator", "bob")
     type_into(page, "#token", TOKEN[:-1] + "X")
     go(page, "#login")
@@ -532,7 +539,7 @@ def test_a_console_with_a_token_logs_in_and_audits_the_operator(
     log_in(page, "bob")
     wait_for(page, "#records")
     assert page.current_url == console.url + "/records?status=failed"
-    assert page.find_element(By.CSS_SELECTOR, "header .who").text.startswith("bob")
+    assert who(page) == ("bob", True)
     session = page.get_cookie("kafka_idem_session")
     assert session is not None and session["httpOnly"] and session["sameSite"] == "Strict"
 
@@ -552,6 +559,7 @@ def test_a_console_with_a_token_logs_in_and_audits_the_operator(
     # Logged out, the pages are closed again.
     go(page, page.find_element(By.CSS_SELECTOR, "header form[action='/logout'] button"))
     wait_for(page, "#login-form")
+    assert who(page) == ("", False)
     page.get(console.url + "/records")
     wait_for(page, "#login-form")
 
