@@ -317,6 +317,12 @@ def table_rows(page: Chrome, css: str) -> list[list[str]]:
     return rows
 
 
+def browser_errors(page: Chrome) -> list[str]:
+    """What the browser logged since the last call (the page's script errors, refused
+    content, failed requests), but the favicon the console does not have."""
+    return [e["message"] for e in page.get_log("browser") if "/favicon.ico " not in e["message"]]
+
+
 def shot(page: Chrome, name: str) -> Path:
     path = screenshot(page, name, whole=True)
     assert is_png(path), path
@@ -450,6 +456,7 @@ def test_failed_orders_fixed_and_redriven_from_the_console(
         assert (r["action"], r["actor"], r["reason"], r["previous_status"]) == (
             "rerun", f"{ACTOR} (console)", reason, "failed")
         assert r["previous_error"].startswith("permanent: ")
+    assert browser_errors(page) == []  # no script error, no refused content on any page
 
 
 # --- re-running chosen records ---------------------------------------------------------------
@@ -497,6 +504,7 @@ def test_failed_records_ticked_and_rerun_by_hand(page: Chrome, shop: Shop,
         (k, "rerun", f"{ACTOR} (console)", reason) for k in keys]
     assert rows[0]["selection"]["via"] == "console"
     assert shop.status(others[0]) == "failed"
+    assert browser_errors(page) == []
 
 
 # --- the token -------------------------------------------------------------------------------
