@@ -167,8 +167,9 @@ def shop(shop_db: DB, admin: AdminClient,
     members = Members(tmp)
     consoles = Consoles(tmp)
     try:
-        topic = topics(partitions=2, prefix="console-shop")
-        group = f"g-{uuid.uuid4().hex[:10]}"
+        # Names like the how-to's (shop.orders, group shop), fresh for each run.
+        topic = topics(partitions=2, prefix="shop.orders")
+        group = f"shop-{uuid.uuid4().hex[:6]}"
         members.start(SHOP, member_env(shop_db, topic, CONSOLE_SHOP_TOPIC=topic), group=group)
         console = consoles(SHOP, db=shop_db, args=("--actor", ACTOR, "--refresh", "1"),
                            env=console_env(topic, group))
@@ -427,9 +428,9 @@ def test_failed_orders_fixed_and_redriven_from_the_console(
     assert {(r[2], r[3], r[4]) for r in would} == {("permanent", "rerun", shop.topic)}, would
     assert all(shop.status(k) == "failed" for k in bad_keys)  # a dry run changes nothing
     assert shop.audit(bad_keys) == []
-    shot(page, "dry-run")
     reason = "INC-42: amounts below one are refunds now"
     type_into(page, "#reason", reason)
+    shot(page, "dry-run")
     go(page, "#confirm")
     until(page, lambda: "/jobs/" in page.current_url and not page.find_elements(
         By.CSS_SELECTOR, "#confirm"), "the re-drive's job")
