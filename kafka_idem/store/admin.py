@@ -25,8 +25,8 @@ Rows = list[dict[str, Any]]
 
 # The columns a page of records shows (the console's records list).
 BROWSE_COLUMNS = ("namespace", "idempotency_key", "status", "handler", "attempts", "error_kind",
-                  "error_class", "updated_at", "kafka_topic", "kafka_partition", "kafka_offset",
-                  "lease_until")
+                  "error_class", "error_message", "updated_at", "kafka_topic", "kafka_partition",
+                  "kafka_offset", "lease_until")
 BY_RECENCY = sql.SQL("updated_at DESC, namespace DESC, idempotency_key DESC")
 
 

@@ -389,7 +389,8 @@ def test_failed_orders_fixed_and_redriven_from_the_console(
     until(page, lambda: "status=failed" in page.current_url, "the failed records")
     assert set(bad_keys) <= set(links(page, "#records td.key a"))
     for row in table_rows(page, "#records"):
-        assert row[3] == "failed", row
+        assert row[3] == "failed" and row[6].startswith(
+            "permanent: Permanent: amount must be positive, not "), row
 
     # The dead letters, filtered by kind.
     go(page, "#nav-dlq")
