@@ -5,6 +5,7 @@ re-drives and re-runs, as jobs, and the login. Each is one of the CLI's operatio
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from starlette.requests import Request
@@ -29,43 +30,34 @@ from kafka_idem.replay.bulk import Filter, bulk_rerun
 from kafka_idem.replay.single import rerun_key
 
 
-def selections(sel: replay.Selection, picks: list[tuple[int, int]],
-               ) -> list[replay.Selection]:
-    if not picks:
-        return [sel]
-    return [replay.Selection(partition=p, from_offset=o, to_offset=o)
-            for p, o in sorted(set(picks))]
-
-
 def run_replays(console: Console, job: Job, *, dry_run: bool, reason: str | None) -> dict[str, Any]:
+    """One replay of the job's records: its filter, or the records picked by hand; a
+    confirmed run (``positions`` in its params: what its dry run would send) acts on
+    those records only, never on more than the operator saw."""
     p = job.params
-    topic = p["topic"]
-    sels = selections(selection(p["filters"]), [tuple(x) for x in p["picks"]])
-    summaries: list[replay.ReplaySummary] = []
+    sel = selection(p["filters"])
+    chosen = p["positions"] if p.get("positions") is not None else p["picks"]
+    if chosen:  # the filter's fields stay (the audit row says them), its range is theirs
+        kept = {k: v for k, v in dataclasses.asdict(sel).items()
+                if v is not None and k not in ("partition", "from_offset", "to_offset")}
+        sel = replay.Selection.at((tuple(x) for x in chosen), **kept)
     would: list[dict[str, Any]] = []
+    positions: list[list[int]] = []
 
     def on_action(rec: replay.DlqRecord, target: str, action: str) -> None:
+        positions.append([rec.partition, rec.offset])
         if len(would) < 200:
             would.append({"partition": rec.partition, "offset": rec.offset,
                           "key": rec.idempotency_key, "kind": rec.kind, "target": target,
                           "action": action})
 
-    for i, sel in enumerate(sels):
-        def progress(done: int, total: int, sent: int, i: int = i) -> None:
-            if len(sels) == 1:
-                job.report(done, total, sent)
-            else:
-                job.report(i, len(sels), sum(s.sent + s.would_send for s in summaries))
-        summary = replay.replay(
-            console.settings, console.store, topic, sel, dry_run=dry_run,
-            actor=job.actor, reason=reason, include_permanent=p["include_permanent"],
-            app=console.app, trust_unsigned=console.options.trust_unsigned,
-            on_action=on_action if dry_run else None, on_progress=progress)
-        summaries.append(summary)
-    if len(sels) > 1:
-        job.report(len(sels), len(sels), sum(s.sent + s.would_send for s in summaries))
-    return {"summaries": [s.to_json() for s in summaries], "totals": totals(summaries),
-            "would_send": would}
+    summary = replay.replay(
+        console.settings, console.store, p["topic"], sel, dry_run=dry_run,
+        actor=job.actor, reason=reason, include_permanent=p["include_permanent"],
+        app=console.app, trust_unsigned=console.options.trust_unsigned,
+        on_action=on_action if dry_run else None, on_progress=job.report)
+    return {"summaries": [summary.to_json()], "totals": totals([summary]),
+            "would_send": would, "positions": positions}
 
 
 def redrive_dry_run(console: Console, request: Request) -> Response:
@@ -73,6 +65,8 @@ def redrive_dry_run(console: Console, request: Request) -> Response:
     topic = console.dlq_topic(data)
     sel = selection(data)
     picks = picks_of(data)
+    if data.get("by") == "picks" and not picks:
+        raise BadInput("tick at least one record")
     fields = selection_fields(sel)
     params = {"topic": topic, "filters": fields, "picks": picks,
               "include_permanent": data.get("include_permanent") == "on"}
@@ -94,15 +88,22 @@ def redrive_run(console: Console, request: Request) -> Response:
         raise BadInput("reason: say why (it is kept in the audit trail)")
     with console.conn() as conn:
         last = console.store.audit_last_id(conn)
+    assert dry.result is not None
+    if not dry.result["positions"]:
+        raise BadInput("its dry run would send nothing")
     job = console.jobs.start(
-        "redrive", dry.title.replace("Dry run: r", "R", 1), dict(dry.params),
-        console.actor(request),
+        "redrive", dry.title.replace("Dry run: r", "R", 1),
+        {**dry.params, "positions": dry.result["positions"]}, console.actor(request),
         lambda job: run_replays(console, job, dry_run=False, reason=reason), audit_after=last)
     return RedirectResponse(f"/jobs/{job.id}", status_code=303)
 
 
 def run_bulk(console: Console, job: Job, *, dry_run: bool, reason: str | None) -> dict[str, Any]:
+    """The bulk re-run of the job's filter; a confirmed run re-runs only the keys its
+    dry run selected (``keys`` in its params)."""
     flt = own_filter(console, job.params["filters"])
+    if job.params.get("keys") is not None:
+        flt = dataclasses.replace(flt, keys=frozenset(tuple(k) for k in job.params["keys"]))
     with console.conn() as conn:
         summary = bulk_rerun(console.settings, conn, console.store, flt, dlq_topic=None,
                              actor=job.actor, reason=reason, dry_run=dry_run,
@@ -110,6 +111,7 @@ def run_bulk(console: Console, job: Job, *, dry_run: bool, reason: str | None) -
                              on_progress=job.report, app=console.app, via=job.via)
     out = summary.to_json()
     out["selected"] = summary.selected
+    out["keys"] = [list(k) for k in summary.keys]
     return out
 
 
@@ -118,8 +120,9 @@ def own_filter(console: Console, params: Any) -> Filter:
     app's keys only, as a replay with --app does)."""
     given = {k: str(v) for k, v in params.items()}
     if given.get("namespace", console.app.namespace) not in ("", console.app.namespace):
-        raise BadInput(f"namespace: {given['namespace']!r} is not app {console.app.name!r}'s "
-                       f"({console.app.namespace!r}); re-run it from its own app's console")
+        raise BadInput(f"namespace: {given['namespace']!r} is another app's (this console's "
+                       f"app {console.app.name!r} has namespace {console.app.namespace!r}); "
+                       "re-run it from that app's console")
     filter_of(given)  # the operator's own filters: at least one (never every failed key)
     return filter_of({**given, "namespace": console.app.namespace})
 
@@ -145,8 +148,9 @@ def rerun_run(console: Console, request: Request) -> Response:
         raise BadInput("reason: say why (it is kept in the audit trail)")
     with console.conn() as conn:
         last = console.store.audit_last_id(conn)
+    assert dry.result is not None
     job = console.jobs.start("rerun", dry.title.replace("Dry run: r", "R", 1),
-                             dict(dry.params), console.actor(request),
+                             {**dry.params, "keys": dry.result["keys"]}, console.actor(request),
                              lambda job: run_bulk(console, job, dry_run=False, reason=reason),
                              audit_after=last)
     return RedirectResponse(f"/jobs/{job.id}", status_code=303)
@@ -204,18 +208,18 @@ def login(console: Console, request: Request) -> Response:
         return console.render(request, "login.html", 401, title="Log in", error=why,
                               next=target)
     response = RedirectResponse(target, status_code=303)
-    response.set_cookie(security.SESSION_COOKIE, console.guard.session_cookie(operator),
+    response.set_cookie(console.guard.session_name, console.guard.session_cookie(operator),
                         max_age=security.SESSION_SECONDS, httponly=True, samesite="strict",
                         path="/")
     return response
 
 
 def logout(console: Console, request: Request) -> Response:
-    cookie = request.cookies.get(security.SESSION_COOKIE)
+    cookie = request.cookies.get(console.guard.session_name)
     if cookie:
         console.guard.revoked.add(cookie)  # the cookie is refused from now on, kept or not
     response = RedirectResponse("/login" if console.guard.token else "/", status_code=303)
-    response.delete_cookie(security.SESSION_COOKIE, path="/")
+    response.delete_cookie(console.guard.session_name, path="/")
     return response
 
 

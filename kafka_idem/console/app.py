@@ -127,5 +127,6 @@ def create_app(app: App, settings: Settings, options: Options) -> Starlette:
     """The console of ``app`` (its handlers name the DLQ topics it shows) as an ASGI
     application: serve it with any ASGI server, or mount it in another application."""
     token = settings.console_token.get_secret_value() if settings.console_token else None
-    guard = security.Guard(token=token, read_only=options.read_only, actor=options.actor)
+    guard = security.Guard(token=token, read_only=options.read_only, actor=options.actor,
+                           port=options.port)
     return build(Console(app, settings, options, guard))

@@ -301,18 +301,17 @@ class DlqIndex:
             return None if idx is None else idx.sizes.get((partition, offset))
 
     def recent_by_kind(self, seconds: float) -> dict[str, dict[str, int]]:
-        """Per topic, the records of the last ``seconds`` by kind (by record time)."""
+        """Per topic, the records whose last failure is in the last ``seconds``, by kind
+        (what ``/dlq?kind=K&since=T`` lists: the time is ``idem.last_failure_at``)."""
         since = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=seconds)
         out: dict[str, dict[str, int]] = {}
         with self.lock:
             for topic, idx in self.topics.items():
-                idx.sorted()
                 counts: dict[str, int] = {}
-                for rec in reversed(idx.letters):
-                    at = rec.timestamp or rec.last_failure_at
-                    if at is not None and at < since:
-                        break
-                    kind = rec.kind or "no idem headers"
-                    counts[kind] = counts.get(kind, 0) + 1
+                for rec in idx.letters:
+                    at = rec.last_failure_at
+                    if at is not None and at >= since:
+                        kind = rec.kind or "no idem headers"
+                        counts[kind] = counts.get(kind, 0) + 1
                 out[topic] = counts
         return out

@@ -46,6 +46,8 @@ def records(console: Console, request: Request) -> Response:
     key, prefix = exact(q, "key"), exact(q, "prefix")
     namespace, handler, status = opt(q, "namespace"), opt(q, "handler"), status_param(q)
     kind = opt(q, "error_kind")
+    if kind is not None and kind not in ("exhausted", "permanent"):
+        raise BadInput("error_kind must be exhausted or permanent")
     since, until = time_param(q, "since"), time_param(q, "until")
     statuses = [status] if status else list(admin.STATUSES)
     rows: list[dict[str, Any]]

@@ -17,7 +17,10 @@
   the login and the logout. A logout revokes its session.
 * **Headers.** A Content-Security-Policy that allows the console's own script and
   style files only (no inline script, no other origin), ``X-Frame-Options: DENY``,
-  ``nosniff``, no referrer, and ``Cache-Control: no-store`` on every page with data;
+  ``nosniff``, a referrer for its own pages only (``same-origin``: a browser then sends
+  the console's own ``Origin`` with a form, where ``no-referrer`` makes it ``null``,
+  which is refused as another site's), and ``Cache-Control: no-store`` on every page
+  with data;
   ``Server-Timing: app;dur=MS`` gives the server time of each response.
 """
 
@@ -38,7 +41,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.types import ASGIApp
 
-SESSION_COOKIE = "kafka_idem_session"
+SESSION_COOKIE = "kafka_idem_session"  # + "_<port>": consoles on one host keep their own
 CSRF_COOKIE = "kafka_idem_csrf"
 CSRF_FIELD = "csrf"
 SESSION_SECONDS = 12 * 3600
@@ -80,6 +83,15 @@ class Guard:
     actor: str  # who acts when no one logged in (loopback without a token)
     key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     revoked: set[str] = field(default_factory=set)  # sessions logged out (until a restart)
+    port: int = 8088
+
+    @property
+    def session_name(self) -> str:
+        return cookie_names(self.port)[0]
+
+    @property
+    def csrf_name(self) -> str:
+        return cookie_names(self.port)[1]
 
     # --- sessions ------------------------------------------------------------------
     def check_token(self, given: str) -> bool:
@@ -117,6 +129,12 @@ class Guard:
             self.csrf_token(cookie or ""), given or "")
 
 
+def cookie_names(port: int) -> tuple[str, str]:
+    """The session and CSRF cookies of the console on ``port`` (a browser sends a host's
+    cookies to every port of it: two consoles must not read each other's)."""
+    return f"{SESSION_COOKIE}_{port}", f"{CSRF_COOKIE}_{port}"
+
+
 def clean_operator(name: str) -> str:
     """An operator name fit for the audit trail: printable, at most 64 characters."""
     text = "".join(ch for ch in name if ch.isprintable()).strip()
@@ -139,11 +157,11 @@ class GuardMiddleware(BaseHTTPMiddleware):
         response.headers["Content-Security-Policy"] = CSP
         response.headers["X-Frame-Options"] = "DENY"
         response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["Referrer-Policy"] = "no-referrer"
+        response.headers["Referrer-Policy"] = "same-origin"
         if not request.url.path.startswith("/static/"):
             response.headers["Cache-Control"] = "no-store"
-        if not request.cookies.get(CSRF_COOKIE):
-            response.set_cookie(CSRF_COOKIE, request.state.csrf_cookie, httponly=True,
+        if not request.cookies.get(self.guard.csrf_name):
+            response.set_cookie(self.guard.csrf_name, request.state.csrf_cookie, httponly=True,
                                 samesite="strict", path="/")
         return response
 
@@ -151,7 +169,8 @@ class GuardMiddleware(BaseHTTPMiddleware):
                        call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         guard = self.guard
         path = request.url.path
-        request.state.csrf_cookie = request.cookies.get(CSRF_COOKIE) or secrets.token_hex(16)
+        request.state.csrf_cookie = (request.cookies.get(self.guard.csrf_name)
+                                     or secrets.token_hex(16))
         request.state.csrf = guard.csrf_token(request.state.csrf_cookie)
         request.state.operator = guard.actor
         if guard.token is None:
@@ -160,7 +179,7 @@ class GuardMiddleware(BaseHTTPMiddleware):
                                          "only (it has no token)", status_code=403)
         elif path.startswith(OPEN_PATHS):
             request.state.operator = guard.session_operator(
-                request.cookies.get(SESSION_COOKIE))  # None: nobody logged in yet
+                request.cookies.get(guard.session_name))  # None: nobody logged in yet
         else:
             operator, by_bearer = self._authenticated(request)
             if operator is None:
@@ -176,8 +195,8 @@ class GuardMiddleware(BaseHTTPMiddleware):
             if request.method != "POST":
                 return PlainTextResponse("method not allowed", status_code=405)
             origin = request.headers.get("origin")
-            if origin and origin != "null" and urlsplit(origin).netloc != request.headers.get(
-                    "host"):
+            if origin and (origin == "null" or urlsplit(origin).netloc != request.headers.get(
+                    "host")):
                 return PlainTextResponse("refused: a request from another site",
                                          status_code=403)
             if guard.read_only and path not in ("/login", "/logout"):
@@ -186,8 +205,9 @@ class GuardMiddleware(BaseHTTPMiddleware):
             request.state.form = form  # the endpoint's (it cannot read the body again)
             given = form.get(CSRF_FIELD)
             # A script's bearer token is no cookie a browser sends by itself: no CSRF.
+            token = given if isinstance(given, str) else None
             if not getattr(request.state, "bearer", False) and not guard.csrf_ok(
-                    request.cookies.get(CSRF_COOKIE), given if isinstance(given, str) else None):
+                    request.cookies.get(guard.csrf_name), token):
                 return PlainTextResponse("refused: missing or wrong CSRF token (reload the "
                                          "page and submit again)", status_code=403)
         return await call_next(request)
@@ -197,7 +217,8 @@ class GuardMiddleware(BaseHTTPMiddleware):
         header = request.headers.get("authorization", "")
         if header.lower().startswith("bearer ") and self.guard.check_token(header[7:].strip()):
             return self.guard.actor, True
-        return self.guard.session_operator(request.cookies.get(SESSION_COOKIE)), False
+        cookie = request.cookies.get(self.guard.session_name)
+        return self.guard.session_operator(cookie), False
 
 
 def _local(request: Request) -> str:

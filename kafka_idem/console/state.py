@@ -4,6 +4,7 @@ index, the overview's sampler, the jobs, the templates)."""
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -85,6 +86,10 @@ class Console:
         self.templates.filters["masked"] = lambda v: redact(plain(v), secrets)
         self.templates.filters["shown_lines"] = lambda v: "\n".join(
             plain(line) for line in str(v).split("\n"))
+        self.templates.filters["masked_lines"] = lambda v: "\n".join(
+            redact(plain(line), secrets) for line in str(v).split("\n"))
+        self.templates.filters["iso"] = lambda t: dt.datetime.fromtimestamp(
+            t, dt.UTC).isoformat(timespec="seconds")
         self.templates.filters["when"] = when
         self.templates.filters["cursor"] = encode_cursor
         self.templates.filters["pick"] = lambda r: encode_cursor(

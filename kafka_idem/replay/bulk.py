@@ -51,13 +51,16 @@ class Filter:
     key_prefix: str | None = None
     limit: int | None = None
     namespace: str | None = None  # None: every namespace
+    # only these (namespace, key): what a dry run selected (the console's confirmation)
+    keys: frozenset[tuple[str, str]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: (v.isoformat() if isinstance(v, dt.datetime) else v)
                 for k, v in (("namespace", self.namespace),
                              ("kind", self.kind), ("handler", self.handler),
                              ("since", self.since), ("until", self.until),
-                             ("key_prefix", self.key_prefix), ("limit", self.limit))
+                             ("key_prefix", self.key_prefix), ("limit", self.limit),
+                             ("keys", None if self.keys is None else len(self.keys)))
                 if v is not None}
 
 
@@ -70,6 +73,7 @@ class BulkSummary:
     rerun: int = 0
     not_failed: int = 0  # left failed between selection and re-run (someone else re-ran it)
     no_dead_letter: list[str] = field(default_factory=list)
+    keys: list[tuple[str, str]] = field(default_factory=list)  # (namespace, key) selected
     truncated: list[str] = field(default_factory=list)
     dlq_topics: dict[str, int] = field(default_factory=dict)  # letters found per topic
     targets: dict[str, int] = field(default_factory=dict)
@@ -92,6 +96,8 @@ def select_failed(conn: Conn, store: Store, flt: Filter) -> list[dict[str, Any]]
         conn, namespace=flt.namespace, kind=flt.kind, handler=flt.handler, since=flt.since,
         until=flt.until, key_prefix=flt.key_prefix, limit=flt.limit)
     conn.rollback()
+    if flt.keys is not None:
+        rows = [r for r in rows if (r["namespace"], r["idempotency_key"]) in flt.keys]
     return rows
 
 
@@ -158,6 +164,7 @@ def bulk_rerun(
     summary = BulkSummary(dry_run)
     rows = select_failed(conn, store, flt)
     summary.selected = len(rows)
+    summary.keys = [(r["namespace"], r["idempotency_key"]) for r in rows]
     topics: dict[str, set[RecordId]] = {}
     source: dict[RecordId, str] = {}
     for row in rows:

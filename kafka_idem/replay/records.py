@@ -11,6 +11,7 @@ import base64
 import dataclasses
 import datetime as dt
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -199,7 +200,8 @@ class Selection:
 
     ``since`` is inclusive and ``until`` exclusive, both on ``idem.last_failure_at``;
     ``from_offset`` and ``to_offset`` are inclusive DLQ offsets (of every partition
-    read, or of ``partition`` when it is set).
+    read, or of ``partition`` when it is set); ``positions``, when set, are the only
+    (partition, offset) pairs that match (records chosen one by one: the console's).
     """
 
     key: str | None = None
@@ -212,8 +214,12 @@ class Selection:
     partition: int | None = None
     from_offset: int | None = None
     to_offset: int | None = None
+    positions: frozenset[tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
+        if self.positions is not None:
+            object.__setattr__(self, "positions", frozenset(
+                (int(p), int(o)) for p, o in self.positions))
         if self.kind is not None and self.kind not in ERROR_KINDS:
             raise ConfigError(f"kind must be one of {', '.join(ERROR_KINDS)}", setting="kind")
         for name in ("since", "until"):
@@ -248,14 +254,30 @@ class Selection:
             return False
         if self.from_offset is not None and rec.offset < self.from_offset:
             return False
+        if self.positions is not None and (rec.partition, rec.offset) not in self.positions:
+            return False
         return self.to_offset is None or rec.offset <= self.to_offset
+
+    @classmethod
+    def at(cls, positions: Iterable[tuple[int, int]], **filters: Any) -> Selection:
+        """The records at ``positions`` (that ``filters`` match too), read from the
+        first of them to the last only."""
+        chosen = frozenset(positions)
+        if not chosen:
+            raise ConfigError("no record chosen", setting="positions")
+        parts = {p for p, _ in chosen}
+        return cls(**filters, positions=chosen,
+                   partition=parts.pop() if len(parts) == 1 else None,
+                   from_offset=min(o for _, o in chosen), to_offset=max(o for _, o in chosen))
 
     def to_json(self) -> dict[str, Any]:
         """The set fields, JSON-able (for the audit trail and the replay group's name)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is not None:
+            if isinstance(value, frozenset):
+                out[f.name] = [list(x) for x in sorted(value)]
+            elif value is not None:
                 out[f.name] = value.isoformat() if isinstance(value, dt.datetime) else value
         return out
 

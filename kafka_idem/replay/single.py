@@ -60,8 +60,9 @@ def rerun_key(settings: Settings, conn: Conn, store: Store, key: str, *, actor: 
     if not reason.strip():
         raise admin.Refused("a reason is required for a re-run: give --reason TEXT", key=key)
     if app is not None and namespace not in (None, app.namespace):
-        raise admin.Refused(f"the key is of namespace {namespace!r}, not app {app.name!r}'s "
-                            f"({app.namespace!r}): re-run it from its own app", key=key)
+        raise admin.Refused(f"the key is of namespace {namespace!r}, another app's (app "
+                            f"{app.name!r} has namespace {app.namespace!r}): re-run it "
+                            "from that app", key=key)
     scoped = admin.resolve(conn, store, key, app.namespace if app is not None else namespace)
     rec = scoped.get(conn, key)
     stranded = (admin.stranded_by(conn, scoped, key)

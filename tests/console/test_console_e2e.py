@@ -561,13 +561,13 @@ def test_a_console_with_a_token_logs_in_and_audits_the_operator(
     go(page, "#login")
     assert wait_text(page, "#login-error", "wrong token").text == "wrong token"
     assert response_status(page) == 401
-    assert page.get_cookie("kafka_idem_session") is None
+    assert page.get_cookie(f"kafka_idem_session_{console.port}") is None
 
     log_in(page, "bob")
     wait_for(page, "#records")
     assert page.current_url == console.url + "/records?status=failed"
     assert who(page) == ("bob", True)
-    session = page.get_cookie("kafka_idem_session")
+    session = page.get_cookie(f"kafka_idem_session_{console.port}")
     assert session is not None and session["httpOnly"] and session["sameSite"] == "Strict"
 
     go(page, row_of(page, "#records", k).find_element(By.CSS_SELECTOR, "td.key a"))

@@ -82,7 +82,7 @@ def csrf_of(client: TestClient) -> str:
 
     [guard] = [m.kwargs["guard"] for m in client.app.user_middleware  # type: ignore[attr-defined]
                if m.cls is security.GuardMiddleware]
-    return str(guard.csrf_token(client.cookies[security.CSRF_COOKIE]))
+    return str(guard.csrf_token(client.cookies[guard.csrf_name]))
 
 
 def post(client: TestClient, url: str, data: dict[str, Any] | list[tuple[str, str]], *,

@@ -10,10 +10,12 @@ so the filters of one never select another's.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
+import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient
 
@@ -235,3 +237,50 @@ def test_the_confirmation_needs_a_reason_and_a_dry_run_that_exists(
 
 def jobs_now(client: Any) -> int:
     return get(client, "/jobs").html.count('href="/jobs/')
+
+
+def test_letters_of_one_key_picked_together_rerun_the_key_once(w: World, client: Any) -> None:
+    before = len(read_all(w.dlq))
+    w.produce(refunds=[(b"f0", order("t2", "f0", "check")), (b"f0", order("t2", "f0", "check"))])
+    w.run(dead_letters=before + 2)
+    letters = [m for m in read_all(w.dlq) if m.key() == b"f0"]
+    assert len(letters) == 2  # failed, then dead-lettered again
+    w.fix("f0")
+    dry = job_of(post(client, "/redrive/dry-run", [
+        ("topic", w.dlq), ("include_permanent", "on"), ("by", "picks"),
+        *(("pick", f"{m.partition()}:{m.offset()}") for m in letters)]))
+    assert finished(client, dry).text("job-sent") == "1"  # one replay: the key's latest
+    run = job_of(post(client, "/redrive/run", {"dry_run": dry, "reason": "twice"}))
+    assert finished(client, run).text("job-sent") == "1"
+    assert len(reruns_of(w, [refund_key("f0")])) == 1
+    succeeded_once(w, [refund_key("f0")])
+
+
+def test_a_confirmation_acts_on_what_its_dry_run_showed_only(w: World, client: Any) -> None:
+    since = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+    before = len(read_all(w.dlq))
+    w.produce(refunds=[(b"g0", order("t2", "g0", "check"))])
+    w.run(dead_letters=before + 1)
+    w.fix("g0", "g1")
+    dry = job_of(post(client, "/redrive/dry-run", {
+        "topic": w.dlq, "handler": "refund", "kind": "permanent", "include_permanent": "on",
+        "since": since.isoformat()}))
+    assert finished(client, dry).text("job-sent") == "1"
+    # another key fails after the dry run, inside the same filter: not in this run
+    with psycopg.connect(w.db.dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM consoled.fixed WHERE order_id = 'g1'")
+    w.produce(refunds=[(b"g1", order("t2", "g1", "check"))])
+    w.run(dead_letters=before + 2)
+    run = job_of(post(client, "/redrive/run", {"dry_run": dry, "reason": "only g0"}))
+    assert finished(client, run).text("job-sent") == "1"
+    assert [r["idempotency_key"] for r in reruns_of(w, [refund_key("g0"), refund_key("g1")])] \
+        == [refund_key("g0")]
+    assert status_of(w.db, refund_key("g1")) == "failed"
+    succeeded_once(w, [refund_key("g0")])
+
+
+def test_an_empty_pick_is_refused_not_widened_to_every_record(w: World, client: Any) -> None:
+    jobs = jobs_now(client)
+    r = post(client, "/redrive/dry-run", {"topic": w.dlq, "by": "picks"})
+    assert r.status_code == 400 and "tick at least one record" in r.text
+    assert jobs_now(client) == jobs

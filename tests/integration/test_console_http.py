@@ -163,6 +163,9 @@ def test_a_post_without_the_right_csrf_token_or_from_another_site_is_refused(w: 
         r = client.post("/rerun/keys", data={**form, "csrf": mine},
                         headers={"origin": "http://evil.example"})
         assert (r.status_code, "another site" in r.text) == (403, True)
+        # an opaque origin (a sandboxed or privacy-stripped page): not this site either
+        r = client.post("/rerun/keys", data={**form, "csrf": mine}, headers={"origin": "null"})
+        assert (r.status_code, "another site" in r.text) == (403, True)
         assert state(w.db) == before
         assert status_of(w.db, key) == "failed"
 
@@ -290,6 +293,9 @@ def login(client: Any, operator: str, token: str, next_: str = "/") -> Any:
                                        "next": form.inputs("next")[0], "csrf": form.csrf})
 
 
+SESSION = security.cookie_names(8088)[0]  # the console's port: Options' default
+
+
 def test_the_login_form_sets_a_session_whose_writes_are_audited_with_the_name_typed(
         w: World) -> None:
     key = order_key("login")
@@ -298,16 +304,16 @@ def test_the_login_form_sets_a_session_whose_writes_are_audited_with_the_name_ty
         r = login(client, "Ada", "wrong-token-0123456789")
         assert r.status_code == 401
         assert Page(r.text).text("login-error") == "wrong token"
-        assert security.SESSION_COOKIE not in client.cookies
+        assert SESSION not in client.cookies
         assert client.get("/records").status_code == 401
         r = login(client, "  ", TOKEN)  # no name: nothing to put in the audit trail
         assert r.status_code == 401
-        assert security.SESSION_COOKIE not in client.cookies
+        assert SESSION not in client.cookies
 
         r = login(client, "Ada <b>Lovelace</b>", TOKEN, "/records?status=failed")
         assert (r.status_code, r.headers["location"]) == (303, "/records?status=failed")
         set_cookie = r.headers["set-cookie"]
-        assert security.SESSION_COOKIE in set_cookie
+        assert SESSION in set_cookie
         assert "httponly" in set_cookie.lower() and "samesite=strict" in set_cookie.lower()
         page = get(client, "/records?status=failed")
         assert "Ada &lt;b&gt;Lovelace&lt;/b&gt;" in page.html  # who is logged in, escaped
@@ -322,12 +328,12 @@ def test_the_login_form_sets_a_session_whose_writes_are_audited_with_the_name_ty
         # logging out forgets the session
         r = post(client, "/logout", {})
         assert (r.status_code, r.headers["location"]) == (303, "/login")
-        assert security.SESSION_COOKIE not in client.cookies
+        assert SESSION not in client.cookies
         assert client.get("/records").status_code == 401
 
         # a session cookie whose signature does not hold is no session
         assert login(client, "Ada", TOKEN).status_code == 303
-        [cookie] = [c for c in client.cookies.jar if c.name == security.SESSION_COOKIE]
+        [cookie] = [c for c in client.cookies.jar if c.name == SESSION]
         assert client.get("/records").status_code == 200
         client.cookies.set(cookie.name, cookie.value[:-4] + "0000", domain=cookie.domain)
         assert client.get("/records").status_code == 401

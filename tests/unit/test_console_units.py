@@ -81,15 +81,20 @@ def test_records_added_after_a_sort_keep_the_order() -> None:
     assert idx.by_key()[""] == list(range(5))
 
 
-def test_recent_by_kind_counts_by_record_time() -> None:
+def test_recent_by_kind_counts_by_last_failure_as_the_since_filter_does() -> None:
     now = dt.datetime.now(dt.UTC)
-    old = DlqRecord(dlq_topic="t.dlq", partition=0, offset=0, timestamp=now - dt.timedelta(
-        hours=2), key=None, value=None, headers=(), kind="permanent")
+    old = DlqRecord(dlq_topic="t.dlq", partition=0, offset=0, timestamp=now, key=None,
+                    value=None, headers=(), kind="permanent",
+                    last_failure_at=now - dt.timedelta(hours=2))  # written late: by failure
     new = DlqRecord(dlq_topic="t.dlq", partition=0, offset=1, timestamp=now, key=None,
-                    value=None, headers=(), kind="exhausted")
-    index = index_of([old, new])
+                    value=None, headers=(), kind="exhausted", last_failure_at=now)
+    bare = DlqRecord(dlq_topic="t.dlq", partition=0, offset=2, timestamp=now, key=None,
+                     value=None, headers=())  # no idem headers: no failure time
+    index = index_of([old, new, bare])
     assert index.recent_by_kind(3600) == {"t.dlq": {"exhausted": 1}}
     assert index.recent_by_kind(86400) == {"t.dlq": {"exhausted": 1, "permanent": 1}}
+    hour = now - dt.timedelta(hours=1)
+    assert [r.offset for r in index.page("t.dlq", Selection(since=hour)).rows] == [1]
 
 
 def test_a_session_cookie_names_its_operator_until_it_expires_or_is_changed() -> None:
