@@ -6,6 +6,7 @@ re-drives and re-runs, as jobs, and the login. Each is one of the CLI's operatio
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -78,24 +79,37 @@ def redrive_dry_run(console: Console, request: Request) -> Response:
     return RedirectResponse(f"/jobs/{job.id}", status_code=303)
 
 
-def redrive_run(console: Console, request: Request) -> Response:
+def _confirm(console: Console, request: Request, dry_kind: str, kind: str,
+             pin: Callable[[dict[str, Any]], dict[str, Any]],
+             run: Callable[..., dict[str, Any]]) -> Response:
+    """Start the job a confirmation asks for: its dry run (a finished ``dry_kind`` job)
+    and a reason are required; ``pin(dry run's result)`` gives the params that hold
+    the run to what the dry run showed; ``run(console, job, dry_run=, reason=)``."""
     data = form(request)
     dry = console.jobs.get(str(data.get("dry_run") or ""))
-    if dry is None or dry.kind != "redrive-dry-run" or dry.state != "done":
+    if dry is None or dry.kind != dry_kind or dry.state != "done" or dry.result is None:
         raise BadInput("run the dry run first (its job is gone or did not finish)")
     reason = str(data.get("reason") or "").strip()
     if not reason:
         raise BadInput("reason: say why (it is kept in the audit trail)")
+    params = {**dry.params, **pin(dry.result)}
     with console.conn() as conn:
         last = console.store.audit_last_id(conn)
-    assert dry.result is not None
-    if not dry.result["positions"]:
-        raise BadInput("its dry run would send nothing")
     job = console.jobs.start(
-        "redrive", dry.title.replace("Dry run: r", "R", 1),
-        {**dry.params, "positions": dry.result["positions"]}, console.actor(request),
-        lambda job: run_replays(console, job, dry_run=False, reason=reason), audit_after=last)
+        kind, dry.title.replace("Dry run: r", "R", 1), params, console.actor(request),
+        lambda job: run(console, job, dry_run=False, reason=reason), audit_after=last)
     return RedirectResponse(f"/jobs/{job.id}", status_code=303)
+
+
+def _pin_positions(result: dict[str, Any]) -> dict[str, Any]:
+    if not result["positions"]:
+        raise BadInput("its dry run would send nothing")
+    return {"positions": result["positions"]}
+
+
+def redrive_run(console: Console, request: Request) -> Response:
+    return _confirm(console, request, "redrive-dry-run", "redrive", _pin_positions,
+                    run_replays)
 
 
 def run_bulk(console: Console, job: Job, *, dry_run: bool, reason: str | None) -> dict[str, Any]:
@@ -139,21 +153,8 @@ def rerun_dry_run(console: Console, request: Request) -> Response:
 
 
 def rerun_run(console: Console, request: Request) -> Response:
-    data = form(request)
-    dry = console.jobs.get(str(data.get("dry_run") or ""))
-    if dry is None or dry.kind != "rerun-dry-run" or dry.state != "done":
-        raise BadInput("run the dry run first (its job is gone or did not finish)")
-    reason = str(data.get("reason") or "").strip()
-    if not reason:
-        raise BadInput("reason: say why (it is kept in the audit trail)")
-    with console.conn() as conn:
-        last = console.store.audit_last_id(conn)
-    assert dry.result is not None
-    job = console.jobs.start("rerun", dry.title.replace("Dry run: r", "R", 1),
-                             {**dry.params, "keys": dry.result["keys"]}, console.actor(request),
-                             lambda job: run_bulk(console, job, dry_run=False, reason=reason),
-                             audit_after=last)
-    return RedirectResponse(f"/jobs/{job.id}", status_code=303)
+    return _confirm(console, request, "rerun-dry-run", "rerun",
+                    lambda result: {"keys": result["keys"]}, run_bulk)
 
 
 def rerun_keys(console: Console, request: Request) -> Response:

@@ -113,19 +113,11 @@ class AdminQueries:
         about ``limit`` index entries per status whatever the table's size (more when
         ``namespace`` or ``handler`` are rare: they filter the rows read)."""
         branches = []
-        params: dict[str, Any] = {"ns": namespace, "handler": handler, "since": since,
-                                  "until": until, "limit": limit, "kind": error_kind}
-        where: list[sql.Composable] = []
-        if error_kind is not None:
-            where.append(sql.SQL("error_kind = %(kind)s"))
+        params: dict[str, Any] = {"ns": namespace, "limit": limit}
+        where = _filters(params, handler=handler, error_kind=error_kind, since=since,
+                         until=until)
         if namespace is not None:
             where.append(sql.SQL("namespace = %(ns)s"))
-        if handler is not None:
-            where.append(sql.SQL("handler = %(handler)s"))
-        if since is not None:
-            where.append(sql.SQL("updated_at >= %(since)s"))
-        if until is not None:
-            where.append(sql.SQL("updated_at < %(until)s"))
         if after is not None:
             params.update(a_at=after[0], a_ns=after[1], a_key=after[2])
             where.append(sql.SQL("updated_at <= %(a_at)s AND (updated_at, namespace, "
@@ -154,9 +146,7 @@ class AdminQueries:
         the keys sort by code point (the column's collation is C), so the prefix is a
         range of the primary key; else every key of the namespaces is tested."""
         params: dict[str, Any] = {"nss": list(namespaces), "p": prefix,
-                                  "statuses": list(statuses), "handler": handler,
-                                  "since": since, "until": until, "limit": limit,
-                                  "kind": error_kind}
+                                  "statuses": list(statuses), "limit": limit}
         where: list[sql.Composable] = [
             sql.SQL("namespace = n.ns"), sql.SQL("starts_with(idempotency_key, %(p)s)"),
             sql.SQL("status = ANY(%(statuses)s)")]
@@ -166,14 +156,8 @@ class AdminQueries:
             if upper is not None:
                 params["hi"] = upper
                 where.append(sql.SQL("idempotency_key < %(hi)s"))
-        if handler is not None:
-            where.append(sql.SQL("handler = %(handler)s"))
-        if error_kind is not None:
-            where.append(sql.SQL("error_kind = %(kind)s"))
-        if since is not None:
-            where.append(sql.SQL("updated_at >= %(since)s"))
-        if until is not None:
-            where.append(sql.SQL("updated_at < %(until)s"))
+        where += _filters(params, handler=handler, error_kind=error_kind, since=since,
+                          until=until)
         if after is not None:
             params.update(a_ns=after[0], a_key=after[1])
             where.append(sql.SQL("(namespace, idempotency_key) > (%(a_ns)s, %(a_key)s)"))
@@ -267,6 +251,22 @@ class AdminQueries:
         """Move them into this namespace (admin action 'adopt' set by the caller)."""
         return self._rows(conn, "adopt", {
             "ns": self.ns, "topics": [p[0] for p in pairs], "handlers": [p[1] for p in pairs]})
+
+
+def _filters(params: dict[str, Any], *, handler: str | None, error_kind: str | None,
+             since: dt.datetime | None, until: dt.datetime | None) -> list[sql.Composable]:
+    """The conditions of the records pages' optional filters (their values put in
+    ``params``): only those given, so each query's plan is made for them."""
+    given = {"handler": (handler, "handler = %(handler)s"),
+             "kind": (error_kind, "error_kind = %(kind)s"),
+             "since": (since, "updated_at >= %(since)s"),
+             "until": (until, "updated_at < %(until)s")}
+    where: list[sql.Composable] = []
+    for name, (value, condition) in given.items():
+        if value is not None:
+            params[name] = value
+            where.append(sql.SQL(condition))
+    return where
 
 
 def _next_prefix(prefix: str) -> str | None:
