@@ -13,6 +13,7 @@ import pytest
 from consumers import payments
 from consumers.payments import encode_charge
 from kafka_idem import Context
+from kafka_idem.consume.partitions import PartitionState
 from tests.conftest import DB, InProcess, Topics, caught_up, committed, produce, wait_for
 from tests.integration.support import charge_app
 
@@ -120,22 +121,26 @@ def test_a_single_local_worker_still_drains_everything_in_order(
 
 
 def test_a_partition_behind_a_slow_unit_is_paused_so_its_queue_stays_bounded(
-    db: DB, topics: Topics, group: str
+    db: DB, topics: Topics, group: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     topic = topics(partitions=1)
     with_trace(db)
     orders = [f"o{i}" for i in range(300)]
     produce(topic, [(o.encode(), encode_charge("t1", o, "1.00")) for o in orders])
-    app = charge_app(db, topic, group, traced, local_workers=1, batch_size=10)
+    # The queue's length after every message the loop queues: measured where it grows,
+    # not sampled from another thread (a sample can miss the peak).
     longest = 0
-    with InProcess(app) as r:
-        def drained() -> bool:
-            nonlocal longest
-            for st in list(r.runner.parts.values()):
-                longest = max(longest, len(st.queue))
-            return caught_up(group, topic)
+    add = PartitionState.add
 
-        wait_for(drained, timeout=120, interval=0.01, what="the topic to drain")
+    def measured(self: PartitionState, msg: Any, now: float) -> None:
+        nonlocal longest
+        add(self, msg, now)
+        longest = max(longest, len(self.queue))
+
+    monkeypatch.setattr(PartitionState, "add", measured)
+    app = charge_app(db, topic, group, traced, local_workers=1, batch_size=10)
+    with InProcess(app):
+        wait_for(lambda: caught_up(group, topic), timeout=120, what="the topic to drain")
     # Consuming went on while units ran, but never more than a consume() beyond two
     # batches: the partition was paused, not read into memory.
     assert 10 < longest <= 3 * 10
