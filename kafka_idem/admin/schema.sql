@@ -2,7 +2,7 @@
 -- It must equal applying every file of migrations/ in order; a test compares both.
 -- Placeholders are filled with quoted identifiers by kafka_idem.migrate:
 -- {schema}, {table}, {audit}, {guard}, {audit_guard}, {status_idx}, {retry_idx},
--- {pkey}, {audit_key_idx}, {fence}.
+-- {pkey}, {audit_key_idx}, {fence}, {pauses}.
 
 CREATE TABLE {table} (
     idempotency_key   text        NOT NULL,
@@ -217,3 +217,14 @@ BEGIN
     RETURN completed;
 END
 $fn$;
+
+-- Paused handlers (migration 0008): one row per (namespace, handler) while it is
+-- paused; pause and resume are audited (actions 'pause', 'resume').
+CREATE TABLE {pauses} (
+    namespace  text        NOT NULL,
+    handler    text        NOT NULL,
+    reason     text        NOT NULL,
+    actor      text        NOT NULL,
+    paused_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (namespace, handler)
+);

@@ -223,6 +223,27 @@ class AdminQueries:
     def audit_for_key(self, conn: Conn, key: str) -> Rows:
         return self._rows(conn, "audit_for_key", {"ns": self.ns, "key": key})
 
+    # --- paused handlers (migration 0008) --------------------------------------------
+
+    def pause_insert(self, conn: Conn, *, handler: str, reason: str, actor: str,
+                     channel: str) -> dict[str, Any] | None:
+        """Pause ``handler`` in this namespace, notifying ``channel`` at the commit;
+        ``None`` when it was paused already (nothing changed)."""
+        rows = self._rows(conn, "pause_insert", {"ns": self.ns, "handler": handler,
+                                                 "reason": reason, "actor": actor,
+                                                 "channel": channel})
+        return rows[0] if rows else None
+
+    def pause_delete(self, conn: Conn, *, handler: str, channel: str) -> dict[str, Any] | None:
+        """Resume ``handler``: its pause row, gone (``None``: it was not paused)."""
+        rows = self._rows(conn, "pause_delete", {"ns": self.ns, "handler": handler,
+                                                 "channel": channel})
+        return rows[0] if rows else None
+
+    def pauses_of(self, conn: Conn, namespace: str | None) -> Rows:
+        """The paused handlers of ``namespace`` (every namespace's with ``None``)."""
+        return self._rows(conn, "pauses_of", {"ns": namespace})
+
     # --- re-drive and bulk re-run --------------------------------------------------
 
     def redrive_states(self, conn: Conn, pairs: Sequence[tuple[str, str]]) -> Rows:

@@ -42,6 +42,7 @@ def identifiers(schema: str, table: str) -> dict[str, sql.Composable]:
         "outbox": sql.Identifier(schema, "outbox"),
         "outbox_slots": sql.Identifier(schema, "outbox_slots"),
         "outbox_shard_idx": sql.Identifier("outbox_shard_idx"),
+        "pauses": sql.Identifier(schema, "handler_pauses"),
     }
 
 

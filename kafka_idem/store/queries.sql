@@ -548,3 +548,30 @@ ORDER BY namespace;
 -- never taken to name this one's rows.
 SELECT format('%%s:%%s', d.oid, %(table)s::regclass::oid)
 FROM pg_database d WHERE d.datname = current_database();
+
+-- name: pause_insert
+-- Pause a handler (migration 0008); nothing when it is paused already (the row that
+-- stands is returned by pause_get). Notifies the members at the commit.
+WITH added AS (
+    INSERT INTO {pauses} (namespace, handler, reason, actor)
+    VALUES (%(ns)s, %(handler)s, %(reason)s, %(actor)s)
+    ON CONFLICT (namespace, handler) DO NOTHING
+    RETURNING namespace, handler, reason, actor, paused_at
+)
+SELECT a.*, pg_notify(%(channel)s, a.namespace) AS notified FROM added a;
+
+-- name: pause_delete
+-- Resume a handler: its row goes (the audit trail keeps the history). Notifies the
+-- members at the commit.
+WITH gone AS (
+    DELETE FROM {pauses} WHERE namespace = %(ns)s AND handler = %(handler)s
+    RETURNING namespace, handler, reason, actor, paused_at
+)
+SELECT g.*, pg_notify(%(channel)s, g.namespace) AS notified FROM gone g;
+
+-- name: pauses_of
+-- The paused handlers of a namespace (every namespace's with NULL), by namespace, name.
+SELECT namespace, handler, reason, actor, paused_at
+FROM {pauses}
+WHERE %(ns)s::text IS NULL OR namespace = %(ns)s
+ORDER BY namespace, handler;
