@@ -220,6 +220,9 @@ class Partitions:
         self._jitter = jitter
         self._make = make
         self.prepare = prepare  # decode ahead as messages are queued (None: never)
+        # the topics of paused handlers (kafka-idem pause): nothing of them runs, and
+        # flow control neither pauses nor resumes them (the pause holds them)
+        self.held: frozenset[str] = frozenset()
 
     def get(self, tp: TP) -> Committable | None:
         return self._states.get(tp)
@@ -243,7 +246,7 @@ class Partitions:
     def due(self, now: float) -> list[tuple[TP, PartitionState]]:
         """The prefix partitions that may run now."""
         return [(tp, st) for tp, st in self._states.items()
-                if isinstance(st, PartitionState) and st.due(now)]
+                if isinstance(st, PartitionState) and st.due(now) and tp[0] not in self.held]
 
     def wait_time(self, now: float, max_wait: float, linger: float = 0.0) -> float:
         """Until the next backoff ends or a partly filled batch has lingered ``linger``,
@@ -285,9 +288,12 @@ class Partitions:
     def pause_resume(self, now: float, batch_size: int) -> tuple[list[TP], list[TP]]:
         """Which partitions to pause and which to resume. Pause one that waits on a
         backoff, or whose queue holds two batches (memory stays bounded while its units
-        run); resume it when it is due and down to one batch."""
+        run); resume it when it is due and down to one batch. A held topic's partitions
+        are left as the handler's pause keeps them."""
         pause, resume = [], []
         for tp, st in self._states.items():
+            if tp[0] in self.held:
+                continue
             if st.pause_if(now, 2 * batch_size):
                 pause.append(tp)
             elif st.resume_if(now, batch_size):
@@ -298,3 +304,21 @@ class Partitions:
         """Drop revoked or lost partitions (a later assignment starts afresh)."""
         for tp in tps:
             self._states.pop(tp, None)
+
+
+class Assigned(Protocol):
+    """A partition as the rebalance callbacks give it (a ``TopicPartition``)."""
+
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def partition(self) -> int: ...
+
+
+def tps(partitions: Sequence[Assigned]) -> list[TP]:
+    return [(p.topic, p.partition) for p in partitions]
+
+
+def names(partitions: Sequence[Assigned]) -> str:
+    return ",".join(f"{p.topic}[{p.partition}]" for p in partitions)

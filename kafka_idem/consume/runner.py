@@ -17,7 +17,8 @@ Each round, in the order a message travels:
 4. Commit the committable offsets (:mod:`~kafka_idem.consume.offsets`).
 5. Pause partitions that wait on a backoff or whose queue is full (polling
    goes on, so ``max.poll.interval.ms`` is never exceeded and the member is not
-   evicted); resume them when they are due and drained.
+   evicted); resume them when they are due and drained. A paused handler's
+   partitions (``kafka-idem pause``) stay paused: :mod:`~kafka_idem.consume.pause_watch`.
 
 Handlers with ``concurrency > 1`` or ``async def`` ones keep their partitions key-ordered
 (:mod:`~kafka_idem.consume.concurrency.keyed_state`): step 3 starts single messages, many
@@ -52,7 +53,10 @@ from kafka_idem.consume.lag import LAG_EVERY_SECONDS, Lag, Sampler, sample_store
 from kafka_idem.consume.offsets import Offsets, say_where_they_start
 from kafka_idem.consume.outcome import Result
 from kafka_idem.consume.partitions import TP, Partitions
+from kafka_idem.consume.partitions import names as _names
+from kafka_idem.consume.partitions import tps as _tps
 from kafka_idem.consume.paths.lease_keeper import LeaseKeeper
+from kafka_idem.consume.pause_watch import HandlerHold
 from kafka_idem.consume.progress import Progress
 from kafka_idem.consume.send_letters import send_letters
 from kafka_idem.consume.shutdown import GRACE, Shutdown
@@ -112,6 +116,7 @@ class Runner:
         )
         self._shutdown: Shutdown | None = None  # install_signal_handlers (kafka-idem run)
         self.relay: RelayThread | None = None  # an app with event topics publishes its outbox
+        self.hold = HandlerHold(app, self.store, metrics=self.metrics, health=self.health)
         if s.outbox_relay and app.event_topics:
             self.relay = RelayThread(Relay(app, metrics=self.metrics, health=self.health))
 
@@ -149,6 +154,7 @@ class Runner:
         if self.leases is not None:
             self.leases.start()
         self.sampler.start()
+        self.hold.start()
         if self.relay is not None:
             self.relay.start()
         self.consumer.subscribe(self.app.topics, on_assign=self._on_assign,
@@ -192,8 +198,9 @@ class Runner:
         """One round of the loop: consume, harvest, dispatch, commit, pause (see above)."""
         assert self.consumer is not None
         if self.newly_assigned:
-            # A partition paused before a revoke can come back paused.
-            self.consumer.resume(self.newly_assigned)
+            # A partition paused before a revoke can come back paused (a paused
+            # handler's stays so).
+            self.consumer.resume(self.hold.unheld(self.newly_assigned))
             self.newly_assigned = []
         busy = self.units.busy
         msgs = self._fetch(busy)
@@ -313,7 +320,8 @@ class Runner:
 
     def _pause_resume(self) -> None:
         assert self.consumer is not None
-        pause, resume = self.parts.pause_resume(time.monotonic(), self.settings.batch_size)
+        flow = self.parts.pause_resume(time.monotonic(), self.settings.batch_size)
+        pause, resume = self.hold.pause_resume(flow, self.assigned, self.parts, self.units)
         if pause:
             self.consumer.pause(_positions(pause))
         if resume:
@@ -433,17 +441,10 @@ class Runner:
         if self.leases is not None:
             self.leases.stop()
         self.sampler.stopped.set()
+        self.hold.stop()
         self.progress.tick(time.monotonic(), final=True)
         log.info("consumer stopped", extra={"action": "stopped"})
 
 
-def _tps(partitions: list[TopicPartition]) -> list[TP]:
-    return [(p.topic, p.partition) for p in partitions]
-
-
 def _positions(tps: list[TP]) -> list[TopicPartition]:
     return [TopicPartition(topic, part) for topic, part in tps]
-
-
-def _names(partitions: list[TopicPartition]) -> str:
-    return ",".join(f"{p.topic}[{p.partition}]" for p in partitions)

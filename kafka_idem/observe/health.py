@@ -14,7 +14,9 @@ while the loop was stuck. So the loop reports to :class:`Health` itself:
   (``KAFKA_IDEM_READINESS_MAX_LAG``, default 1000; measured as for the lag gauge:
   the high watermark minus the first unfinished offset, which for a partition not
   fetched from yet is its committed offset). A partition whose lag is not known
-  (the broker did not answer for it) is not caught up.
+  (the broker did not answer for it) is not caught up. A paused handler
+  (``kafka-idem pause``) leaves the member ready, its lag not counted: the answer
+  carries a ``note`` naming it and ``paused_handlers`` with their reasons.
 
 Both answer ``200`` or ``503`` with a small JSON body saying why::
 
@@ -59,6 +61,8 @@ class Health:
         self._lag: dict[TP, int | None] = {}
         self._stopping = False
         self._outbox: str | None = None  # the outbox relay's current trouble
+        self._paused: dict[str, str] = {}  # paused handlers and why (kafka-idem pause)
+        self._held: frozenset[str] = frozenset()  # their topics: lag not counted
 
     # --- what the loop reports ---------------------------------------------------------
 
@@ -88,6 +92,12 @@ class Health:
         with self._lock:
             self._outbox = problem
 
+    def paused(self, reasons: dict[str, str], topics: Iterable[str] = ()) -> None:
+        """The handlers paused now, with their reasons, and their topics."""
+        with self._lock:
+            self._paused = dict(sorted(reasons.items()))
+            self._held = frozenset(topics)
+
     def stopping(self) -> None:
         # No lock: called from a signal handler, which runs on the loop's thread and
         # could interrupt it while it holds the lock (a bool assignment is atomic).
@@ -113,9 +123,10 @@ class Health:
         live = self.live()
         with self._lock:
             assigned = None if self._assigned is None else sorted(self._assigned)
-            lags = {tp: self._lag.get(tp) for tp in assigned or ()}
+            lags = {tp: self._lag.get(tp) for tp in assigned or () if tp[0] not in self._held}
             stopping = self._stopping
             outbox = self._outbox
+            paused = dict(self._paused)
         known = [n for n in lags.values() if n is not None]
         body: dict[str, Any] = {
             "assigned": None if assigned is None else len(assigned),
@@ -123,6 +134,10 @@ class Health:
             "readiness_max_lag": self.max_lag,
             "last_round_seconds_ago": live.body["last_round_seconds_ago"],
         }
+        if paused:
+            body["note"] = f"paused: handler{'s' if len(paused) > 1 else ''} " + ", ".join(
+                paused)
+            body["paused_handlers"] = paused
         reason = None
         if not live.ok:
             reason = live.body["reason"]

@@ -103,6 +103,10 @@ METRICS: tuple[tuple[str, _Kind, str, str, tuple[str, ...]], ...] = (
     ("outbox_shards", Gauge, "kafka_idem_outbox_shards_owned",
      "Outbox shards this process publishes now.",
      ()),
+    ("handler_paused", Gauge, "kafka_idem_handler_paused",
+     "1 while the handler is paused (kafka-idem pause) and this member holds it: none "
+     "of its calls runs or starts here; 0 otherwise.",
+     ("handler",)),
 )
 
 
@@ -132,6 +136,7 @@ class Metrics:
     outbox_published: Counter
     outbox_relay_errors: Counter
     outbox_shards: Gauge
+    handler_paused: Gauge
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()

@@ -132,7 +132,8 @@ class KeyedUnits:
     # --- dispatch ----------------------------------------------------------------------
 
     def dispatch(self, now: float) -> None:
-        states = [(tp, st) for tp, st in self.parts.items() if isinstance(st, KeyedState)]
+        states = [(tp, st) for tp, st in self.parts.items()
+                  if isinstance(st, KeyedState) and tp[0] not in self.parts.held]
         if not states:
             return
         for tp, st in states:

@@ -102,6 +102,11 @@ class Units:
         """Any work in flight (units or key-ordered jobs)."""
         return bool(self.in_flight or self.keyed.in_flight or self.keyed.pending)
 
+    def running_topics(self) -> set[str]:
+        """The topics some work in flight (a unit, a key-ordered job) belongs to."""
+        return ({tp[0] for u in self.in_flight for tp in u.states}
+                | {job.tp[0] for job in self.keyed.in_flight})
+
     # --- dispatch ----------------------------------------------------------------
 
     def dispatch(self, now: float, *, keyed: bool = True) -> None:

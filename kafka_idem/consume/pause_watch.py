@@ -1,0 +1,208 @@
+"""Paused handlers, as one member honours them (``kafka-idem pause``; the store's side
+is :mod:`kafka_idem.admin.pauses`).
+
+:class:`PauseWatch` keeps the app's paused handlers as the store last said them: read
+at the start (a member started while its handler is paused starts paused), again at
+each notification of the pausing transactions (``LISTEN``), and every
+``poll_seconds`` besides (a notification missed while the connection was down). On
+its own thread and connection: the database down or slow never stops the loop, and the
+state stays as last known meanwhile.
+
+:class:`HandlerHold` applies it on the loop thread each round. The paused handlers'
+assigned partitions are paused at the consumer (no fetch; new assignments of them are
+paused in the round that follows their assign, before the next ``consume()``), their
+messages already queued start no unit and no key-ordered job
+(:attr:`~kafka_idem.consume.partitions.Partitions.held`; flow control leaves them
+paused), and their work in flight is cancelled as a revoke cancels it (a leased unit
+stops between two messages, a key-ordered job not started never starts; what runs
+finishes). The pause is acknowledged, in a log line ``handler_paused`` and the gauge
+``kafka_idem_handler_paused``, once none of the handler's work is in flight on this
+member. Resuming resumes the partitions at the consumer, save those flow control holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import psycopg
+
+from kafka_idem.admin.pauses import CHANNEL, Pause, handler_names, listed, topics_of
+from kafka_idem.app import App
+from kafka_idem.consume.concurrency.units import Units
+from kafka_idem.consume.partitions import TP, Assigned, Partitions, tps
+from kafka_idem.errors import StoreError
+from kafka_idem.observe.health import Health
+from kafka_idem.observe.metrics import Metrics
+from kafka_idem.outbox.shard import backoff
+from kafka_idem.store import Store, connect
+
+log = logging.getLogger(__name__)
+
+A = TypeVar("A", bound=Assigned)
+
+POLL_SECONDS = 2.0  # a missed notification is made up for within this (the bound: 5 s)
+
+
+class PauseWatch:
+    """The app's paused handlers, by name, as the store last said them (thread-safe:
+    :meth:`current` hands out a dict never changed after)."""
+
+    def __init__(self, dsn: str, store: Store, *, poll_seconds: float = POLL_SECONDS) -> None:
+        self.dsn = dsn
+        self.store = store
+        self.poll_seconds = poll_seconds
+        self.stopped = threading.Event()
+        self._paused: dict[str, Pause] = {}
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    def current(self) -> dict[str, Pause]:
+        return self._paused
+
+    def start(self) -> None:
+        """Read once now (so the first round knows), then watch on a daemon thread."""
+        try:
+            with connect(self.dsn, application_name="kafka_idem-pauses") as conn:
+                conn.autocommit = True
+                self._read(conn)
+        except (psycopg.Error, StoreError) as exc:
+            self._failed(exc)
+        self._thread = threading.Thread(target=self._run, name="kafka-idem-pauses",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        listener: psycopg.Connection[Any] | None = None
+        attempt = 0
+        while not self.stopped.is_set():
+            try:
+                if listener is None or listener.closed:
+                    listener = self._listener()
+                self._read(listener)  # after LISTEN: no change falls in between
+                self._wait(listener)
+                attempt = 0
+            except (psycopg.Error, StoreError) as exc:
+                self._failed(exc)
+                if listener is not None:
+                    listener.close()
+                listener = None
+                attempt += 1
+                self.stopped.wait(backoff(attempt, cap=self.poll_seconds))
+        if listener is not None:
+            listener.close()
+
+    def _listener(self) -> psycopg.Connection[Any]:
+        conn = connect(self.dsn, application_name="kafka_idem-pauses")
+        try:
+            conn.autocommit = True
+            conn.execute(f"LISTEN {CHANNEL}")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _wait(self, listener: psycopg.Connection[Any]) -> None:
+        """Until a change of this namespace's pauses is notified, or ``poll_seconds``."""
+        for note in listener.notifies(timeout=self.poll_seconds):
+            if note.payload == self.store.ns or self.stopped.is_set():
+                break
+
+    def _read(self, conn: psycopg.Connection[Any]) -> None:
+        self._paused = {p.handler: p for p in listed(conn, self.store, self.store.ns)}
+        if self._failing:
+            self._failing = False
+            log.info("paused handlers read again from the store",
+                     extra={"action": "pauses_read"})
+
+    def _failed(self, exc: BaseException) -> None:
+        if not self._failing:
+            self._failing = True
+            log.warning("cannot read the paused handlers (%s); keeping the last known "
+                        "(%s) and retrying", exc, ", ".join(sorted(self._paused)) or "none",
+                        extra={"action": "pauses_unread"})
+
+
+class HandlerHold:
+    """What the loop does about the paused handlers, each round (loop thread only)."""
+
+    def __init__(self, app: App, store: Store, *, metrics: Metrics, health: Health) -> None:
+        self.app = app
+        self.watch = PauseWatch(app.settings.dsn, store)
+        self.metrics = metrics
+        self.health = health
+        self.held: dict[str, Pause] = {}
+        self.acknowledged: set[str] = set()
+        self.applied: set[TP] = set()  # partitions paused at the consumer for a pause
+        self.topics: set[str] = set()  # the held handlers' topics
+        for name in handler_names(app):
+            metrics.handler_paused.labels(name).set(0)
+
+    def start(self) -> None:
+        self.watch.start()
+
+    def stop(self) -> None:
+        self.watch.stop()
+
+    def unheld(self, partitions: Sequence[A]) -> list[A]:
+        """Of newly assigned partitions, those of no paused handler (the loop resumes
+        them). The others are paused in this round (:meth:`pause_resume`), before
+        they can run: a pause or a revoke may have left them either way."""
+        self.applied.difference_update(tps(partitions))
+        return [p for p in partitions if p.topic not in self.topics]
+
+    def pause_resume(self, flow: tuple[list[TP], list[TP]], assigned: set[TP],
+                     parts: Partitions, units: Units) -> tuple[list[TP], list[TP]]:
+        """Flow control's partitions to pause and resume (``flow``), and the paused
+        handlers': the partitions to pause and to resume at the consumer now. The held
+        topics are set on ``parts``, the newly held partitions' work in flight cancelled."""
+        pause, resume = self._round(assigned, parts, units)
+        return flow[0] + pause, flow[1] + resume
+
+    def _round(self, assigned: set[TP], parts: Partitions,
+               units: Units) -> tuple[list[TP], list[TP]]:
+        pauses = self.watch.current()
+        if pauses.keys() != self.held.keys():
+            self._changed(pauses)
+        self.held = pauses
+        self.topics = topics_of(self.app, pauses)
+        parts.held = frozenset(self.topics)
+        want = {tp for tp in assigned if tp[0] in self.topics}
+        pause = sorted(want - self.applied)
+        resume = sorted(tp for tp in self.applied - want if tp in assigned
+                        and not getattr(parts.get(tp), "paused", False))
+        if pause:
+            units.cancel(set(pause))
+        self.applied = want
+        self._acknowledge(units.running_topics())
+        return pause, resume
+
+    def _changed(self, pauses: dict[str, Pause]) -> None:
+        for name in sorted(self.held.keys() - pauses.keys()):
+            self.acknowledged.discard(name)
+            self.metrics.handler_paused.labels(name).set(0)
+            log.info("handler %s resumed on this member", name,
+                     extra={"action": "handler_resumed", "handler": name})
+        for name in sorted(pauses.keys() - self.held.keys()):
+            p = pauses[name]
+            log.info("handler %s paused by %s (%s): starting nothing of it", name, p.actor,
+                     p.reason, extra={"action": "handler_pausing", "handler": name})
+        self.health.paused({n: p.reason for n, p in pauses.items()},
+                           topics_of(self.app, pauses))
+
+    def _acknowledge(self, running: set[str]) -> None:
+        """Say a pause holds once none of its handler's work is in flight here."""
+        for name in sorted(self.held.keys() - self.acknowledged):
+            if topics_of(self.app, [name]) & running:
+                continue
+            self.acknowledged.add(name)
+            self.metrics.handler_paused.labels(name).set(1)
+            log.info("handler %s paused on this member: no call of it runs or starts",
+                     name, extra={"action": "handler_paused", "handler": name})
