@@ -5,7 +5,8 @@
 ``run``, ``relay``) and registers the others; one module per group of sub-commands
 (:mod:`~kafka_idem.cli.admin`: ``status``, ``inspect``, ``rerun``;
 :mod:`~kafka_idem.cli.purge`; :mod:`~kafka_idem.cli.dlq`: ``dlq list``, ``dlq show``;
-:mod:`~kafka_idem.cli.dlq_replay`: ``dlq replay``; :mod:`~kafka_idem.cli.topics`;
+:mod:`~kafka_idem.cli.dlq_replay`: ``dlq replay``; :mod:`~kafka_idem.cli.pause`:
+``pause``, ``resume``; :mod:`~kafka_idem.cli.topics`;
 :mod:`~kafka_idem.cli.verify`), all over :mod:`~kafka_idem.cli.common` (loading an app,
 the context object, the shared options and connections),
 :mod:`~kafka_idem.cli.errors` (exit codes, one-line errors) and the output helpers

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from kafka_idem.admin import audit
+from kafka_idem.admin import audit, pauses
 from kafka_idem.admin import operations as admin
 from kafka_idem.admin.operations import AUDIT_COLUMNS, RECORD_FIELDS, record_json
 from kafka_idem.cli.common import (
@@ -44,7 +44,8 @@ def _print_json(data: Any) -> None:
 def status(obj: Ctx, as_json: bool, long_running: str | None, namespace: str | None) -> None:
     """Counts by status, leases, long-running records, failures by kind, retry backlog;
     the records of each namespace by status; the outbox's unpublished events (count and
-    age of the oldest) per namespace. Exit 1 for an unknown --namespace."""
+    age of the oldest) per namespace; the paused handlers (who, why, since). Exit 1 for an
+    unknown --namespace."""
     s = obj.settings()
     threshold = (duration(long_running, '--long-running') if long_running
                  else s.long_running_seconds)
@@ -54,10 +55,11 @@ def status(obj: Ctx, as_json: bool, long_running: str | None, namespace: str | N
         if namespace is not None:
             admin.require_namespace(conn, store, namespace)
         st = admin.status(conn, store, long_running_seconds=threshold, namespace=namespace)
+        paused = pauses.listed(conn, store, namespace)
     finally:
         conn.close()
     if as_json:
-        _print_json(st.to_json())
+        _print_json({**st.to_json(), "paused_handlers": [p.to_json() for p in paused]})
         return
     scope = f" namespace {namespace}" if namespace is not None else ""
     table = Grid(["what", "count"], title=f"kafka_idem store {s.schema_name}.{s.table}{scope}",
@@ -85,6 +87,14 @@ def status(obj: Ctx, as_json: bool, long_running: str | None, namespace: str | N
     if not pending:
         outbox.add("-", 0, "-")
     emit(outbox)
+    held = Grid(["namespace", "handler", "since", "by", "reason"], title="paused handlers "
+                "(kafka-idem resume MODULE:APP --handler NAME)")
+    for p in paused:
+        held.add(admin.shown(p.namespace), p.handler, p.since.isoformat(timespec="seconds"),
+                 p.actor, p.reason)
+    if not paused:
+        held.add("-", "none", "-", "-", "-")
+    emit(held)
 
 
 @click.command()

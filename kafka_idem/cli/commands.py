@@ -30,6 +30,7 @@ from kafka_idem.cli.console import console
 from kafka_idem.cli.dlq import dlq
 from kafka_idem.cli.dlq_replay import replay_
 from kafka_idem.cli.errors import ServiceError
+from kafka_idem.cli.pause import pause, resume
 from kafka_idem.cli.purge import purge
 from kafka_idem.cli.topics import topics
 from kafka_idem.cli.verify import verify
@@ -204,7 +205,7 @@ def relay(obj: Ctx, app_spec: str, metrics_port: int | None, metrics_addr: str |
 
 # --- operations ------------------------------------------------------------------
 dlq.add_command(replay_)
-for command in (status, inspect, rerun, purge, dlq, verify, topics, console):
+for command in (status, inspect, rerun, purge, dlq, verify, topics, console, pause, resume):
     cli.add_command(command)
 
 
