@@ -1,7 +1,8 @@
 """The console's actions (POST, each with its CSRF token): the dry runs and runs of
-re-drives and re-runs, as jobs, and the login. Each is one of the CLI's operations
-(:func:`kafka_idem.replay.replay`, :func:`~kafka_idem.replay.bulk.bulk_rerun`,
-:func:`~kafka_idem.replay.single.rerun_key`), run with the operator's name."""
+re-drives and re-runs, as jobs, pausing and resuming a handler, and the login. Each is
+one of the CLI's operations (:func:`kafka_idem.replay.replay`,
+:func:`~kafka_idem.replay.bulk.bulk_rerun`, :func:`~kafka_idem.replay.single.rerun_key`,
+:func:`~kafka_idem.admin.pauses.pause`), run with the operator's name."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from kafka_idem import replay
+from kafka_idem.admin import pauses
 from kafka_idem.console import security
 from kafka_idem.console.forms import (
     BadInput,
@@ -196,6 +198,40 @@ def rerun_keys(console: Console, request: Request) -> Response:
     job = console.jobs.start("rerun-keys", title, {"picked": picked},
                              console.actor(request), work, audit_after=last)
     return RedirectResponse(f"/jobs/{job.id}", status_code=303)
+
+
+def pause_handler(console: Console, request: Request) -> Response:
+    """Pause one of the app's handlers on every member (``kafka-idem pause``), audited
+    with the operator's name; a reason is required."""
+    data = form(request)
+    name = _handler(console, data)
+    reason = str(data.get("reason") or "").strip()
+    if not reason:
+        raise BadInput("reason: say why the handler is paused (it is kept with the pause "
+                       "and in the audit trail)")
+    with console.conn() as conn, conn.transaction():
+        pauses.pause(conn, console.store.scoped(console.app.namespace), handler=name,
+                     actor=console.actor(request), reason=reason)
+    return RedirectResponse("/#handlers", status_code=303)
+
+
+def resume_handler(console: Console, request: Request) -> Response:
+    """Resume a paused handler (``kafka-idem resume``), audited with the operator's name."""
+    data = form(request)
+    name = _handler(console, data)
+    reason = str(data.get("reason") or "").strip() or None
+    with console.conn() as conn, conn.transaction():
+        pauses.resume(conn, console.store.scoped(console.app.namespace), handler=name,
+                      actor=console.actor(request), reason=reason)
+    return RedirectResponse("/#handlers", status_code=303)
+
+
+def _handler(console: Console, data: Any) -> str:
+    name = str(data.get("handler") or "")
+    known = pauses.handler_names(console.app)
+    if name not in known:
+        raise BadInput(f"handler: {name!r} is none of this app's ({', '.join(known)})")
+    return name
 
 
 def login(console: Console, request: Request) -> Response:

@@ -5,7 +5,8 @@ Every page reads through the same functions as the CLI (:mod:`kafka_idem.admin`,
 operations, run with the operator's name in the audit trail:
 
 ========================  =======================================================
-GET  /                    overview (``?fragment=1``: the part that refreshes itself)
+GET  /                    overview (``?fragment=1``: the part that refreshes itself),
+                          with the app's handlers, paused or not
 GET  /records             records by key, prefix, namespace, handler, status, time
 GET  /record              one record: every field, audit trail, dead letters
 GET  /dlq                 the app's DLQ topics; ``?topic=`` its records, filtered
@@ -17,6 +18,8 @@ GET  /rerun               the bulk re-run form (``rerun`` with filters)
 POST /rerun/dry-run       the bulk re-run's dry run, as a job
 POST /rerun/run           the bulk re-run (after its dry run), as a job
 POST /rerun/keys          re-run chosen keys (``rerun KEY`` for each), as a job
+POST /handlers/pause      pause a handler (``kafka-idem pause``), with a reason
+POST /handlers/resume     resume a paused handler (``kafka-idem resume``)
 GET  /jobs, /jobs/{id}    the jobs, one job's progress and result
 GET  /login, POST /login  the token form (when the console has a token)
 GET  /healthz             200 when up (``?ready=1``: once the DLQ index caught up)
@@ -109,6 +112,8 @@ def build(console: Console) -> Starlette:
         Route("/rerun/dry-run", page(actions.rerun_dry_run), methods=["POST"]),
         Route("/rerun/run", page(actions.rerun_run), methods=["POST"]),
         Route("/rerun/keys", page(actions.rerun_keys), methods=["POST"]),
+        Route("/handlers/pause", page(actions.pause_handler), methods=["POST"]),
+        Route("/handlers/resume", page(actions.resume_handler), methods=["POST"]),
         Route("/jobs", page(pages.jobs)),
         Route("/jobs/{job_id}", page(pages.job_page)),
         Route("/login", page(pages.login_page)),

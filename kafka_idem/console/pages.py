@@ -11,6 +11,7 @@ from starlette.responses import PlainTextResponse, RedirectResponse, Response
 
 from kafka_idem import replay
 from kafka_idem.admin import operations as admin
+from kafka_idem.admin import pauses
 from kafka_idem.console import security
 from kafka_idem.console.forms import (
     BadInput,
@@ -35,10 +36,20 @@ def overview(console: Console, request: Request) -> Response:
     snap = console.sampler.get()
     context: dict[str, Any] = dict(
         snap=snap, progress=console.index.progress(), jobs=console.jobs.recent(5),
-        refresh=console.options.refresh_seconds)
+        refresh=console.options.refresh_seconds, paused=paused_now(console))
     if request.query_params.get("fragment"):
         return console.render(request, "_overview.html", **context)
     return console.render(request, "overview.html", title="Overview", **context)
+
+
+def paused_now(console: Console) -> dict[str, pauses.Pause] | None:
+    """The app's paused handlers now (``None``: the store did not answer; the page says
+    so rather than show them running)."""
+    try:
+        with console.conn() as conn:
+            return pauses.current(conn, console.store.scoped(console.app.namespace))
+    except KafkaIdemError:
+        return None
 
 
 def records(console: Console, request: Request) -> Response:
