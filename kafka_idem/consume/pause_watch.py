@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 A = TypeVar("A", bound=Assigned)
 
 POLL_SECONDS = 2.0  # a missed notification is made up for within this (the bound: 5 s)
+SLICE = 0.2  # the longest a stop waits for the watcher's thread
 
 
 class PauseWatch:
@@ -74,7 +76,9 @@ class PauseWatch:
                                         daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop the thread: it ends within a slice of its wait (a database that does not
+        answer may hold it longer: it is a daemon, left to end on its own)."""
         self.stopped.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -110,10 +114,13 @@ class PauseWatch:
         return conn
 
     def _wait(self, listener: psycopg.Connection[Any]) -> None:
-        """Until a change of this namespace's pauses is notified, or ``poll_seconds``."""
-        for note in listener.notifies(timeout=self.poll_seconds):
-            if note.payload == self.store.ns or self.stopped.is_set():
-                break
+        """Until a change of this namespace's pauses is notified, ``poll_seconds`` pass
+        or the watch stops (looked at every :data:`SLICE` seconds)."""
+        deadline = time.monotonic() + self.poll_seconds
+        while not self.stopped.is_set() and (left := deadline - time.monotonic()) > 0:
+            for note in listener.notifies(timeout=min(left, SLICE)):
+                if note.payload == self.store.ns:
+                    return
 
     def _read(self, conn: psycopg.Connection[Any]) -> None:
         self._paused = {p.handler: p for p in listed(conn, self.store, self.store.ns)}
@@ -133,9 +140,11 @@ class PauseWatch:
 class HandlerHold:
     """What the loop does about the paused handlers, each round (loop thread only)."""
 
-    def __init__(self, app: App, store: Store, *, metrics: Metrics, health: Health) -> None:
+    def __init__(self, app: App, store: Store, parts: Partitions, *, metrics: Metrics,
+                 health: Health) -> None:
         self.app = app
         self.watch = PauseWatch(app.settings.dsn, store)
+        self.parts = parts
         self.metrics = metrics
         self.health = health
         self.held: dict[str, Pause] = {}
@@ -146,7 +155,9 @@ class HandlerHold:
             metrics.handler_paused.labels(name).set(0)
 
     def start(self) -> None:
+        """Read the pauses, and hold their handlers' messages from the first round on."""
         self.watch.start()
+        self._refresh()
 
     def stop(self) -> None:
         self.watch.stop()
@@ -159,25 +170,28 @@ class HandlerHold:
         return [p for p in partitions if p.topic not in self.topics]
 
     def pause_resume(self, flow: tuple[list[TP], list[TP]], assigned: set[TP],
-                     parts: Partitions, units: Units) -> tuple[list[TP], list[TP]]:
+                     units: Units) -> tuple[list[TP], list[TP]]:
         """Flow control's partitions to pause and resume (``flow``), and the paused
         handlers': the partitions to pause and to resume at the consumer now. The held
-        topics are set on ``parts``, the newly held partitions' work in flight cancelled."""
-        pause, resume = self._round(assigned, parts, units)
+        topics are set on the partitions' table, the newly held partitions' work in
+        flight cancelled."""
+        pause, resume = self._round(assigned, units)
         return flow[0] + pause, flow[1] + resume
 
-    def _round(self, assigned: set[TP], parts: Partitions,
-               units: Units) -> tuple[list[TP], list[TP]]:
+    def _refresh(self) -> None:
         pauses = self.watch.current()
-        if pauses.keys() != self.held.keys():
+        if pauses != self.held:
             self._changed(pauses)
         self.held = pauses
         self.topics = topics_of(self.app, pauses)
-        parts.held = frozenset(self.topics)
+        self.parts.held = frozenset(self.topics)
+
+    def _round(self, assigned: set[TP], units: Units) -> tuple[list[TP], list[TP]]:
+        self._refresh()
         want = {tp for tp in assigned if tp[0] in self.topics}
         pause = sorted(want - self.applied)
         resume = sorted(tp for tp in self.applied - want if tp in assigned
-                        and not getattr(parts.get(tp), "paused", False))
+                        and not getattr(self.parts.get(tp), "paused", False))
         if pause:
             units.cancel(set(pause))
         self.applied = want

@@ -116,7 +116,8 @@ class Runner:
         )
         self._shutdown: Shutdown | None = None  # install_signal_handlers (kafka-idem run)
         self.relay: RelayThread | None = None  # an app with event topics publishes its outbox
-        self.hold = HandlerHold(app, self.store, metrics=self.metrics, health=self.health)
+        self.hold = HandlerHold(app, self.store, self.parts, metrics=self.metrics,
+                                health=self.health)  # paused handlers (kafka-idem pause)
         if s.outbox_relay and app.event_topics:
             self.relay = RelayThread(Relay(app, metrics=self.metrics, health=self.health))
 
@@ -198,8 +199,7 @@ class Runner:
         """One round of the loop: consume, harvest, dispatch, commit, pause (see above)."""
         assert self.consumer is not None
         if self.newly_assigned:
-            # A partition paused before a revoke can come back paused (a paused
-            # handler's stays so).
+            # A partition paused before a revoke can come back paused (a paused handler's stays).
             self.consumer.resume(self.hold.unheld(self.newly_assigned))
             self.newly_assigned = []
         busy = self.units.busy
@@ -321,7 +321,7 @@ class Runner:
     def _pause_resume(self) -> None:
         assert self.consumer is not None
         flow = self.parts.pause_resume(time.monotonic(), self.settings.batch_size)
-        pause, resume = self.hold.pause_resume(flow, self.assigned, self.parts, self.units)
+        pause, resume = self.hold.pause_resume(flow, self.assigned, self.units)
         if pause:
             self.consumer.pause(_positions(pause))
         if resume:

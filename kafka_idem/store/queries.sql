@@ -143,6 +143,7 @@ BEGIN
     ALTER TABLE {audit} DISABLE TRIGGER USER;
     DELETE FROM {table};
     DELETE FROM {audit};
+    DELETE FROM {pauses};
     ALTER TABLE {table} ENABLE TRIGGER USER;
     ALTER TABLE {audit} ENABLE TRIGGER USER;
     PERFORM setval(pg_get_serial_sequence('{audit}', 'id'), 1, false);

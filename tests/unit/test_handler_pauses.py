@@ -61,17 +61,16 @@ class Setup:
         self.app = app()
         self.metrics = Metrics()
         self.health = Health()
+        self.parts = Partitions()
         self.hold = HandlerHold(self.app, Store(schema="s", table="t", namespace="shop"),
-                                metrics=self.metrics, health=self.health)
+                                self.parts, metrics=self.metrics, health=self.health)
         self.watch = Watch()
         self.hold.watch = self.watch  # type: ignore[assignment]
-        self.parts = Partitions()
         self.units = Units()
         self.assigned = {(A, 0), (A, 1), (B, 0)}
 
     def round(self, flow: tuple[list[Any], list[Any]] = ([], [])) -> tuple[list[Any], list[Any]]:
-        return self.hold.pause_resume(flow, self.assigned, self.parts,
-                                      self.units)  # type: ignore[arg-type]
+        return self.hold.pause_resume(flow, self.assigned, self.units)  # type: ignore[arg-type]
 
     def gauge(self, name: str) -> float | None:
         return self.metrics.registry.get_sample_value("kafka_idem_handler_paused",
