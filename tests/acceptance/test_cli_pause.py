@@ -6,12 +6,15 @@ the resume the paused handler's messages are called.
 "No call" is counted in ``pausable.calls`` after every member acknowledged the pause
 (its log line ``handler alpha paused on this member``, written once none of the
 handler's work runs there), while the other handler's messages, produced after the
-paused one's, all take effect: unpaused, the paused one's would have run first.
+paused one's, all take effect: unpaused, the paused one's would have run first. A
+member killed while the handler is paused changes nothing: the survivor, taking its
+partitions over, keeps them paused.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import psycopg
@@ -95,3 +98,26 @@ def test_an_unknown_handler_is_one_line_naming_the_apps_handlers(db: DB) -> None
     resume = kafka_idem("resume", APP, "--handler", "alpha", db=db)
     assert resume.code == 0 and "alpha: not paused; nothing changed" in resume.out
     assert db.value("SELECT count(*) FROM kafka_idem.admin_audit") == 0
+
+
+def test_a_member_killed_while_its_handler_is_paused_changes_nothing(
+        db: DB, topics: Topics, members: Members, group: str) -> None:
+    a, b = topics(partitions=2), topics(partitions=2)
+    with psycopg.connect(db.dsn) as conn:
+        pausable.create_tables(conn)
+    apps = {"PAUSABLE_A": a, "PAUSABLE_B": b}
+    env = member_env(db, a, PYTHONUNBUFFERED="1", **apps)
+    doomed = members.start(APP, env, group=group)
+    members.start(APP, env, group=group)
+    wait_for(lambda: saying(members, "assigned ") == 2, timeout=30, what="two members in")
+    assert kafka_idem("pause", APP, "--handler", "alpha", "--reason", "r", db=db,
+                      env=apps).code == 0
+    wait_for(lambda: saying(members, PAUSED) == 2, timeout=5, what="both members holding it")
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait(10)
+    feed(a, 0, 10)
+    feed(b, 0, 10)  # the survivor gets the dead member's partitions after its session ends
+    wait_for(lambda: calls(db, "beta") == 10, timeout=60, what="beta on the survivor")
+    assert calls(db, "alpha") == 0
+    assert kafka_idem("resume", APP, "--handler", "alpha", db=db, env=apps).code == 0
+    wait_for(lambda: calls(db, "alpha") == 10, timeout=5, what="alpha after the resume")
