@@ -59,8 +59,8 @@ def pause(obj: Ctx, app_spec: str, handler: str, reason: str, actor: str | None)
         conn.close()
     p = done.pause
     if not done.changed and p is not None:
-        click.echo(plain(f"{handler}: paused already, by {p.actor} since "
-                         f"{p.since.isoformat()} ({p.reason}); nothing changed"))
+        click.echo(plain(f"{handler}: paused already, by {p.actor} since {_at(p)} "
+                         f"({p.reason}); nothing changed"))
         return
     click.echo(plain(f"{handler}: paused by {who} in namespace {store.ns} ({reason}); the "
                      "members stop starting its messages within seconds"))
@@ -88,5 +88,9 @@ def resume(obj: Ctx, app_spec: str, handler: str, reason: str | None,
     if not done.changed or p is None:
         click.echo(plain(f"{handler}: not paused; nothing changed"))
         return
-    click.echo(plain(f"{handler}: resumed by {who} (paused by {p.actor} since "
-                     f"{p.since.isoformat()}: {p.reason})"))
+    click.echo(plain(f"{handler}: resumed by {who} (paused by {p.actor} since {_at(p)}: "
+                     f"{p.reason})"))
+
+
+def _at(p: pauses.Pause) -> str:
+    return p.since.isoformat(timespec="seconds")
