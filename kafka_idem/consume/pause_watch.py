@@ -10,7 +10,8 @@ state stays as last known meanwhile.
 
 :class:`HandlerHold` applies it on the loop thread each round. The paused handlers'
 assigned partitions are paused at the consumer (no fetch; new assignments of them are
-paused in the round that follows their assign, before the next ``consume()``), their
+paused at the start of the round that follows their assign, before its ``consume()``;
+what the ``consume()`` that assigned them returned of them waits in the queue), their
 messages already queued start no unit and no key-ordered job
 (:attr:`~kafka_idem.consume.partitions.Partitions.held`; flow control leaves them
 paused), and their work in flight is cancelled as a revoke cancels it (a leased unit
@@ -26,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 
@@ -43,6 +44,14 @@ from kafka_idem.store import Store, connect
 log = logging.getLogger(__name__)
 
 A = TypeVar("A", bound=Assigned)
+
+
+
+class Pausing(Protocol[A]):
+    """What :meth:`HandlerHold.unheld` asks of the consumer."""
+
+    def pause(self, partitions: list[A], /) -> None: ...
+
 
 POLL_SECONDS = 2.0  # a missed notification is made up for within this (the bound: 5 s)
 SLICE = 0.2  # the longest a stop waits for the watcher's thread
@@ -162,11 +171,14 @@ class HandlerHold:
     def stop(self) -> None:
         self.watch.stop()
 
-    def unheld(self, partitions: Sequence[A]) -> list[A]:
-        """Of newly assigned partitions, those of no paused handler (the loop resumes
-        them). The others are paused in this round (:meth:`pause_resume`), before
-        they can run: a pause or a revoke may have left them either way."""
-        self.applied.difference_update(tps(partitions))
+    def unheld(self, partitions: Sequence[A], consumer: Pausing[A]) -> list[A]:
+        """Of newly assigned partitions, those of no paused handler, for the loop to
+        resume; the others are paused at ``consumer`` now, before its next ``consume()``
+        (a pause or a revoke may have left them either way)."""
+        held = [p for p in partitions if p.topic in self.topics]
+        if held:
+            consumer.pause(held)
+        self.applied = (self.applied - set(tps(partitions))) | set(tps(held))
         return [p for p in partitions if p.topic not in self.topics]
 
     def pause_resume(self, flow: tuple[list[TP], list[TP]], assigned: set[TP],

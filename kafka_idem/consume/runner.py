@@ -200,7 +200,7 @@ class Runner:
         assert self.consumer is not None
         if self.newly_assigned:
             # A partition paused before a revoke can come back paused (a paused handler's stays).
-            self.consumer.resume(self.hold.unheld(self.newly_assigned))
+            self.consumer.resume(self.hold.unheld(self.newly_assigned, self.consumer))
             self.newly_assigned = []
         busy = self.units.busy
         msgs = self._fetch(busy)

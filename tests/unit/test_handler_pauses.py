@@ -56,6 +56,14 @@ class Units:
         return self.running
 
 
+class Consumer:
+    def __init__(self) -> None:
+        self.paused: list[list[TopicPartition]] = []
+
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        self.paused.append(partitions)
+
+
 class Setup:
     def __init__(self) -> None:
         self.app = app()
@@ -134,9 +142,11 @@ def test_newly_assigned_partitions_of_a_paused_handler_are_not_resumed_but_pause
     s.round()
     new = [TopicPartition(A, 1), TopicPartition(A, 2), TopicPartition(B, 1)]
     s.assigned |= {(A, 2), (B, 1)}
+    consumer = Consumer()
     # (A, 1) revoked and assigned again: paused again, whatever state it came back in
-    assert s.hold.unheld(new) == [TopicPartition(B, 1)]
-    assert s.round() == ([(A, 1), (A, 2)], [])
+    assert s.hold.unheld(new, consumer) == [TopicPartition(B, 1)]
+    assert consumer.paused == [[TopicPartition(A, 1), TopicPartition(A, 2)]]
+    assert s.round() == ([], [])  # paused already
 
 
 def test_readyz_stays_ready_with_a_note_and_without_the_paused_handlers_lag() -> None:
