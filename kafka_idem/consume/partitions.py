@@ -250,9 +250,11 @@ class Partitions:
 
     def wait_time(self, now: float, max_wait: float, linger: float = 0.0) -> float:
         """Until the next backoff ends or a partly filled batch has lingered ``linger``,
-        and never more than ``max_wait``."""
+        and never more than ``max_wait`` (a held topic's partitions wait for no time:
+        they run only after the resume)."""
         deadlines = [
-            d for st in self._states.values() if (d := st.deadline(linger)) is not None
+            d for tp, st in self._states.items()
+            if tp[0] not in self.held and (d := st.deadline(linger)) is not None
         ]
         wait_s = max_wait
         if deadlines:

@@ -122,6 +122,17 @@ def test_queued_messages_of_a_paused_handler_are_not_due_and_flow_control_leaves
     assert [tp for tp, _ in parts.due(1.0)] == [(A, 0), (B, 0)]
 
 
+def test_a_held_partitions_backoff_does_not_wake_the_loop() -> None:
+    parts = Partitions()
+    parts.add(FakeMessage(A, partition=0, offset=0), 0.0)
+    st = parts.get((A, 0))
+    assert st is not None
+    st.not_before, st.since = 5.0, 0.0  # a deferred message, due at 5 s
+    assert parts.wait_time(10.0, max_wait=1.0) == 0.001  # overdue: run it at once
+    parts.held = frozenset({A})
+    assert parts.wait_time(10.0, max_wait=1.0) == 1.0  # held: nothing to wake for
+
+
 def test_a_pause_is_acknowledged_once_the_handlers_work_in_flight_ended() -> None:
     s = Setup()
     s.units.running = {A}
