@@ -20,6 +20,7 @@ import pytest
 
 from kafka_idem import App
 from kafka_idem.admin import pauses
+from kafka_idem.consume.pause_watch import PauseWatch
 from kafka_idem.store import Store
 from tests.apps import pausable
 from tests.conftest import DB, InProcess, Topics, app_settings, produce, wait_for
@@ -150,3 +151,26 @@ def test_a_pause_lets_the_running_message_finish_and_starts_none_of_those_queued
         assert calls(db, "alpha") == 1  # the one that ran finished; the queued ones wait
         act(db, app, "alpha", paused=False)
         wait_for(lambda: calls(db, "alpha") == 4, timeout=5, what="the queued ones after resume")
+
+
+def test_the_watch_keeps_the_last_pauses_it_read_while_the_database_is_gone(
+        db: DB, caplog: pytest.LogCaptureFixture) -> None:
+    app = make_app(db, "x", "y", "g")
+    act(db, app, "alpha", paused=True)
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace=app.namespace)
+    watch = PauseWatch(db.dsn, store, poll_seconds=0.2)
+    watch.start()
+    try:
+        assert list(watch.current()) == ["alpha"]
+        watch.dsn = "postgresql://nobody@127.0.0.1:1/gone?connect_timeout=1"
+        with psycopg.connect(db.dsn, autocommit=True) as conn:  # its connection dies
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                         "WHERE application_name = 'kafka_idem-pauses'")
+        wait_for(lambda: "cannot read the paused handlers" in caplog.text, timeout=10,
+                 what="the watch failing")
+        assert list(watch.current()) == ["alpha"]
+        watch.dsn = db.dsn
+        act(db, app, "alpha", paused=False)
+        wait_for(lambda: watch.current() == {}, timeout=10, what="the watch back")
+    finally:
+        watch.stop()
