@@ -160,6 +160,7 @@ class HandlerHold:
         self.acknowledged: set[str] = set()
         self.applied: set[TP] = set()  # partitions paused at the consumer for a pause
         self.topics: set[str] = set()  # the held handlers' topics
+        self._seen: dict[str, Pause] | None = None  # the watch's read last taken up
         for name in handler_names(app):
             metrics.handler_paused.labels(name).set(0)
 
@@ -191,7 +192,12 @@ class HandlerHold:
         return flow[0] + pause, flow[1] + resume
 
     def _refresh(self) -> None:
+        """Take up what the watch read last (a new dict per read: nothing to do for the
+        one taken up already, so a round without a pause costs next to nothing)."""
         pauses = self.watch.current()
+        if pauses is self._seen:
+            return
+        self._seen = pauses
         if pauses != self.held:
             self._changed(pauses)
         self.held = pauses
@@ -200,6 +206,8 @@ class HandlerHold:
 
     def _round(self, assigned: set[TP], units: Units) -> tuple[list[TP], list[TP]]:
         self._refresh()
+        if not self.topics and not self.applied:
+            return [], []
         want = {tp for tp in assigned if tp[0] in self.topics}
         pause = sorted(want - self.applied)
         resume = sorted(tp for tp in self.applied - want if tp in assigned
@@ -207,7 +215,8 @@ class HandlerHold:
         if pause:
             units.cancel(set(pause))
         self.applied = want
-        self._acknowledge(units.running_topics())
+        if self.held.keys() - self.acknowledged:
+            self._acknowledge(units.running_topics())
         return pause, resume
 
     def _changed(self, pauses: dict[str, Pause]) -> None:
