@@ -157,7 +157,7 @@ class App:
         retry: RetryPolicy | None = None,
         errors: Mapping[type[BaseException], ErrorKind] | None = None,
         concurrency: int = 1,
-        ordering_key: KeySpec | None = None,
+        ordering_key: KeySpec | None = None, max_rate: float | None = None,
     ) -> Callable[[Callable[[M, Any], Any]], Handler[M]]:
         """Register a handler for ``topic``.
 
@@ -191,6 +191,7 @@ class App:
         ``async def`` handler with ``N > 1`` claims up to N more messages ahead, so
         a call that returns frees its slot for one already claimed. The member's
         ``max_concurrency`` setting caps all such handlers' calls together.
+        ``max_rate=R``: at most R messages a second in each member (docs/how-to/handlers.md).
         An ``async def`` handler (leased mode) runs on the member's event loop with
         an :class:`AsyncContext` (``ctx.tx`` a ``psycopg.AsyncConnection``)::
 
@@ -204,7 +205,7 @@ class App:
                 return r.json()
         """
         check_handler_options(topic, dlq_topic=dlq_topic, mode=mode, concurrency=concurrency,
-                              ordering_key=ordering_key, taken=self.handlers)
+                              ordering_key=ordering_key, taken=self.handlers, max_rate=max_rate)
 
         def register(fn: Callable[[M, Any], Any]) -> Handler[M]:
             check_handler_function(fn, name=name or fn.__name__, mode=mode,
@@ -215,7 +216,7 @@ class App:
                 hash_fields=tuple(hash_fields), mode=mode, batch=batch, dlq_topic=dlq_topic,
                 schema=schema, retry=retry, errors=mapping, format=format,
                 binder=self.bind_codec, concurrency=concurrency, ordering_key=ordering_key,
-            )
+                max_rate=max_rate)
             self.handlers[topic] = h
             return h
 

@@ -242,11 +242,13 @@ class Handler(Generic[M]):
         binder: Callable[[Handler[Any]], Codec] | None = None,
         concurrency: int = 1,
         ordering_key: KeySpec | None = None,
+        max_rate: float | None = None,
     ) -> None:
         check_takes_two(fn, what=f"handler {name!r}", params="(msg, ctx)", setting="handler")
         self.fn = fn
         self.is_async = inspect.iscoroutinefunction(fn)
         self.concurrency = concurrency
+        self.max_rate = max_rate  # messages a second in this member (consume/rate_limit.py)
         self.ordering = (KeyTemplate(ordering_key, setting="ordering_key")
                          if ordering_key is not None else None)
         self.name = name

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from kafka_idem.consume.outcome import Deferred, Finished, Result
+from kafka_idem.consume.rate_limit import RateLimits
 
 TP = tuple[str, int]
 
@@ -220,6 +221,7 @@ class Partitions:
         self._jitter = jitter
         self._make = make
         self.prepare = prepare  # decode ahead as messages are queued (None: never)
+        self.limits: RateLimits | None = None  # handlers' max_rate (None: no handler has one)
 
     def get(self, tp: TP) -> Committable | None:
         return self._states.get(tp)
@@ -246,11 +248,13 @@ class Partitions:
                 if isinstance(st, PartitionState) and st.due(now)]
 
     def wait_time(self, now: float, max_wait: float, linger: float = 0.0) -> float:
-        """Until the next backoff ends or a partly filled batch has lingered ``linger``,
-        and never more than ``max_wait``."""
+        """Until the next backoff ends, a partly filled batch has lingered ``linger`` or a
+        handler held back by its ``max_rate`` has a token, and never more than ``max_wait``."""
         deadlines = [
             d for st in self._states.values() if (d := st.deadline(linger)) is not None
         ]
+        if self.limits is not None and (d := self.limits.wake_at()) is not None:
+            deadlines.append(d)
         wait_s = max_wait
         if deadlines:
             wait_s = min(wait_s, max(min(deadlines) - now, 0.0))

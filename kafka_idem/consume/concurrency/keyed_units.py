@@ -57,6 +57,7 @@ from kafka_idem.consume.paths.processor import Processor
 from kafka_idem.consume.paths.round_claim import RoundClaim, Wanted
 from kafka_idem.consume.paths.slots import CallNotStarted, Gate, Slots, Tally
 from kafka_idem.consume.paths.steps import delivery
+from kafka_idem.consume.rate_limit import RateLimits
 from kafka_idem.errors import FrameworkError, MessageError
 from kafka_idem.handler import Handler
 from kafka_idem.keys import check_key
@@ -123,6 +124,7 @@ class KeyedUnits:
         self._local = threading.local()
         self._processors: list[Processor] = []
         self._processors_lock = threading.Lock()
+        self.limits: RateLimits | None = None  # the handlers' max_rate (set by Units)
 
     def make_state(self, topic: str, jitter: Callable[[float, float], float]) -> KeyedState | None:
         """The state of a new partition of ``topic``: key-ordered for such a handler."""
@@ -152,6 +154,9 @@ class KeyedUnits:
                 if (free <= 0 or self.running[tp[0]] + picking[tp[0]] >= self.in_flight_limit(
                         handler) or (not handler.is_async and free_threads <= 0)):
                     continue
+                if self.limits is not None and not (
+                        st.can_take(now) and self.limits.take(tp[0], 1, now)):
+                    continue  # none may start, or its handler's max_rate has no token
                 for entry in st.take(1, now):
                     picked.append((tp, st, entry))
                     picking[tp[0]] += 1
