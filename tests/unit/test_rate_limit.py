@@ -4,7 +4,10 @@ no PostgreSQL), how long the loop may wait, and the refusal of bad values."""
 
 from __future__ import annotations
 
+import sys
 import threading
+import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -193,3 +196,26 @@ def test_a_fractional_rate_is_accepted() -> None:
     h: Any = a.handler(topic="slow", key="{id}", hash_fields=("id",), max_rate=0.5)(
         lambda msg, ctx: None)
     assert h.max_rate == 0.5
+
+
+def test_kafka_idem_run_refuses_a_zero_rate_at_start_with_exit_2_naming_max_rate(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kafka_idem.cli import main
+
+    name = f"user_app_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "from kafka_idem import App\n\napp = App('shop')\n\n\n"
+        "@app.handler(topic='t', key='{id}', hash_fields=('id',), max_rate=0)\n"
+        "def handle(msg, ctx):\n    pass\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main(["run", f"{name}:app"])
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(name, None)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert "max_rate must be a positive number of messages a second, not 0" in err
+    assert "setting=max_rate" in err
