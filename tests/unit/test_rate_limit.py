@@ -136,6 +136,19 @@ def test_local_units_take_only_the_messages_the_limit_lets_go(local_workers: int
     assert [o for u in ran for _, o in u] == [10, 11, 12, 13, 14]  # in order, 5 tokens
 
 
+def test_a_member_under_its_limit_waits_for_nothing() -> None:
+    """5 messages every half second at max_rate=10/s (bursts of 5): each burst goes in the
+    round it arrives, and the loop has no token to wait for."""
+    units, parts, ran = units_of(app(max_rate=10))
+    for burst in range(6):
+        now = burst * 0.5
+        for o in range(5 * burst, 5 * burst + 5):
+            parts.add(FakeMessage("slow", offset=o, value=f'{{"id": "{o}"}}'), now)
+        settle(units, parts, now)
+        assert [o for _, o in ran[-1]] == list(range(5 * burst, 5 * burst + 5))
+        assert parts.wait_time(now, 5.0) == 5.0
+
+
 def test_a_leased_partition_takes_only_its_tokens() -> None:
     units, parts, ran = units_of(app("leased", max_rate=3))
     fill(parts, "slow", 10)

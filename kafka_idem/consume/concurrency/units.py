@@ -18,6 +18,8 @@ partition's first deferred message, so each partition stays in order. Workers
 get copies of what they need (the messages, the claim tokens); only the loop
 thread touches the partition states. Key-ordered handlers (``concurrency > 1``,
 ``async def``) run one message per job instead (:mod:`~kafka_idem.consume.concurrency.keyed_units`).
+A unit takes no more of a handler's messages than its ``max_rate`` lets go now
+(:mod:`~kafka_idem.consume.rate_limit`); the rest wait, queued.
 """
 
 from __future__ import annotations
