@@ -23,7 +23,8 @@ def check_handler_options(
 ) -> None:
     """``@app.handler(...)``'s options, before the function is known: the topic
     names, one handler per topic (``taken``: the topics that have one), the mode, and
-    ``concurrency`` / ``ordering_key`` for leased handlers only."""
+    ``concurrency`` for leased handlers only (``ordering_key`` orders retries in any
+    mode)."""
     check_topic_name(topic, setting="topic")
     if dlq_topic is not None:
         check_topic_name(dlq_topic, setting="dlq_topic")
@@ -34,11 +35,10 @@ def check_handler_options(
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ConfigError(f"concurrency must be a whole number >= 1, not {concurrency!r}",
                           setting="concurrency")
-    if mode != "leased" and (concurrency > 1 or ordering_key is not None):
-        raise ConfigError(f"handler of topic {topic!r}: concurrency and ordering_key are "
-                          f"for mode='leased' handlers, not mode={mode!r} (local mode "
-                          "runs batches; see local_workers)",
-                          setting="concurrency" if concurrency > 1 else "ordering_key")
+    if mode != "leased" and concurrency > 1:
+        raise ConfigError(f"handler of topic {topic!r}: concurrency is for mode='leased' "
+                          f"handlers, not mode={mode!r} (local mode runs batches; see "
+                          "local_workers)", setting="concurrency")
 
 
 def check_handler_function(fn: Callable[..., Any], *, name: str, mode: Mode,

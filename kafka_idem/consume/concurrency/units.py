@@ -32,11 +32,13 @@ from kafka_idem.app import App
 from kafka_idem.consume.concurrency.keyed_units import KeyedResults, KeyedUnits
 from kafka_idem.consume.config_hold import ConfigHold
 from kafka_idem.consume.outcome import Ahead, Deferred, Prepared, Result
-from kafka_idem.consume.partitions import TP, Partitions, PartitionState
+from kafka_idem.consume.parking import Lanes, lanes
+from kafka_idem.consume.partitions import TP, LanesOf, Partitions, PartitionState
 from kafka_idem.consume.paths.lease_keeper import LeaseKeeper
 from kafka_idem.consume.paths.processor import Processor
 from kafka_idem.consume.paths.steps import Steps
-from kafka_idem.errors import MessageError
+from kafka_idem.errors import FrameworkError, MessageError
+from kafka_idem.handler import Handler
 from kafka_idem.observe.metrics import Metrics
 from kafka_idem.store import Store
 
@@ -86,6 +88,38 @@ class Units:
         self._ahead_steps: Steps | None = None
         if self.settings.local_workers > 0 and self.settings.batch_path:
             parts.prepare = self._prepare_ahead
+        parts.make = self.keyed.make_state  # key-ordered handlers' partitions
+        parts.lanes = self._lanes_for
+        parts.lookahead = self.settings.retry_lookahead
+        parts.sift = self.settings.batch_size
+
+    def _loop_steps(self) -> Steps:
+        """Steps to decode with in the loop thread (it never connects for that)."""
+        if self._ahead_steps is None:
+            self._ahead_steps = self._worker_processor().steps
+        return self._ahead_steps
+
+    def _lanes_for(self, topic: str) -> LanesOf | None:
+        """How the partitions of ``topic`` learn a message's lanes, to park its retries
+        (None: ``retry_blocks_partition``, its retries hold the partition)."""
+        handler = self.app.handlers.get(topic)
+        if handler is None or handler.retry_blocks_partition:
+            return None
+        return lambda msg: self._lanes_of(handler, msg)
+
+    def _lanes_of(self, handler: Handler[Any], msg: Any) -> Lanes | None:
+        """``msg``'s lanes, decoded in the loop thread: ``()`` when it can never be
+        decoded (it runs, to its dead letter), None when it cannot be now."""
+        try:
+            prep = self._loop_steps().prepare(handler, msg)
+        except FrameworkError:
+            return None
+        except Exception:  # its own fault (or its codec's): the path says what it is
+            return ()
+        try:
+            return lanes(handler, prep, self.settings.key_max_bytes)
+        except MessageError:  # an ordering key that cannot be built: its key's lane only
+            return ("k:" + prep.key,)
 
     def _prepare_ahead(self, msg: Any) -> Prepared | MessageError | None:
         """Decode a batch handler's message in the loop thread as it is queued, so that
@@ -93,9 +127,7 @@ class Units:
         handler = self.app.handlers.get(msg.topic())
         if handler is None or handler.mode != "local" or not handler.batch:
             return None
-        if self._ahead_steps is None:
-            self._ahead_steps = self._worker_processor().steps  # never connects
-        return self._ahead_steps.prepare_ahead(handler, msg)
+        return self._loop_steps().prepare_ahead(handler, msg)
 
     @property
     def busy(self) -> bool:
@@ -115,30 +147,31 @@ class Units:
         local: list[tuple[TP, PartitionState]] = []
         for tp, st in due:
             if self._mode(tp) == "leased":
-                self._dispatch_leased(tp, st)
+                self._dispatch_leased(tp, st, now)
             else:
                 local.append((tp, st))
         if local and self.settings.local_workers == 0:
-            self._run_inline(local)
+            self._run_inline(local, now)
         elif local:
             self._dispatch_local(local, now)
 
-    def _dispatch_leased(self, tp: TP, st: PartitionState) -> None:
+    def _dispatch_leased(self, tp: TP, st: PartitionState, now: float) -> None:
         # Leased partitions run on the worker pool (one connection each), so their
         # commit waits and remote calls overlap.
         cancel = threading.Event()
         future = self._workers().submit(
-            self._run_leased_partition, tp, st.prefix(self.settings.batch_size),
+            self._run_leased_partition, tp, st.prefix(self.settings.batch_size, now),
             dict(st.tokens), cancel,
         )
         self._start(Unit(future, {tp: st}, cancel))
 
-    def _run_inline(self, local: list[tuple[TP, PartitionState]]) -> None:
+    def _run_inline(self, local: list[tuple[TP, PartitionState]], now: float) -> None:
         """In the loop thread, as one batch: what consume() returned (it lingered to
         fill it if ``batch_linger_seconds`` says so)."""
         done: Future[Results] = Future()
         try:
-            done.set_result(self._run_local_batch([(tp, st.prefix()) for tp, st in local]))
+            parts = [(tp, st.prefix(None, now)) for tp, st in local]
+            done.set_result(self._run_local_batch(parts))
         except Exception as exc:  # a defect: harvest defers the partitions
             done.set_exception(exc)
         self._start(Unit(done, dict(local), threading.Event()))
@@ -157,7 +190,7 @@ class Units:
             room = self.settings.batch_size
             while local and room > 0:
                 tp, st = local.pop(0)
-                msgs = st.prefix(room)
+                msgs = st.prefix(room, now)
                 room -= len(msgs)
                 taken.append((tp, st))
                 parts.append((tp, msgs))
