@@ -243,9 +243,12 @@ class Handler(Generic[M]):
         concurrency: int = 1,
         ordering_key: KeySpec | None = None,
         max_rate: float | None = None,
+        retry_blocks_partition: bool = False,
     ) -> None:
         check_takes_two(fn, what=f"handler {name!r}", params="(msg, ctx)", setting="handler")
         self.fn = fn
+        # a retry holds the whole partition (strict partition order) instead of its lanes
+        self.retry_blocks_partition = retry_blocks_partition
         self.is_async = inspect.iscoroutinefunction(fn)
         self.concurrency = concurrency
         self.max_rate = max_rate  # messages a second in this member (consume/rate_limit.py)

@@ -24,8 +24,8 @@ def check_handler_options(
 ) -> None:
     """``@app.handler(...)``'s options, before the function is known: the topic
     names, one handler per topic (``taken``: the topics that have one), the mode, and
-    ``concurrency`` / ``ordering_key`` for leased handlers only, ``max_rate`` a
-    positive number of messages a second."""
+    ``concurrency`` for leased handlers only (``ordering_key`` orders retries in any
+    mode), ``max_rate`` a positive number of messages a second."""
     check_topic_name(topic, setting="topic")
     if dlq_topic is not None:
         check_topic_name(dlq_topic, setting="dlq_topic")
@@ -40,11 +40,10 @@ def check_handler_options(
             max_rate, int | float) or not math.isfinite(max_rate) or max_rate <= 0):
         raise ConfigError(f"handler of topic {topic!r}: max_rate must be a positive number "
                           f"of messages a second, not {max_rate!r}", setting="max_rate")
-    if mode != "leased" and (concurrency > 1 or ordering_key is not None):
-        raise ConfigError(f"handler of topic {topic!r}: concurrency and ordering_key are "
-                          f"for mode='leased' handlers, not mode={mode!r} (local mode "
-                          "runs batches; see local_workers)",
-                          setting="concurrency" if concurrency > 1 else "ordering_key")
+    if mode != "leased" and concurrency > 1:
+        raise ConfigError(f"handler of topic {topic!r}: concurrency is for mode='leased' "
+                          f"handlers, not mode={mode!r} (local mode runs batches; see "
+                          "local_workers)", setting="concurrency")
 
 
 def check_handler_function(fn: Callable[..., Any], *, name: str, mode: Mode,

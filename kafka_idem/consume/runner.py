@@ -44,7 +44,6 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from kafka_idem.app import App
-from kafka_idem.consume.concurrency.keyed_state import KeyedState
 from kafka_idem.consume.concurrency.keyed_units import KeyedResults
 from kafka_idem.consume.concurrency.units import Units
 from kafka_idem.consume.fatal_errors import ends_member, fatal_error
@@ -86,7 +85,7 @@ class Runner:
         if any(h.mode == "leased" for h in app.handlers.values()):
             self.leases = LeaseKeeper(self.store, s.dsn, s.lease_seconds)
         self.stopping = threading.Event()
-        self.parts = Partitions(make=self._make_state)
+        self.parts = Partitions()  # Units tells it how to keep each topic's partitions
         self.offsets = Offsets(self.parts)
         self.units = Units(app, self.parts, store=self.store, metrics=self.metrics,
                            leases=self.leases, stopping=self.stopping)
@@ -114,10 +113,6 @@ class Runner:
         self.relay: RelayThread | None = None  # an app with event topics publishes its outbox
         if s.outbox_relay and app.event_topics:
             self.relay = RelayThread(Relay(app, metrics=self.metrics, health=self.health))
-
-    def _make_state(self, topic: str, jitter: Any) -> KeyedState | None:
-        handler = self.app.handlers.get(topic)
-        return KeyedState(jitter=jitter) if handler is not None and handler.keyed else None
 
     # --- lifecycle -----------------------------------------------------------
 

@@ -34,12 +34,14 @@ from kafka_idem.app import App
 from kafka_idem.consume.concurrency.keyed_units import KeyedResults, KeyedUnits
 from kafka_idem.consume.config_hold import ConfigHold
 from kafka_idem.consume.outcome import Ahead, Deferred, Prepared, Result
-from kafka_idem.consume.partitions import TP, Partitions, PartitionState
+from kafka_idem.consume.parking import Lanes, lanes
+from kafka_idem.consume.partitions import TP, LanesOf, Partitions, PartitionState
 from kafka_idem.consume.paths.lease_keeper import LeaseKeeper
 from kafka_idem.consume.paths.processor import Processor
 from kafka_idem.consume.paths.steps import Steps
 from kafka_idem.consume.rate_limit import RateLimits
-from kafka_idem.errors import MessageError
+from kafka_idem.errors import FrameworkError, MessageError
+from kafka_idem.handler import Handler
 from kafka_idem.observe.metrics import Metrics
 from kafka_idem.store import Store
 
@@ -91,6 +93,10 @@ class Units:
             parts.prepare = self._prepare_ahead
         self.limits = parts.limits = self._rate_limits()
         self.keyed.limits = self.limits
+        parts.make = self.keyed.make_state  # key-ordered handlers' partitions
+        parts.lanes = self._lanes_for
+        parts.lookahead = self.settings.retry_lookahead
+        parts.sift = self.settings.batch_size
 
     def _rate_limits(self) -> RateLimits | None:
         """The buckets of the handlers with ``max_rate`` (:mod:`~kafka_idem.consume.rate_limit`);
@@ -107,15 +113,41 @@ class Units:
 
         return RateLimits(rates, throttled)
 
+    def _loop_steps(self) -> Steps:
+        """Steps to decode with in the loop thread (it never connects for that)."""
+        if self._ahead_steps is None:
+            self._ahead_steps = self._worker_processor().steps
+        return self._ahead_steps
+
+    def _lanes_for(self, topic: str) -> LanesOf | None:
+        """How the partitions of ``topic`` learn a message's lanes, to park its retries
+        (None: ``retry_blocks_partition``, its retries hold the partition)."""
+        handler = self.app.handlers.get(topic)
+        if handler is None or handler.retry_blocks_partition:
+            return None
+        return lambda msg: self._lanes_of(handler, msg)
+
+    def _lanes_of(self, handler: Handler[Any], msg: Any) -> Lanes | None:
+        """``msg``'s lanes, decoded in the loop thread: ``()`` when it can never be
+        decoded (it runs, to its dead letter), None when it cannot be now."""
+        try:
+            prep = self._loop_steps().prepare(handler, msg)
+        except FrameworkError:
+            return None
+        except Exception:  # its own fault (or its codec's): the path says what it is
+            return ()
+        try:
+            return lanes(handler, prep, self.settings.key_max_bytes)
+        except MessageError:  # an ordering key that cannot be built: its key's lane only
+            return ("k:" + prep.key,)
+
     def _prepare_ahead(self, msg: Any) -> Prepared | MessageError | None:
         """Decode a batch handler's message in the loop thread as it is queued, so that
         it overlaps a worker's wait for the database (``local_workers > 0``)."""
         handler = self.app.handlers.get(msg.topic())
         if handler is None or handler.mode != "local" or not handler.batch:
             return None
-        if self._ahead_steps is None:
-            self._ahead_steps = self._worker_processor().steps  # never connects
-        return self._ahead_steps.prepare_ahead(handler, msg)
+        return self._loop_steps().prepare_ahead(handler, msg)
 
     @property
     def busy(self) -> bool:
@@ -208,11 +240,15 @@ class Units:
             free -= 1
 
     def _prefix(self, tp: TP, st: PartitionState, now: float, n: int | None = None) -> list[Any]:
-        """The queued prefix a unit takes: up to ``n`` messages, and only as many as the
-        handler's ``max_rate`` lets go now (none: the partition waits for tokens)."""
-        if self.limits is not None:
-            n = self.limits.take(tp[0], len(st.queue) if n is None else min(n, len(st.queue)), now)
-        return st.prefix(n)
+        """What a unit takes of a partition: its parked messages due now and up to ``n``
+        queued ones, and only as many as the handler's ``max_rate`` lets go now (none:
+        the partition waits for tokens)."""
+        msgs = st.prefix(n, now)
+        if self.limits is not None and msgs:
+            got = self.limits.take(tp[0], len(msgs), now)
+            if got < len(msgs):
+                msgs = st.cut(got)
+        return msgs
 
     def _start(self, unit: Unit) -> None:
         for st in unit.states.values():
