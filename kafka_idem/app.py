@@ -27,16 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from kafka_idem.codecs.avro_codec import (
-    AvroCodec,
-    AvroObjectCodec,
-)
+from kafka_idem.codecs.avro_codec import AvroCodec, AvroObjectCodec
 from kafka_idem.codecs.base import Codec, CodecFactory, validate
 from kafka_idem.codecs.json_codec import JsonCodec
-from kafka_idem.errors import (
-    ConfigError,
-    StaleOwner,
-)
+from kafka_idem.errors import ConfigError, StaleOwner
 from kafka_idem.handler import (
     DEFAULT_ERRORS,
     AsyncContext,
@@ -157,7 +151,8 @@ class App:
         retry: RetryPolicy | None = None,
         errors: Mapping[type[BaseException], ErrorKind] | None = None,
         concurrency: int = 1,
-        ordering_key: KeySpec | None = None,
+        ordering_key: KeySpec | None = None, max_rate: float | None = None,
+        retry_blocks_partition: bool = False,
     ) -> Callable[[Callable[[M, Any], Any]], Handler[M]]:
         """Register a handler for ``topic``.
 
@@ -182,6 +177,9 @@ class App:
         per-message path the handler may run again after a rollback, so keep
         its effects in this database (or pass ``batch=False``).
 
+        A message waiting for a retry holds only its idempotency key and ``ordering_key``
+        (any mode); ``retry_blocks_partition=True`` holds its whole partition instead.
+
         ``concurrency=N`` (leased mode) runs up to N calls of this handler at once
         in a member, over its partitions, in key order: messages with the same
         idempotency key, or the same ``ordering_key`` (a template or function like
@@ -191,20 +189,13 @@ class App:
         ``async def`` handler with ``N > 1`` claims up to N more messages ahead, so
         a call that returns frees its slot for one already claimed. The member's
         ``max_concurrency`` setting caps all such handlers' calls together.
+        ``max_rate=R``: at most R messages a second in each member (docs/how-to/handlers.md).
         An ``async def`` handler (leased mode) runs on the member's event loop with
-        an :class:`AsyncContext` (``ctx.tx`` a ``psycopg.AsyncConnection``)::
-
-            @app.handler(topic="charges", key="{tenant_id}:charge:{order_id}",
-                         hash_fields=("amount",), mode="leased", concurrency=64)
-            async def charge(msg: Charge, ctx: AsyncContext) -> dict:
-                # one client shared by the calls, made on the member's event loop the
-                # first time (not one per message): the how-to on concurrency shows it
-                r = await client().post(URL, headers={"Idempotency-Key": ctx.idempotency_key})
-                await ctx.tx.execute("INSERT INTO charges ...", (...))
-                return r.json()
+        an :class:`AsyncContext` (``ctx.tx`` a ``psycopg.AsyncConnection``; the how-to
+        on concurrency has an example).
         """
         check_handler_options(topic, dlq_topic=dlq_topic, mode=mode, concurrency=concurrency,
-                              ordering_key=ordering_key, taken=self.handlers)
+                              ordering_key=ordering_key, taken=self.handlers, max_rate=max_rate)
 
         def register(fn: Callable[[M, Any], Any]) -> Handler[M]:
             check_handler_function(fn, name=name or fn.__name__, mode=mode,
@@ -215,7 +206,7 @@ class App:
                 hash_fields=tuple(hash_fields), mode=mode, batch=batch, dlq_topic=dlq_topic,
                 schema=schema, retry=retry, errors=mapping, format=format,
                 binder=self.bind_codec, concurrency=concurrency, ordering_key=ordering_key,
-            )
+                max_rate=max_rate, retry_blocks_partition=retry_blocks_partition)
             self.handlers[topic] = h
             return h
 

@@ -242,11 +242,16 @@ class Handler(Generic[M]):
         binder: Callable[[Handler[Any]], Codec] | None = None,
         concurrency: int = 1,
         ordering_key: KeySpec | None = None,
+        max_rate: float | None = None,
+        retry_blocks_partition: bool = False,
     ) -> None:
         check_takes_two(fn, what=f"handler {name!r}", params="(msg, ctx)", setting="handler")
         self.fn = fn
+        # a retry holds the whole partition (strict partition order) instead of its lanes
+        self.retry_blocks_partition = retry_blocks_partition
         self.is_async = inspect.iscoroutinefunction(fn)
         self.concurrency = concurrency
+        self.max_rate = max_rate  # messages a second in this member (consume/rate_limit.py)
         self.ordering = (KeyTemplate(ordering_key, setting="ordering_key")
                          if ordering_key is not None else None)
         self.name = name

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,12 @@ from kafka_idem.settings import Settings
 
 def check_handler_options(
     topic: str, *, dlq_topic: str | None, mode: Mode, concurrency: int,
-    ordering_key: KeySpec | None, taken: Collection[str],
+    ordering_key: KeySpec | None, taken: Collection[str], max_rate: float | None = None,
 ) -> None:
     """``@app.handler(...)``'s options, before the function is known: the topic
     names, one handler per topic (``taken``: the topics that have one), the mode, and
-    ``concurrency`` / ``ordering_key`` for leased handlers only."""
+    ``concurrency`` for leased handlers only (``ordering_key`` orders retries in any
+    mode), ``max_rate`` a positive number of messages a second."""
     check_topic_name(topic, setting="topic")
     if dlq_topic is not None:
         check_topic_name(dlq_topic, setting="dlq_topic")
@@ -34,11 +36,14 @@ def check_handler_options(
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ConfigError(f"concurrency must be a whole number >= 1, not {concurrency!r}",
                           setting="concurrency")
-    if mode != "leased" and (concurrency > 1 or ordering_key is not None):
-        raise ConfigError(f"handler of topic {topic!r}: concurrency and ordering_key are "
-                          f"for mode='leased' handlers, not mode={mode!r} (local mode "
-                          "runs batches; see local_workers)",
-                          setting="concurrency" if concurrency > 1 else "ordering_key")
+    if max_rate is not None and (isinstance(max_rate, bool) or not isinstance(
+            max_rate, int | float) or not math.isfinite(max_rate) or max_rate <= 0):
+        raise ConfigError(f"handler of topic {topic!r}: max_rate must be a positive number "
+                          f"of messages a second, not {max_rate!r}", setting="max_rate")
+    if mode != "leased" and concurrency > 1:
+        raise ConfigError(f"handler of topic {topic!r}: concurrency is for mode='leased' "
+                          f"handlers, not mode={mode!r} (local mode runs batches; see "
+                          "local_workers)", setting="concurrency")
 
 
 def check_handler_function(fn: Callable[..., Any], *, name: str, mode: Mode,

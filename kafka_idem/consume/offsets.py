@@ -17,7 +17,8 @@ from typing import Literal, Protocol, overload
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from kafka_idem.consume.partitions import TP, Committable, Partitions
+from kafka_idem.consume.committable import TP, Committable
+from kafka_idem.consume.partitions import Partitions
 
 log = logging.getLogger(__name__)
 

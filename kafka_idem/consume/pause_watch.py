@@ -33,8 +33,9 @@ import psycopg
 
 from kafka_idem.admin.pauses import CHANNEL, Pause, handler_names, listed, topics_of
 from kafka_idem.app import App
+from kafka_idem.consume.committable import TP, Assigned, tps
 from kafka_idem.consume.concurrency.units import Units
-from kafka_idem.consume.partitions import TP, Assigned, Partitions, tps
+from kafka_idem.consume.partitions import Partitions
 from kafka_idem.errors import StoreError
 from kafka_idem.observe.health import Health
 from kafka_idem.observe.metrics import Metrics

@@ -45,16 +45,16 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from kafka_idem.app import App
-from kafka_idem.consume.concurrency.keyed_state import KeyedState
+from kafka_idem.consume.committable import TP
+from kafka_idem.consume.committable import names as _names
+from kafka_idem.consume.committable import tps as _tps
 from kafka_idem.consume.concurrency.keyed_units import KeyedResults
 from kafka_idem.consume.concurrency.units import Units
 from kafka_idem.consume.fatal_errors import ends_member, fatal_error
 from kafka_idem.consume.lag import LAG_EVERY_SECONDS, Lag, Sampler, sample_store
 from kafka_idem.consume.offsets import Offsets, say_where_they_start
 from kafka_idem.consume.outcome import Result
-from kafka_idem.consume.partitions import TP, Partitions
-from kafka_idem.consume.partitions import names as _names
-from kafka_idem.consume.partitions import tps as _tps
+from kafka_idem.consume.partitions import Partitions
 from kafka_idem.consume.paths.lease_keeper import LeaseKeeper
 from kafka_idem.consume.pause_watch import HandlerHold
 from kafka_idem.consume.progress import Progress
@@ -90,7 +90,7 @@ class Runner:
         if any(h.mode == "leased" for h in app.handlers.values()):
             self.leases = LeaseKeeper(self.store, s.dsn, s.lease_seconds)
         self.stopping = threading.Event()
-        self.parts = Partitions(make=self._make_state)
+        self.parts = Partitions()  # Units tells it how to keep each topic's partitions
         self.offsets = Offsets(self.parts)
         self.units = Units(app, self.parts, store=self.store, metrics=self.metrics,
                            leases=self.leases, stopping=self.stopping)
@@ -120,10 +120,6 @@ class Runner:
                                 health=self.health)  # paused handlers (kafka-idem pause)
         if s.outbox_relay and app.event_topics:
             self.relay = RelayThread(Relay(app, metrics=self.metrics, health=self.health))
-
-    def _make_state(self, topic: str, jitter: Any) -> KeyedState | None:
-        handler = self.app.handlers.get(topic)
-        return KeyedState(jitter=jitter) if handler is not None and handler.keyed else None
 
     # --- lifecycle -----------------------------------------------------------
 

@@ -74,6 +74,14 @@ METRICS: tuple[tuple[str, _Kind, str, str, tuple[str, ...]], ...] = (
      "Key-ordered handlers: calls running now (at most the handler's concurrency), "
      "and claimed messages waiting for a call's slot (read on each scrape).",
      ("topic", "handler", "state")),
+    ("max_rate", Gauge, "kafka_idem_handler_max_rate",
+     "A handler's max_rate: the messages a second it may start in this member (set "
+     "at start, for handlers with one).",
+     ("topic", "handler")),
+    ("throttled", Counter, "kafka_idem_handler_throttled_seconds_total",
+     "Seconds a handler's messages waited for its max_rate in this member (while its "
+     "bucket was empty and messages were queued for it).",
+     ("topic", "handler")),
     ("lag", Gauge, "kafka_idem_consumer_lag_messages",
      "Messages not finished yet (high watermark minus the first unfinished offset), "
      "per assigned partition.",
@@ -127,6 +135,8 @@ class Metrics:
     duplicates: Counter
     duplicate_ratio: Gauge
     handler_calls: Gauge
+    max_rate: Gauge
+    throttled: Counter
     lag: Gauge
     records: Gauge
     expired_leases: Gauge

@@ -74,19 +74,17 @@ class Settings(BaseSettings):
         "it above your slowest remote call, its client's timeout included: a call abandoned at "
         "a stop or a revoke keeps its lease until it runs out, so no other member calls for "
         "that key while its request may still be in flight.")
-    max_attempts: int = Field(
-        5, ge=1, description="Attempts before a key is exhausted (and dead-lettered).")
-    max_elapsed_seconds: float = Field(
-        3600.0, gt=0, description="Time since the first failure after which a key is exhausted."
-    )
+    max_attempts: int = Field(5, ge=1, description="Attempts before a key is exhausted (and "
+                              "dead-lettered).")
+    max_elapsed_seconds: float = Field(3600.0, gt=0, description="Time since the first "
+                                       "failure after which a key is exhausted.")
     backoff_base_seconds: float = Field(
         0.5, ge=0, description="Retry backoff base: the wait before the attempt after the "
         "n-th failure is random, below base * 2^(n-1) (full jitter).")
     backoff_cap_seconds: float = Field(
         60.0, ge=0, description="Retry backoff cap: the longest wait before a retry.")
-    busy_retry_seconds: float = Field(
-        0.5, gt=0, description="Wait before retrying a key another member holds."
-    )
+    busy_retry_seconds: float = Field(0.5, gt=0, description="Wait before retrying a key "
+                                      "another member holds.")
     batch_size: int = Field(500, ge=1, le=100_000, description="Messages per consume batch.")
     batch_max_wait_seconds: float = Field(
         0.1, ge=0,
@@ -98,6 +96,9 @@ class Settings(BaseSettings):
         description="After a batch's first message, how long it may wait to fill up to "
         "batch_size (0: it starts at once with what has arrived).",
     )
+    retry_lookahead: int = Field(10_000, ge=1, le=10_000_000, description="While a message "
+        "waits for its next attempt (other keys go on), how many messages past it its partition "
+        "may take in: what is held, and what a crash delivers again (replayed, not re-run).")
     leased_workers: int = Field(
         4, ge=1, le=64,
         description="Partitions processed at once in leased mode (one database connection each).",

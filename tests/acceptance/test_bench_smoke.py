@@ -1,7 +1,8 @@
 """``python -m bench`` as a subprocess at the tiniest sizes, on a few rows (raw, the
 batch path, the leased path, the outbox relay, the gateway at concurrency 1), against
 the shared services: it exits 0 and every row's exactly-once check passed; and
-``python -m bench.floor`` (the gateway rows' work with no framework) the same way;
+``python -m bench.floor`` (the gateway rows' work with no framework) and
+``python -m bench.rate`` (a handler's ``max_rate``) the same way;
 ``python -m bench.console``'s store and dead letters (checked as the framework writes
 them) and its page timings against a real console process.
 
@@ -83,6 +84,30 @@ def test_the_floor_runs_its_work_exactly_once() -> None:
         left = conn.execute("SELECT count(*) FROM information_schema.schemata"
                             " WHERE schema_name LIKE 'bench_floor_%'").fetchone()
     assert left == (0,), "the floor's schema was left behind"
+
+
+@pytest.mark.parametrize("mode", ["local", "keyed"])
+def test_the_rate_bench_measures_a_limited_handler_and_checks_exactly_once(mode: str) -> None:
+    """``python -m bench.rate`` at its tiniest (one member, a 2 s window): it prints the
+    member's rate, the group's and the raw handler's, its exactly-once check passes, and
+    its database and topics are dropped afterwards. The figures are not asserted on."""
+    env = {**os.environ, "KAFKA_IDEM_DATABASE_URL": ADMIN_DSN,
+           "KAFKA_IDEM_BOOTSTRAP_SERVERS": BOOTSTRAP, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.rate", "--seconds", "2", "--members", "1",
+         "--rate", "20", "--raw-messages", "100", "--mode", mode],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    said = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, said
+    lines = proc.stdout.splitlines()
+    assert sum(1 for line in lines if line.strip().startswith("member ")) == 1, said
+    assert any(line.strip().startswith("group: ") for line in lines), said
+    assert any(line.strip().startswith("raw handler") for line in lines), said
+    assert any(line.strip().startswith("exactly once: ok") for line in lines), said
+    with psycopg.connect(ADMIN_DSN) as conn:
+        left = conn.execute("SELECT count(*) FROM pg_database WHERE datname LIKE 'rate\\_%'"
+                            ).fetchone()
+    assert left == (0,), "the rate bench's database was left behind"
 
 
 def test_the_dead_letter_bench_checks_every_letter_and_its_signature(tmp_path: Path) -> None:

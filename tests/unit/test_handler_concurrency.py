@@ -45,12 +45,16 @@ def test_concurrency_must_be_a_whole_number_of_at_least_one(value: Any) -> None:
     assert err.value.context.get("setting") == "concurrency"
 
 
-@pytest.mark.parametrize("options", [{"concurrency": 4}, {"ordering_key": "{tenant_id}"}])
-def test_concurrency_and_an_ordering_key_need_leased_mode(options: dict[str, Any]) -> None:
+def test_concurrency_needs_leased_mode() -> None:
     with pytest.raises(ConfigError, match="mode='leased'") as err:
-        register(app(), sync_handler, mode="local", **options)
-    assert f"(setting={next(iter(options))})" in str(err.value)  # the one given
+        register(app(), sync_handler, mode="local", concurrency=4)
+    assert "(setting=concurrency)" in str(err.value)
     assert "handler of topic 'orders'" in str(err.value)  # which handler
+
+
+def test_an_ordering_key_orders_a_local_handlers_retries_without_making_it_key_ordered() -> None:
+    h = register(app(), sync_handler, mode="local", ordering_key="{tenant_id}")
+    assert h.ordering is not None and not h.keyed and not h.retry_blocks_partition
 
 
 def test_an_async_handler_needs_leased_mode() -> None:

@@ -185,17 +185,30 @@ def test_admission_decodes_only_as_many_as_may_start_and_the_rest_in_later_round
     assert [st.first_offset(), st.size] == [0, 6]
 
 
-def test_a_partition_pauses_when_it_holds_too_much_and_resumes_when_drained() -> None:
+def test_a_partition_pauses_when_it_holds_too_many_unfinished_and_resumes_when_drained() -> None:
     st = state(*(Msg(i, f"k{i}") for i in range(6)))
+    assert st.pause_if(0.0, full=6)  # six fetched, none finished
     st.take(6, 0.0)
     for i in range(1, 6):
         st.finish(i, OK, 0.0)  # finished, but 0 holds them uncommittable
-    assert st.size == 6
-    assert st.pause_if(0.0, full=6)
-    assert not st.resume_if(0.0, low=3)
+    assert st.size == 6  # held, but not counted: only 0 is unfinished
+    assert st.resume_if(0.0, low=3)
     st.finish(0, OK, 0.0)
     assert st.size == 0
-    assert st.resume_if(0.0, low=3)
+
+
+def test_a_partition_pauses_once_it_took_in_the_lookahead_past_its_oldest_unfinished() -> None:
+    st = KeyedState(lookahead=4)
+    for i in range(6):
+        st.add(Msg(i, f"k{i}"), 0.0)
+    st.admit(0.0, lanes)
+    st.take(6, 0.0)
+    for i in range(1, 6):
+        st.finish(i, OK, 0.0)
+    assert st.pause_if(0.0, full=100)  # 5 past offset 0, which still runs
+    assert not st.resume_if(0.0, low=50)
+    st.finish(0, OK, 0.0)
+    assert st.resume_if(0.0, low=50) and st.to_commit == 6
 
 
 def test_a_refetched_message_is_not_queued_twice() -> None:

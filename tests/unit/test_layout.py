@@ -168,8 +168,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kafka_idem.consume",),  # the member's loop: runner, offsets, lag, shutdown...
     ("kafka_idem.consume.concurrency",),
     ("kafka_idem.consume.paths",),
-    ("kafka_idem.consume.outcome", "kafka_idem.consume.partitions",
-     "kafka_idem.consume.config_hold", "kafka_idem.consume.tracing"),
+    ("kafka_idem.consume.outcome", "kafka_idem.consume.partitions", "kafka_idem.consume.parking",
+     "kafka_idem.consume.committable",
+     "kafka_idem.consume.config_hold", "kafka_idem.consume.tracing",
+     "kafka_idem.consume.rate_limit"),
     ("kafka_idem.admin",),
     ("kafka_idem.app", "kafka_idem.registration", "kafka_idem.producer"),
     ("kafka_idem.outbox",),

@@ -31,7 +31,8 @@ def parse(argv: list[str] | None, description: str) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=1,
                     help="leased mode: the handler's concurrency (key-ordered above 1)")
     ap.add_argument("--order-by-tenant", action="store_true",
-                    help="leased mode: ordering_key='{tenant_id}' (with --concurrency > 1)")
+                    help="leased mode: ordering_key='{tenant_id}' (then check 10 checks "
+                    "each tenant's order)")
     ap.add_argument("--async-handler", action="store_true",
                     help="leased mode: the payments handler as async def (PAYMENTS_ASYNC=1)")
     ap.add_argument("--heal-timeout", type=float, default=180.0,
@@ -67,13 +68,11 @@ def parse(argv: list[str] | None, description: str) -> argparse.Namespace:
 
 
 def ordered_by(args: argparse.Namespace) -> str | None:
-    """Per-message runs keep each tenant's charges of a partition in offset order: a
-    partition run as prefixes, or key-ordered by tenant (check 10). Local batches
-    and key order by idempotency key alone do not."""
-    if args.mode != "leased":
-        return None
-    prefix = args.concurrency == 1 and not args.async_handler
-    return "tenant" if prefix or args.order_by_tenant else None
+    """Per-message runs with the tenant as ordering key keep each tenant's charges of a
+    partition in offset order (check 10). Without it a charge waiting for a retry holds
+    only its own key (other tenants' and its tenant's other charges go on), and local
+    batches number their ledger rows in claim order, not offset order."""
+    return "tenant" if args.mode == "leased" and args.order_by_tenant else None
 
 
 def events_ordered(args: argparse.Namespace) -> bool:

@@ -14,9 +14,11 @@ lanes until it finishes: later messages of its keys wait for it, other keys go
 on. The committable offset is the end of the contiguous run of finished messages
 at the front of the partition, so it never passes a message that is running,
 waiting or backing off, however many later ones have finished. Memory: the
-loop pauses a partition whose admitted and fetched messages reach its bound
-(:meth:`KeyedState.pause_if`), finished ones included, so a slow key at the front
-stops fetching, never holds an unbounded queue.
+loop pauses a partition whose unfinished messages (fetched or admitted) reach its
+bound, or that took in ``retry_lookahead`` messages past its oldest unfinished one
+(:meth:`KeyedState.pause_if`), so a slow key at the front stops fetching, never holds
+an unbounded queue, and a crash delivers at most that many messages again (finished
+ones replay from the store).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kafka_idem.consume.committable import Committable, Message
 from kafka_idem.consume.outcome import Deferred, Finished, Reason, Result
-from kafka_idem.consume.partitions import Committable, Message
 
 Prepare = Callable[[Any], tuple[tuple[str, ...], Any]]
 """The caller's admission of a message: its lanes and the job a worker gets; raises
@@ -61,8 +63,11 @@ class Entry:
 class KeyedState(Committable):
     """One partition of a key-ordered handler."""
 
-    def __init__(self, *, jitter: Callable[[float, float], float] = random.uniform) -> None:
+    def __init__(self, *, jitter: Callable[[float, float], float] = random.uniform,
+                 lookahead: int = 10_000) -> None:
         super().__init__(jitter=jitter)
+        self._lookahead = lookahead
+        self._done = 0  # admitted entries finished, not yet out of the committable prefix
         self.fetched: deque[Any] = deque()  # not admitted yet, in offset order
         self.entries: dict[int, Entry] = {}  # admitted, in offset order (dict order)
         self._order: deque[int] = deque()  # the admitted offsets, for the finished prefix
@@ -156,11 +161,13 @@ class KeyedState(Committable):
             return None
         entry.done = True
         entry.token = None
+        self._done += 1
         self.framework_failures = 0
         self._leave_lanes(entry)
         while self._order and self.entries[self._order[0]].done:
             first = self._order.popleft()
             del self.entries[first]
+            self._done -= 1
             self.to_commit = first + 1
         return str(result.outcome) if isinstance(result, Finished) else None
 
@@ -212,14 +219,21 @@ class KeyedState(Committable):
         """Admission waits on our surroundings: nothing after it can run."""
         return bool(self.fetched) and self.admit_not_before > now
 
+    def far_ahead(self) -> bool:
+        """Took in ``retry_lookahead`` messages past its oldest unfinished one."""
+        first = self.first_offset()
+        return first is not None and self.last_queued - first >= self._lookahead
+
     def pause_if(self, now: float, full: int) -> bool:
-        if self.paused or not (self.blocked(now) or self.size >= full):
+        if self.paused or not (self.blocked(now) or self.size - self._done >= full
+                               or self.far_ahead()):
             return False
         self.paused = True
         return True
 
     def resume_if(self, now: float, low: int) -> bool:
-        if not self.paused or self.blocked(now) or self.size > low:
+        if (not self.paused or self.blocked(now) or self.size - self._done > low
+                or self.far_ahead()):
             return False
         self.paused = False
         return True

@@ -49,6 +49,7 @@ from kafka_idem.consume.concurrency.event_loop import (
 from kafka_idem.consume.concurrency.keyed_state import Entry, KeyedState, NotNow
 from kafka_idem.consume.config_hold import ConfigHold
 from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
+from kafka_idem.consume.parking import lanes as message_lanes
 from kafka_idem.consume.partitions import TP, Partitions
 from kafka_idem.consume.paths.async_connections import AsyncConnections, connection_limit
 from kafka_idem.consume.paths.async_leased_path import AsyncLeasedPath
@@ -57,9 +58,9 @@ from kafka_idem.consume.paths.processor import Processor
 from kafka_idem.consume.paths.round_claim import RoundClaim, Wanted
 from kafka_idem.consume.paths.slots import CallNotStarted, Gate, Slots, Tally
 from kafka_idem.consume.paths.steps import delivery
+from kafka_idem.consume.rate_limit import RateLimits
 from kafka_idem.errors import FrameworkError, MessageError
 from kafka_idem.handler import Handler
-from kafka_idem.keys import check_key
 from kafka_idem.observe.metrics import Metrics
 from kafka_idem.store import Store, describe
 
@@ -123,11 +124,14 @@ class KeyedUnits:
         self._local = threading.local()
         self._processors: list[Processor] = []
         self._processors_lock = threading.Lock()
+        self.limits: RateLimits | None = None  # the handlers' max_rate (set by Units)
 
     def make_state(self, topic: str, jitter: Callable[[float, float], float]) -> KeyedState | None:
         """The state of a new partition of ``topic``: key-ordered for such a handler."""
         handler = self.app.handlers.get(topic)
-        return KeyedState(jitter=jitter) if handler is not None and handler.keyed else None
+        if handler is None or not handler.keyed:
+            return None
+        return KeyedState(jitter=jitter, lookahead=self.settings.retry_lookahead)
 
     # --- dispatch ----------------------------------------------------------------------
 
@@ -153,6 +157,9 @@ class KeyedUnits:
                 if (free <= 0 or self.running[tp[0]] + picking[tp[0]] >= self.in_flight_limit(
                         handler) or (not handler.is_async and free_threads <= 0)):
                     continue
+                if self.limits is not None and not (
+                        st.can_take(now) and self.limits.take(tp[0], 1, now)):
+                    continue  # none may start, or its handler's max_rate has no token
                 for entry in st.take(1, now):
                     picked.append((tp, st, entry))
                     picking[tp[0]] += 1
@@ -193,11 +200,7 @@ class KeyedUnits:
         try:
             prep = steps.prepare(handler, msg)
             key = prep.key
-            lanes: tuple[str, ...] = ("k:" + prep.key,)
-            if handler.ordering is not None:
-                order = check_key(handler.ordering.build(prep.model),
-                                  self.settings.key_max_bytes, escaped=handler.ordering.escapes)
-                lanes += ("o:" + order,)
+            lanes = message_lanes(handler, prep, self.settings.key_max_bytes)
         except MessageError as exc:
             verdict = steps.undecodable(handler, msg, exc, key=key)
             verdict.note.write(log)

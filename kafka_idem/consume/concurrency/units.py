@@ -18,6 +18,8 @@ partition's first deferred message, so each partition stays in order. Workers
 get copies of what they need (the messages, the claim tokens); only the loop
 thread touches the partition states. Key-ordered handlers (``concurrency > 1``,
 ``async def``) run one message per job instead (:mod:`~kafka_idem.consume.concurrency.keyed_units`).
+A unit takes no more of a handler's messages than its ``max_rate`` lets go now
+(:mod:`~kafka_idem.consume.rate_limit`); the rest wait, queued.
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ from kafka_idem.app import App
 from kafka_idem.consume.concurrency.keyed_units import KeyedResults, KeyedUnits
 from kafka_idem.consume.config_hold import ConfigHold
 from kafka_idem.consume.outcome import Ahead, Deferred, Prepared, Result
-from kafka_idem.consume.partitions import TP, Partitions, PartitionState
+from kafka_idem.consume.parking import Lanes, lanes
+from kafka_idem.consume.partitions import TP, LanesOf, Partitions, PartitionState
 from kafka_idem.consume.paths.lease_keeper import LeaseKeeper
 from kafka_idem.consume.paths.processor import Processor
 from kafka_idem.consume.paths.steps import Steps
-from kafka_idem.errors import MessageError
+from kafka_idem.consume.rate_limit import RateLimits
+from kafka_idem.errors import FrameworkError, MessageError
+from kafka_idem.handler import Handler
 from kafka_idem.observe.metrics import Metrics
 from kafka_idem.store import Store
 
@@ -86,6 +91,55 @@ class Units:
         self._ahead_steps: Steps | None = None
         if self.settings.local_workers > 0 and self.settings.batch_path:
             parts.prepare = self._prepare_ahead
+        self.limits = parts.limits = self._rate_limits()
+        self.keyed.limits = self.limits
+        parts.make = self.keyed.make_state  # key-ordered handlers' partitions
+        parts.lanes = self._lanes_for
+        parts.lookahead = self.settings.retry_lookahead
+        parts.sift = self.settings.batch_size
+
+    def _rate_limits(self) -> RateLimits | None:
+        """The buckets of the handlers with ``max_rate`` (:mod:`~kafka_idem.consume.rate_limit`);
+        None when no handler has one, so that dispatch pays nothing for them."""
+        rates = {t: h.max_rate for t, h in self.app.handlers.items() if h.max_rate is not None}
+        if not rates:
+            return None
+        metrics = self.metrics
+        for topic, rate in rates.items():
+            metrics.max_rate.labels(topic, self.app.handlers[topic].name).set(rate)
+
+        def throttled(topic: str, seconds: float) -> None:
+            metrics.throttled.labels(topic, self.app.handlers[topic].name).inc(seconds)
+
+        return RateLimits(rates, throttled)
+
+    def _loop_steps(self) -> Steps:
+        """Steps to decode with in the loop thread (it never connects for that)."""
+        if self._ahead_steps is None:
+            self._ahead_steps = self._worker_processor().steps
+        return self._ahead_steps
+
+    def _lanes_for(self, topic: str) -> LanesOf | None:
+        """How the partitions of ``topic`` learn a message's lanes, to park its retries
+        (None: ``retry_blocks_partition``, its retries hold the partition)."""
+        handler = self.app.handlers.get(topic)
+        if handler is None or handler.retry_blocks_partition:
+            return None
+        return lambda msg: self._lanes_of(handler, msg)
+
+    def _lanes_of(self, handler: Handler[Any], msg: Any) -> Lanes | None:
+        """``msg``'s lanes, decoded in the loop thread: ``()`` when it can never be
+        decoded (it runs, to its dead letter), None when it cannot be now."""
+        try:
+            prep = self._loop_steps().prepare(handler, msg)
+        except FrameworkError:
+            return None
+        except Exception:  # its own fault (or its codec's): the path says what it is
+            return ()
+        try:
+            return lanes(handler, prep, self.settings.key_max_bytes)
+        except MessageError:  # an ordering key that cannot be built: its key's lane only
+            return ("k:" + prep.key,)
 
     def _prepare_ahead(self, msg: Any) -> Prepared | MessageError | None:
         """Decode a batch handler's message in the loop thread as it is queued, so that
@@ -93,9 +147,7 @@ class Units:
         handler = self.app.handlers.get(msg.topic())
         if handler is None or handler.mode != "local" or not handler.batch:
             return None
-        if self._ahead_steps is None:
-            self._ahead_steps = self._worker_processor().steps  # never connects
-        return self._ahead_steps.prepare_ahead(handler, msg)
+        return self._loop_steps().prepare_ahead(handler, msg)
 
     @property
     def busy(self) -> bool:
@@ -112,6 +164,8 @@ class Units:
     def dispatch(self, now: float, *, keyed: bool = True) -> None:
         """Hand the due partitions that are not in flight to the workers, and start
         the key-ordered messages that may run (not with ``keyed=False``)."""
+        if self.limits is not None:
+            self.limits.round(now)
         if keyed:
             self.keyed.dispatch(now)
         due = self.parts.due(now)
@@ -120,30 +174,38 @@ class Units:
         local: list[tuple[TP, PartitionState]] = []
         for tp, st in due:
             if self._mode(tp) == "leased":
-                self._dispatch_leased(tp, st)
+                self._dispatch_leased(tp, st, now)
             else:
                 local.append((tp, st))
         if local and self.settings.local_workers == 0:
-            self._run_inline(local)
+            self._run_inline(local, now)
         elif local:
             self._dispatch_local(local, now)
 
-    def _dispatch_leased(self, tp: TP, st: PartitionState) -> None:
+    def _dispatch_leased(self, tp: TP, st: PartitionState, now: float) -> None:
         # Leased partitions run on the worker pool (one connection each), so their
         # commit waits and remote calls overlap.
+        msgs = self._prefix(tp, st, now, self.settings.batch_size)
+        if not msgs:
+            return  # waits for its handler's max_rate
         cancel = threading.Event()
         future = self._workers().submit(
-            self._run_leased_partition, tp, st.prefix(self.settings.batch_size),
-            dict(st.tokens), cancel,
+            self._run_leased_partition, tp, msgs, dict(st.tokens), cancel,
         )
         self._start(Unit(future, {tp: st}, cancel))
 
-    def _run_inline(self, local: list[tuple[TP, PartitionState]]) -> None:
+    def _run_inline(self, local: list[tuple[TP, PartitionState]], now: float) -> None:
         """In the loop thread, as one batch: what consume() returned (it lingered to
         fill it if ``batch_linger_seconds`` says so)."""
+        parts = [(tp, msgs) for tp, st in local if (msgs := self._prefix(tp, st, now))]
+        if len(parts) < len(local):  # those held back by their max_rate wait
+            taken = {tp for tp, _ in parts}
+            local = [(tp, st) for tp, st in local if tp in taken]
+        if not local:
+            return
         done: Future[Results] = Future()
         try:
-            done.set_result(self._run_local_batch([(tp, st.prefix()) for tp, st in local]))
+            done.set_result(self._run_local_batch(parts))
         except Exception as exc:  # a defect: harvest defers the partitions
             done.set_exception(exc)
         self._start(Unit(done, dict(local), threading.Event()))
@@ -162,18 +224,36 @@ class Units:
             room = self.settings.batch_size
             while local and room > 0:
                 tp, st = local.pop(0)
-                msgs = st.prefix(room)
+                msgs = self._prefix(tp, st, now, room)
+                if not msgs:
+                    continue  # waits for its handler's max_rate
                 room -= len(msgs)
                 taken.append((tp, st))
                 parts.append((tp, msgs))
+            if not taken:
+                return
             oldest = min(st.since for _, st in taken)
             if room > 0 and now - oldest < self.settings.batch_linger_seconds:
+                if self.limits is not None:  # their tokens wait with them
+                    for tp, msgs in parts:
+                        self.limits.give_back(tp[0], len(msgs))
                 return  # the rest are younger still
             ahead = {tp: st.take_prepared(msgs)
                      for (tp, st), (_, msgs) in zip(taken, parts, strict=True)}
             batch = self._local_workers().submit(self._run_local_batch, parts, ahead)
             self._start(Unit(batch, dict(taken), threading.Event()))
             free -= 1
+
+    def _prefix(self, tp: TP, st: PartitionState, now: float, n: int | None = None) -> list[Any]:
+        """What a unit takes of a partition: its parked messages due now and up to ``n``
+        queued ones, and only as many as the handler's ``max_rate`` lets go now (none:
+        the partition waits for tokens)."""
+        msgs = st.prefix(n, now)
+        if self.limits is not None and msgs:
+            got = self.limits.take(tp[0], len(msgs), now)
+            if got < len(msgs):
+                msgs = st.cut(got)
+        return msgs
 
     def _start(self, unit: Unit) -> None:
         for st in unit.states.values():
