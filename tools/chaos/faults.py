@@ -8,7 +8,9 @@ topic's ``max.message.bytes`` set to 1 byte, restored later), ``relay_kill``
 (SIGKILL a standalone outbox relay, start a replacement), ``relay_zombie``
 (SIGSTOP a relay past its shards' session timeout, so another publisher takes its
 shards over, then SIGCONT: it must find itself fenced) and ``broker_restart``
-(``scripts/kafka.sh restart``, in a thread). The members run a relay too, so
+(``scripts/kafka.sh restart``, in a thread), ``pause`` (``kafka-idem pause`` of the
+handler for 3-12 s, then ``kafka-idem resume``: every member must stop starting its
+messages and go on after). The members run a relay too, so
 ``kill``, ``zombie`` and ``pg_terminate`` hit publishers as well. Every chosen type
 is injected once first, in a seeded order, then weighted at random
 (:data:`WEIGHTS`); what is not possible right now is skipped. :meth:`Injector.tick`
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from confluent_kafka.admin import AdminClient
 
 from tools.chaos.members import (
+    APP,
     MAX_MEMBERS,
     MAX_POLL_INTERVAL_MS,
     MIN_MEMBERS,
@@ -33,12 +36,14 @@ from tools.chaos.members import (
     Pool,
 )
 from tools.chaos.output import say
-from tools.chaos.services import dlq_limit, kafka_sh, terminate_backends
+from tools.chaos.services import admin_cli, dlq_limit, kafka_sh, terminate_backends
 
 FAULTS = ("kill", "zombie", "add", "remove", "pg_terminate", "dlq_outage", "relay_kill",
-          "relay_zombie", "broker_restart")
+          "relay_zombie", "broker_restart", "pause")
 WEIGHTS = {"kill": 2.0, "zombie": 2.0, "add": 1.0, "remove": 1.0, "pg_terminate": 2.0,
-           "dlq_outage": 1.0, "relay_kill": 1.0, "relay_zombie": 1.0, "broker_restart": 0.6}
+           "dlq_outage": 1.0, "relay_kill": 1.0, "relay_zombie": 1.0, "broker_restart": 0.6,
+           "pause": 1.0}
+HANDLER = "charge"  # the payments example's handler, which the pause fault pauses
 
 
 @dataclass
@@ -54,7 +59,7 @@ class Fault:
 @dataclass
 class Undo:
     due: float  # monotonic
-    what: str  # sigcont | dlq_restore
+    what: str  # sigcont | dlq_restore | resume
     member: Member | None = None
     pool: Pool | None = None  # the member's pool (members or relays)
 
@@ -74,6 +79,7 @@ class Injector:
     restart: threading.Thread | None = None
     restart_result: list[str] = field(default_factory=list)
     dlq_down: bool = False
+    paused: bool = False
     t_start: float = 0.0
     health: list[str] = field(default_factory=list)
     relays: Pool | None = None  # the standalone relays (relay_kill, relay_zombie)
@@ -106,6 +112,8 @@ class Injector:
             return len(alive) > MIN_MEMBERS and bool(running)
         if kind == "dlq_outage":
             return not self.dlq_down
+        if kind == "pause":
+            return not self.paused
         if kind in ("relay_kill", "relay_zombie"):
             return self.relays is not None and bool(self.relays.running())
         return True
@@ -175,6 +183,17 @@ class Injector:
         self.undo.append(Undo(time.monotonic() + seconds, "dlq_restore"))
         f.detail = f"{self.dlq_topic} max.message.bytes=1 for {seconds:.1f}s"
 
+    def _pause(self, f: Fault) -> None:
+        seconds = self.rng.uniform(3.0, 12.0)
+        out = admin_cli(self.pool.env, "pause", APP, "--handler", HANDLER, "--reason",
+                        f"chaos fault {f.n}", "--actor", "chaos")
+        if out.returncode:  # the database may be away: the fault did not happen
+            f.detail = f"kafka-idem pause failed: {(out.stderr or out.stdout).strip()[-200:]}"
+            return
+        self.paused = True
+        self.undo.append(Undo(time.monotonic() + seconds, "resume"))
+        f.detail = f"kafka-idem pause --handler {HANDLER} for {seconds:.1f}s"
+
     def _broker_restart(self, f: Fault) -> None:
         def restart() -> None:
             t = time.monotonic()
@@ -208,6 +227,15 @@ class Injector:
                 self.dlq_down = False
                 self.undo.remove(u)
                 say(f"{self.dlq_topic} max.message.bytes restored")
+            elif u.what == "resume":
+                out = admin_cli(self.pool.env, "resume", APP, "--handler", HANDLER,
+                                "--reason", "chaos: the fault ends", "--actor", "chaos")
+                if out.returncode:  # retried on the next tick
+                    say(f"[yellow]resume failed, will retry: {out.stderr.strip()[-200:]}[/]")
+                    continue
+                self.paused = False
+                self.undo.remove(u)
+                say(f"kafka-idem resume --handler {HANDLER}")
         for pool in filter(None, (self.pool, self.relays)):
             for m in pool.reap():
                 self.health.append(f"{m} exited on its own with code {m.exit_code}")

@@ -71,6 +71,13 @@ def kafka_sh(action: str, timeout: float = 240.0) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def admin_cli(env: dict[str, str], *args: str,
+              timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """``kafka-idem ARGS`` with the members' environment (e.g. ``pause APP --handler``)."""
+    return subprocess.run([sys.executable, "-m", "kafka_idem.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
 def dlq_limit(admin: AdminClient, topic: str, value: str | None) -> None:
     """Set the topic's max.message.bytes (``None``: back to the broker default)."""
     entry = ConfigEntry("max.message.bytes", value or "",
