@@ -21,7 +21,8 @@ many messages past its oldest parked one were queued, until that one finishes.
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -64,8 +65,9 @@ class Parking:
     """One partition's parked messages and their lanes."""
 
     def __init__(self) -> None:
-        self._entries: dict[int, Parked] = {}  # by offset; parked in offset order
-        self._lanes: dict[str, deque[int]] = {}  # lane -> its parked offsets, in order
+        self._entries: dict[int, Parked] = {}  # by offset
+        self._lanes: dict[str, list[int]] = {}  # lane -> its parked offsets, in offset order
+        self._low: list[int] = []  # heap of parked offsets (finished ones left until seen)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -74,21 +76,27 @@ class Parking:
         return offset in self._entries
 
     def lowest(self) -> int | None:
-        """The lowest parked offset: where the partition's commit stops. Messages are
-        parked in offset order (each from the front of the queue), so it is the first."""
-        return next(iter(self._entries), None)
+        """The lowest parked offset: where the partition's commit stops. Not the first
+        parked: a message deferred in a unit is parked after later ones of a parked lane
+        the queue's check set aside before it ran."""
+        low = self._low
+        while low and low[0] not in self._entries:
+            heapq.heappop(low)
+        return low[0] if low else None
 
     def holds(self, lanes: Lanes) -> bool:
         """Whether a message with ``lanes`` must wait behind a parked one."""
         return any(lane in self._lanes for lane in lanes)
 
     def park(self, msg: Any, lanes: Lanes, not_before: float) -> None:
-        """Set ``msg`` aside (its offset higher than any parked one): first in its lanes,
-        it runs at ``not_before``; behind another, when those before it finished."""
+        """Set ``msg`` aside: first in its lanes, it runs at ``not_before``; behind
+        others (lower offsets of one of its lanes), when those finished. A lane stays in
+        offset order whatever order its messages are parked in."""
         entry = Parked(msg, lanes, not_before)
         self._entries[entry.offset] = entry
+        heapq.heappush(self._low, entry.offset)
         for lane in lanes:
-            self._lanes.setdefault(lane, deque()).append(entry.offset)
+            bisect.insort(self._lanes.setdefault(lane, []), entry.offset)
 
     def _first(self, entry: Parked) -> bool:
         return all(self._lanes[lane][0] == entry.offset for lane in entry.lanes)
@@ -130,8 +138,7 @@ class Parking:
         entry = self._entries.pop(offset)
         for lane in entry.lanes:
             line = self._lanes[lane]
-            assert line[0] == offset  # it could only run first in its lanes
-            line.popleft()
+            line.remove(offset)  # the first, as it ran first in its lanes
             if not line:
                 del self._lanes[lane]
 

@@ -91,9 +91,12 @@ class PartitionState(Committable):
         now (the schema registry down) stops the check; first in the queue, it holds
         the partition as our own failures do."""
         assert self._lanes_of is not None  # nothing is parked without
+        low = self.parking.lowest()
         while self._sifted < min(len(self.queue), self._sift_limit):
             msg = self.queue[self._sifted]
             offset = msg.offset()
+            if low is not None and offset - low > self._lookahead:
+                return  # no further past the oldest parked message than the look-ahead
             lanes = self._known.get(offset)
             if lanes is None:
                 lanes = self._lanes_of(msg)
@@ -111,15 +114,16 @@ class PartitionState(Committable):
                 self._sifted += 1
 
     def prefix(self, n: int | None = None, now: float = 0.0) -> list[Any]:
-        """The messages of the next unit: the parked ones due now, then the first ``n``
-        queued messages (all without ``n``) that no parked one holds back. They stay
-        where they are until their results apply."""
+        """The messages of the next unit: the first ``n`` queued messages (all without
+        ``n``) that no parked one holds back, then the parked ones due now. They stay
+        where they are until their results apply. Parked ones last: a unit stops at its
+        first deferred message, and one still failing must not hold up the queue."""
         if not self.parking:
             msgs = list(self.queue if n is None else itertools.islice(self.queue, n))
         else:
-            heads = [entry.msg for entry in self.parking.take(now)]
             room = self._sifted if n is None else min(n, self._sifted)
-            msgs = heads + list(itertools.islice(self.queue, room))
+            heads = [entry.msg for entry in self.parking.take(now)]
+            msgs = list(itertools.islice(self.queue, room)) + heads
         self._ran = msgs
         return msgs
 

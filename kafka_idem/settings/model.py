@@ -98,7 +98,7 @@ class Settings(BaseSettings):
     )
     retry_lookahead: int = Field(10_000, ge=1, le=10_000_000, description="While a message "
         "waits for its next attempt (other keys go on), how many messages past it its partition "
-        "may take in: what is held, and what a crash delivers again (replayed, not re-run).")
+        "may run: what a crash redelivers done (replayed, not re-run); then it stops fetching.")
     leased_workers: int = Field(
         4, ge=1, le=64,
         description="Partitions processed at once in leased mode (one database connection each).",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import random
 import signal
+import threading
 import time
 from typing import Any
 
@@ -31,7 +32,7 @@ from tests.conftest import (
     read_topic,
     wait_for,
 )
-from tests.integration.support import failures, record_history
+from tests.integration.support import charge_app, failures, record_history
 
 TRACE_SQL = """
 CREATE TABLE public.trace (
@@ -205,3 +206,40 @@ def test_a_member_killed_while_a_key_waits_ends_in_the_same_state(
 
 def payments_charge(order: str) -> tuple[bytes, bytes]:
     return charge("t1", order)
+
+
+def test_the_commit_never_passes_a_waiting_key_when_another_key_and_its_later_message_finish(
+    db: DB, topics: Topics, group: str
+) -> None:
+    """x fails once, y keeps failing; x's later message was set aside behind x before y
+    failed. When x and that message finish, the committed offset must stop at y (the
+    lowest waiting message), not at x's later one: past y, a crash would lose it."""
+    topic = topics(partitions=1)
+    release = threading.Event()
+
+    def flaky(msg: payments.ChargeRequested, ctx: Context) -> Any:
+        if msg.order_id == "x" and ctx.attempt == 1:
+            raise Retryable("x fails once")
+        if msg.order_id == "y" and not release.is_set():
+            raise Retryable("y waits for the test")
+        return payments.charge(msg, ctx)
+
+    sent = [charge("t1", o) for o in ("x", "a1", "a2", "a3", "a4", "y", "b1", "b2", "b3",
+                                       "b4", "b5", "x", "c1")]
+    produce(topic, sent)
+    policy = RetryPolicy(base=0.2, cap=0.5, max_attempts=1000)
+    app = charge_app(db, topic, group, flaky, retry=policy)
+    with InProcess(app):
+        wait_for(lambda: len(db.ledger_counts()) == 11, timeout=60,
+                 what="every key but y (x after its retry)")
+        # Before x finished the commit stood at x (0); once x is done, at y, never past:
+        # x's later message (11) is done too, and a commit past y would show instead.
+        wait_for(lambda: committed(group, topic)[0] == 5, timeout=30,
+                 what="the commit to reach y")
+        assert (db.record("t1:charge:y") or {})["status"] == "retryable_failed"
+        release.set()
+        wait_for(lambda: caught_up(group, topic), timeout=60, what="y once released")
+    assert db.ledger_counts() == {f"t1:charge:{o}": 1 for o in
+                                  ("x", "a1", "a2", "a3", "a4", "y", "b1", "b2", "b3", "b4",
+                                   "b5", "c1")}
+    assert committed(group, topic) == {0: len(sent)}

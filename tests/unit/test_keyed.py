@@ -205,10 +205,11 @@ def test_a_partition_pauses_once_it_took_in_the_lookahead_past_its_oldest_unfini
     st.take(6, 0.0)
     for i in range(1, 6):
         st.finish(i, OK, 0.0)
-    assert st.pause_if(0.0, full=100)  # 5 past offset 0, which still runs
+    assert offsets(list(st.entries.values())) == [0, 1, 2, 3, 4]  # 5: too far past 0
+    assert st.pause_if(0.0, full=100)  # took in 5 past offset 0, which still runs
     assert not st.resume_if(0.0, low=50)
     st.finish(0, OK, 0.0)
-    assert st.resume_if(0.0, low=50) and st.to_commit == 6
+    assert st.resume_if(0.0, low=50) and st.to_commit == 5
 
 
 def test_a_refetched_message_is_not_queued_twice() -> None:

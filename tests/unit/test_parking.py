@@ -84,10 +84,11 @@ def test_an_ordering_key_is_a_lane_too() -> None:
 def test_a_parked_message_that_fails_again_waits_again() -> None:
     st = state("a", "b")
     run(st, 0.0, Deferred(1.0, "retry"))
-    assert run(st, 1.0, Deferred(2.0, "retry"), OK) == [0, 1]  # stopped at the first
-    assert [m.offset() for m in st.queue] == [1] and st.to_commit is None
-    assert run(st, 1.0, OK) == [1]
-    assert st.deadline(0.0) == 3.0
+    assert run(st, 1.0, OK, Deferred(2.0, "retry")) == [1, 0]  # the queue first
+    assert not st.queue and st.to_commit is None
+    assert st.deadline(0.0) == 3.0 and not st.due(2.9)
+    assert run(st, 3.0, OK) == [0]
+    assert st.to_commit == 2
 
 
 def test_our_own_failure_holds_the_whole_partition_as_before() -> None:
@@ -128,7 +129,7 @@ def test_a_unit_stopped_before_a_parked_head_leaves_it_due() -> None:
     st = state("a", "b", "c")
     run(st, 0.0, Deferred(1.0, "retry"))
     run(st, 0.0, Deferred(1.0, "retry"))  # b parks too
-    assert run(st, 1.0) == [0, 1, 2]  # a unit cancelled before anything ran
+    assert run(st, 1.0) == [2, 0, 1]  # a unit cancelled before anything ran
     assert {e.offset for e in st.parking.heads()} == {0, 1}
     assert st.due(1.0)
 
@@ -145,3 +146,47 @@ def test_parking_lanes_and_heads() -> None:
     assert [e.offset for e in p.take(1.5)] == [7]
     p.finished(3)
     assert p.lowest() == 7
+
+
+def test_the_commit_stops_at_the_lowest_parked_message_whatever_order_they_were_parked_in() -> None:
+    # x fails; its later message (offset 3) is set aside behind it before y (offset 1)
+    # runs and fails in turn: y is parked after 3, but the commit must stop at y.
+    st = state("x", "y", "z", "x")
+    run(st, 0.0, Deferred(1.0, "retry"))
+    assert run(st, 0.0, Deferred(9.0, "retry")) == [1, 2]  # 3 went behind x
+    assert st.parking.lowest() == 0
+    assert run(st, 1.0, OK, OK) == [2, 0]  # z, then x (due)
+    assert st.to_commit == 1  # y, though x's later message (3) was parked before it
+    assert run(st, 1.0, OK) == [3]  # x's later message, at once
+    assert st.parking.lowest() == 1 and st.to_commit == 1  # not past y
+    assert not st.queue
+
+
+def test_a_lane_keeps_offset_order_when_a_lower_offset_is_parked_later() -> None:
+    # 3 ("x/t") waits behind x (0); then 1 ("y/t"), of the same tenant, fails: it goes
+    # before 3 in the tenant's lane, so 3 runs after both.
+    st = state("x/t0", "y/t", "z", "x/t")
+    run(st, 0.0, Deferred(1.0, "retry"))
+    run(st, 0.0, Deferred(5.0, "retry"))  # y fails; 3 was set aside behind x
+    run(st, 0.0, OK)  # z
+    assert run(st, 1.0, OK) == [0]  # x; 3 is now first of x's lane, not of the tenant's
+    assert not st.due(1.0)
+    assert run(st, 5.0, OK) == [1]
+    assert run(st, 5.0, OK) == [3]
+    assert st.to_commit == 4
+
+
+def test_a_failing_parked_message_does_not_hold_up_the_queue() -> None:
+    st = state("x", "a", "b")
+    run(st, 0.0, Deferred(1.0, "retry"))
+    st.add(msg(3, "c"), 0.0)
+    # x is due again with the queue: the queue runs first, x last (it fails again).
+    assert run(st, 1.0, OK, OK, OK, Deferred(1.0, "retry")) == [1, 2, 3, 0]
+    assert not st.queue and st.to_commit is None and st.parking.lowest() == 0
+
+
+def test_the_lookahead_is_a_bound_on_what_runs_past_the_parked_message() -> None:
+    st = state("x", "a", "b", "c", "d", "e", lookahead=2)
+    run(st, 0.0, Deferred(9.0, "retry"))
+    assert run(st, 0.0, OK, OK) == [1, 2]  # 3 is further than 2 past x: not run
+    assert not st.due(0.0) and st.far_ahead()

@@ -96,6 +96,8 @@ class KeyedState(Committable):
             return
         while self.fetched and (want is None or len(self._ready) < want):
             msg = self.fetched[0]
+            if self._order and msg.offset() - self._order[0] > self._lookahead:
+                break  # no further past the oldest unfinished message than the look-ahead
             try:
                 lanes, job = prepare(msg)
             except NotNow:
