@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from kafka_idem.admin import audit
+from kafka_idem.admin import audit, retention
 from kafka_idem.admin import operations as admin
 from kafka_idem.admin.operations import AUDIT_COLUMNS, RECORD_FIELDS, record_json
 from kafka_idem.cli.common import (
@@ -44,7 +44,9 @@ def _print_json(data: Any) -> None:
 def status(obj: Ctx, as_json: bool, long_running: str | None, namespace: str | None) -> None:
     """Counts by status, leases, long-running records, failures by kind, retry backlog;
     the records of each namespace by status; the outbox's unpublished events (count and
-    age of the oldest) per namespace. Exit 1 for an unknown --namespace."""
+    age of the oldest) per namespace; the background retention's last run that removed
+    records (when, by which member, how many, its window) per namespace. Exit 1 for an
+    unknown --namespace."""
     s = obj.settings()
     threshold = (duration(long_running, '--long-running') if long_running
                  else s.long_running_seconds)
@@ -54,10 +56,11 @@ def status(obj: Ctx, as_json: bool, long_running: str | None, namespace: str | N
         if namespace is not None:
             admin.require_namespace(conn, store, namespace)
         st = admin.status(conn, store, long_running_seconds=threshold, namespace=namespace)
+        purged = retention.last_runs(conn, store, namespace)
     finally:
         conn.close()
     if as_json:
-        _print_json(st.to_json())
+        _print_json({**st.to_json(), "retention": purged})
         return
     scope = f" namespace {namespace}" if namespace is not None else ""
     table = Grid(["what", "count"], title=f"kafka_idem store {s.schema_name}.{s.table}{scope}",
@@ -85,6 +88,19 @@ def status(obj: Ctx, as_json: bool, long_running: str | None, namespace: str | N
     if not pending:
         outbox.add("-", 0, "-")
     emit(outbox)
+    _last_purges(purged)
+
+
+def _last_purges(purged: dict[str, dict[str, Any]]) -> None:
+    """The background retention's latest run that removed records, per namespace."""
+    table = Grid(["namespace", "at", "member", "removed", "retention"],
+                 title="retention: last background purge", right=frozenset({"removed"}))
+    for ns, run in purged.items():
+        window = run["retention"] + (" (forced)" if run["force"] else "")
+        table.add(admin.shown(ns), run["at"], run["member"], run["removed"], window)
+    if not purged:
+        table.add("-", "none", "-", 0, "-")
+    emit(table)
 
 
 @click.command()

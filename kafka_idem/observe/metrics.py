@@ -103,6 +103,18 @@ METRICS: tuple[tuple[str, _Kind, str, str, tuple[str, ...]], ...] = (
     ("outbox_shards", Gauge, "kafka_idem_outbox_shards_owned",
      "Outbox shards this process publishes now.",
      ()),
+    ("retention_purged", Counter, "kafka_idem_retention_purged_total",
+     "Succeeded records older than the retention window removed by this member's "
+     "background retention runs.",
+     ()),
+    ("retention_last_run", Gauge, "kafka_idem_retention_last_run_timestamp_seconds",
+     "When this member last finished a background retention run that had the app's "
+     "turn (Unix time; 0: none yet). Alert when no member's moves for several intervals.",
+     ()),
+    ("retention_errors", Counter, "kafka_idem_retention_errors_total",
+     "Background retention runs that failed or were skipped, by kind (database, "
+     "unchecked: a source topic's retention.ms could not be read, too_short).",
+     ("kind",)),
 )
 
 
@@ -132,6 +144,9 @@ class Metrics:
     outbox_published: Counter
     outbox_relay_errors: Counter
     outbox_shards: Gauge
+    retention_purged: Counter
+    retention_last_run: Gauge
+    retention_errors: Counter
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()

@@ -342,6 +342,21 @@ WHERE status = ANY(%(statuses)s)
   AND updated_at < clock_timestamp() - make_interval(secs => %(older_than)s)
 GROUP BY status;
 
+-- name: retention_lock
+-- The background retention's turn: one member of an app at a time (a session lock,
+-- held on the purging connection across its batches' transactions).
+SELECT pg_try_advisory_lock(hashtext('kafka_idem.retention'), hashtext(%(what)s));
+
+-- name: retention_unlock
+SELECT pg_advisory_unlock(hashtext('kafka_idem.retention'), hashtext(%(what)s));
+
+-- name: retention_last
+-- The latest background retention run of each namespace (or of one) that removed records.
+SELECT DISTINCT ON (namespace) namespace, at, actor, selection, counts
+FROM {audit}
+WHERE action = 'retention' AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text)
+ORDER BY namespace, id DESC;
+
 -- name: topics_seen
 SELECT DISTINCT kafka_topic FROM {table}
 WHERE kafka_topic IS NOT NULL AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text);
