@@ -137,7 +137,7 @@ def purge(
     actor: str,
     reason: str | None = None,
     force: bool = False,
-    between: Callable[[float], bool] | None = None,
+    between: Callable[[int, float], bool] | None = None,
     noted: dict[str, Any] | None = None,
 ) -> int:
     """Delete old ``succeeded`` (and optionally ``failed``) records in batches.
@@ -147,8 +147,9 @@ def purge(
     window is not checked here (the CLI and the background retention check it
     against the source topics' retention, :func:`purge_risk`); ``force`` (it was
     purged with ``--force``) and ``noted`` are kept in each audit row's selection.
-    ``between`` is called after each full batch with the seconds it took, and may
-    pause (the background retention paces itself); false stops the purge there.
+    ``between`` is called after each full batch with what it deleted and the seconds
+    it took, and may pause (the background retention paces itself); false stops the
+    purge there.
     """
     statuses = purge_statuses(include_failed)
     selection = {"older_than_seconds": older_than, "statuses": statuses,
@@ -166,7 +167,7 @@ def purge(
         total += deleted
         if deleted < batch_size:
             return total
-        if between is not None and not between(time.monotonic() - started):
+        if between is not None and not between(deleted, time.monotonic() - started):
             return total
 
 

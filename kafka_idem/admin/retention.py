@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from kafka_idem.admin import audit
@@ -35,7 +36,7 @@ from kafka_idem.settings.durations import format_duration, parse_duration
 from kafka_idem.store import Conn, Store, translate_errors
 
 BATCH = 1000  # records per transaction: a few milliseconds of locks
-PACE = 1.0  # after a batch, rest this many times as long as it took (half the time busy)
+PACE = 6.0  # after a batch, rest this many times as long as it took (busy a seventh of the time)
 MIN_REST = 0.01  # seconds, at least, between two batches
 
 
@@ -65,20 +66,26 @@ def unchecked(retentions: list[TopicRetention]) -> str | None:
     return f"the retention of topic {unread[0].topic} could not be read ({unread[0].why})"
 
 
-def pace(stopping: threading.Event) -> Any:
+def pace(stopping: threading.Event, counted: Callable[[int], None] | None = None,
+         ) -> Callable[[int, float], bool]:
     """The pause between two batches of a run: :data:`PACE` times the batch's time, at
-    least :data:`MIN_REST`; false when the member stops meanwhile."""
-    def between(took: float) -> bool:
+    least :data:`MIN_REST`; false when the member stops meanwhile. ``counted`` is told
+    what each batch deleted (the member's metric moves as the run goes)."""
+    def between(deleted: int, took: float) -> bool:
+        if counted is not None:
+            counted(deleted)
         return not stopping.wait(max(took * PACE, MIN_REST))
     return between
 
 
 def run_once(conn: Conn, store: Store, *, window: str, member: str, force: bool,
-             stopping: threading.Event, batch: int = BATCH) -> int | None:
+             stopping: threading.Event, batch: int = BATCH,
+             counted: Callable[[int], None] | None = None) -> int | None:
     """One run on ``conn`` (a connection of its own, autocommit off): the app's turn
     taken, its succeeded records older than ``window`` purged in paced batches until
     none is left (or the member stops), a summary audit row when some were removed,
-    the turn given back. The number removed, or ``None``: another member has the turn."""
+    the turn given back. The number removed, or ``None``: another member has the turn
+    (``counted``: told what each full batch removed, as it goes)."""
     if not store.retention_turn(conn, take=True):
         conn.rollback()
         return None
@@ -87,7 +94,8 @@ def run_once(conn: Conn, store: Store, *, window: str, member: str, force: bool,
     try:
         removed = purge(conn, store, older_than=parse_duration(window), include_failed=False,
                         batch_size=batch, actor=f"retention:{member}",
-                        reason=f"retention={window}", force=force, between=pace(stopping),
+                        reason=f"retention={window}", force=force,
+                        between=pace(stopping, counted),
                         noted={"run": run, "retention": window})
         if removed:
             with translate_errors(), conn.transaction():

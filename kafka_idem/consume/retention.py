@@ -84,6 +84,12 @@ class Retention(threading.Thread):
             if not self._checked():
                 return None
             started = time.monotonic()
+            seen = [0]  # what the run's full batches removed, counted as they went
+
+            def counted(n: int) -> None:
+                seen[0] += n
+                self.metrics.retention_purged.inc(n)
+
             conn = connect(self.settings.dsn, application_name="kafka_idem:retention",
                            idle_in_transaction_timeout=60.0,
                            lock_timeout=self.settings.lock_wait_seconds)
@@ -91,7 +97,7 @@ class Retention(threading.Thread):
                 removed = retention.run_once(
                     conn, self.store, window=self.window, member=self.member,
                     force=self.settings.retention_force, stopping=self.stopping,
-                    batch=self.batch)
+                    batch=self.batch, counted=counted)
             finally:
                 conn.close()
         except Exception as exc:  # never the member's end: the next interval tries again
@@ -103,7 +109,7 @@ class Retention(threading.Thread):
         if removed is None:
             log.debug("retention: another member has the turn", extra={"action": "retention"})
             return None
-        self.metrics.retention_purged.inc(removed)
+        self.metrics.retention_purged.inc(removed - seen[0])  # the last batch
         self.metrics.retention_last_run.set(time.time())
         log.log(logging.INFO if removed else logging.DEBUG,
                 "retention: removed %d succeeded records older than %s in %.1fs", removed,
