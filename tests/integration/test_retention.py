@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from bench.retention import fill
 from consumers import payments
 from kafka_idem.admin import retention
 from kafka_idem.errors import ConfigError
 from kafka_idem.store import Store, connect
 from tests.conftest import DB, InProcess, Topics, app_settings, wait_for
+from tools.old_records import fill
 
 NS = "keeper"
 DAY = 86400.0
