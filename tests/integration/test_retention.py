@@ -85,7 +85,8 @@ def test_a_member_purges_what_is_older_than_the_window_and_keeps_the_rest(
     app = _app(db, topic, retention="2d", retention_interval_seconds=0.2)
     with InProcess(app) as member:
         wait_for(lambda: _count(db, "old:") == 0, timeout=60, what="the old records purged")
-        assert member.runner.metrics.retention_purged._value.get() == 2500
+    # the member's close waited for its run to end (its last batch counted, its summary)
+    assert member.runner.metrics.retention_purged._value.get() == 2500
     assert _count(db, "inside:") == 40  # every record inside the window kept
     assert _count(db, "other:", ns="other-app") == 30  # another app's records: not its own
     assert _count(db, "live:", "processing") == 5
@@ -180,3 +181,36 @@ def test_a_window_shorter_than_the_topics_retention_refuses_the_start(
         wait_for(lambda: _count(db, "old:") == 0, timeout=60, what="the forced purge")
     (summary,) = db.rows("SELECT * FROM kafka_idem.admin_audit WHERE action = 'retention'")
     assert summary["selection"]["force"] is True
+
+
+def test_outages_skip_a_run_and_never_stop_the_member(
+    db: DB, caplog: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broker that does not answer: the start goes on (said once), each run purges
+    nothing until the topics' retention can be read. A database that does not answer:
+    one warning, nothing raised; the next interval tries again."""
+    from kafka_idem.consume import retention as member_retention
+    from kafka_idem.consume.retention import Retention
+    from kafka_idem.observe.metrics import Metrics
+    from kafka_idem.settings import Settings
+
+    monkeypatch.setattr(member_retention, "FIRST_RUN_SECONDS", 3600.0)  # runs: ours only
+    fill(db.dsn, n=10, age_seconds=3 * DAY, prefix="old:", namespace=NS)
+    metrics = Metrics()
+    no_broker = Settings(database_url=db.dsn, bootstrap_servers="127.0.0.1:1", retention="2d",
+                         retention_interval_seconds=3600)
+    member = Retention(no_broker, _store(), metrics, ["orders"])
+    member.start()  # not refused: the window could not be checked
+    try:
+        assert member.is_alive()
+        assert member.once() is None
+    finally:
+        member.close(5.0)
+    assert not member.is_alive()
+    assert metrics.retention_errors.labels("unchecked")._value.get() == 1
+    assert _count(db, "old:") == 10  # nothing purged unchecked
+    no_database = Settings(database_url="postgresql://nobody@127.0.0.1:1/none",
+                           retention="2d", retention_force=True)
+    assert Retention(no_database, _store(), metrics, ["orders"]).once() is None
+    assert metrics.retention_errors.labels("database")._value.get() == 1
+    assert "retention run failed" in caplog.text
