@@ -241,9 +241,8 @@ class Settings(BaseSettings):
         "(a stalled zombie's locks are released); 0 disables.",
     )
     retention: Annotated[str | None, AfterValidator(check_duration)] = Field(
-        None, description="Background retention (unset: off): the members purge, one at a "
-        "time, the app's succeeded records older than this (e.g. 30d); shorter than a source "
-        "topic's retention.ms, the start is refused (exit 2) unless retention_force.")
+        None, description="Background retention (unset: off): one member at a time purges the "
+        "app's succeeded records older than this (e.g. 30d), at least the topics' retention.ms.")
     retention_force: bool = Field(False, description="Run retention although its window is "
                                   "shorter than a source topic's retention.ms.")
     retention_interval_seconds: float = Field(
