@@ -214,3 +214,34 @@ def test_outages_skip_a_run_and_never_stop_the_member(
     assert Retention(no_database, _store(), metrics, ["orders"]).once() is None
     assert metrics.retention_errors.labels("database")._value.get() == 1
     assert "retention run failed" in caplog.text
+
+
+def test_two_members_running_at_once_leave_the_purge_to_one(db: DB) -> None:
+    """Two members' runs started together: one takes the turn and removes everything;
+    the other skips (or, started after, finds nothing): every batch is one member's."""
+    from kafka_idem.consume.retention import Retention
+    from kafka_idem.observe.metrics import Metrics
+    from kafka_idem.settings import Settings
+
+    fill(db.dsn, n=6000, age_seconds=3 * DAY, prefix="old:", namespace=NS)
+    members = [Retention(Settings(database_url=db.dsn, retention="2d", retention_force=True,
+                                  group_instance_id=name), _store(), Metrics(), ["orders"])
+               for name in ("member-a", "member-b")]
+    results: dict[str, int | None] = {}
+    go = threading.Barrier(2)
+
+    def run(member: Retention) -> None:
+        go.wait()
+        results[member.member] = member.once()
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == ["member-a", "member-b"]
+    assert sum(n or 0 for n in results.values()) == 6000
+    assert _count(db, "old:") == 0
+    actors = {r["actor"] for r in db.rows(
+        "SELECT actor FROM kafka_idem.admin_audit WHERE action IN ('purge', 'retention')")}
+    assert len(actors) == 1 and actors <= {"retention:member-a", "retention:member-b"}
