@@ -92,7 +92,7 @@ class AdminQueries:
         with translate_errors():
             return conn.execute(self.q["purge_batch"], {
                 "ns": self.namespace, "statuses": list(statuses), "older_than": older_than,
-                "batch": batch_size}).rowcount
+                "batch": batch_size}, prepare=False).rowcount  # planned for its bound
 
     def retention_turn(self, conn: Conn, *, take: bool) -> bool:
         """Take (``take``) or give back this namespace's background-retention lock, a

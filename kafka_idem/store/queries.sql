@@ -324,12 +324,16 @@ WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND status = 'failed';
 
 -- name: purge_batch
 -- Retention: one batch of old terminal records (never processing or retryable_failed).
+-- now() (the batch's transaction start), not clock_timestamp(): a stable bound is an
+-- index condition the planner can estimate, so few old records are read down the
+-- status index (status, updated_at), where a volatile one made every batch a
+-- sequential scan of the table (never prepared: a generic plan would not know the bound).
 DELETE FROM {table}
 WHERE ctid IN (
     SELECT ctid FROM {table}
     WHERE status = ANY(%(statuses)s)
       AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text)
-      AND updated_at < clock_timestamp() - make_interval(secs => %(older_than)s)
+      AND updated_at < now() - make_interval(secs => %(older_than)s)
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 );
@@ -339,7 +343,7 @@ WHERE ctid IN (
 SELECT status, count(*) AS n FROM {table}
 WHERE status = ANY(%(statuses)s)
   AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text)
-  AND updated_at < clock_timestamp() - make_interval(secs => %(older_than)s)
+  AND updated_at < now() - make_interval(secs => %(older_than)s)
 GROUP BY status;
 
 -- name: retention_lock
