@@ -14,33 +14,19 @@ audit row in that same transaction.
 from __future__ import annotations
 
 import datetime as dt
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from kafka_idem.admin import audit
 from kafka_idem.errors import KafkaIdemError
+from kafka_idem.settings.durations import parse_duration as parse_duration  # re-exported
 from kafka_idem.store import Conn, Store, translate_errors
 
 STATUSES = ("processing", "succeeded", "retryable_failed", "failed")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
-_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 class Refused(KafkaIdemError):
     """The admin action was refused."""
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``'90s'``, ``'15m'``, ``'12h'``, ``'30d'``, ``'2w'`` (plain numbers are seconds).
-
-    >>> parse_duration("30d")
-    2592000.0
-    """
-    match = _DURATION.match(text)
-    if not match:
-        raise ValueError(f"{text!r} is not a duration like 90s, 15m, 12h, 30d or 2w")
-    return float(match[1]) * _UNIT[match[2] or "s"]
 
 
 def set_admin_action(conn: Conn, action: str) -> None:

@@ -5,11 +5,15 @@ record and run again."""
 
 from __future__ import annotations
 
-import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kafka_idem.admin import audit
-from kafka_idem.admin.operations import _UNIT, set_admin_action
+from kafka_idem.admin.operations import set_admin_action
+from kafka_idem.settings import Settings
+from kafka_idem.settings.durations import format_duration as format_duration  # re-exported
 from kafka_idem.store import Conn, Store, translate_errors
 
 
@@ -110,20 +114,6 @@ def purge_risk(window: float, retentions: list[TopicRetention]) -> PurgeRisk | N
     return None
 
 
-def format_duration(seconds: float) -> str:
-    """``seconds`` as :func:`parse_duration` reads it, in the largest whole unit of
-    d, h, m, s (rounded up to a whole second).
-
-    >>> format_duration(604800), format_duration(5400), format_duration(0.5)
-    ('7d', '90m', '1s')
-    """
-    whole = math.ceil(seconds)
-    for unit in ("d", "h", "m"):
-        if whole and whole % _UNIT[unit] == 0:
-            return f"{whole // _UNIT[unit]}{unit}"
-    return f"{whole}s"
-
-
 def purge_statuses(include_failed: bool) -> list[str]:
     return ["succeeded", "failed"] if include_failed else ["succeeded"]
 
@@ -147,20 +137,26 @@ def purge(
     actor: str,
     reason: str | None = None,
     force: bool = False,
+    between: Callable[[int, float], bool] | None = None,
+    noted: dict[str, Any] | None = None,
 ) -> int:
     """Delete old ``succeeded`` (and optionally ``failed``) records in batches.
 
     Each batch is its own transaction with its own audit row, so a long purge
     never holds many locks and an interrupted one leaves an exact trail. The
-    window is not checked here (the CLI checks it against the source topics'
-    retention, :func:`purge_risk`); ``force`` (it was purged with ``--force``) is
-    kept in each audit row's selection.
+    window is not checked here (the CLI and the background retention check it
+    against the source topics' retention, :func:`purge_risk`); ``force`` (it was
+    purged with ``--force``) and ``noted`` are kept in each audit row's selection.
+    ``between`` is called after each full batch with what it deleted and the seconds
+    it took, and may pause (the background retention paces itself); false stops the
+    purge there.
     """
     statuses = purge_statuses(include_failed)
     selection = {"older_than_seconds": older_than, "statuses": statuses,
-                 "namespace": store.namespace, "force": force}
+                 "namespace": store.namespace, "force": force, **(noted or {})}
     total = 0
     while True:
+        started = time.monotonic()
         with translate_errors(), conn.transaction():
             set_admin_action(conn, "purge")
             deleted = store.purge_batch(conn, statuses=statuses, older_than=older_than,
@@ -171,3 +167,68 @@ def purge(
         total += deleted
         if deleted < batch_size:
             return total
+        if between is not None and not between(deleted, time.monotonic() - started):
+            return total
+
+
+RETENTION_READ_SECONDS = 10.0
+"""How long ``purge`` waits for the source topics' retention.ms, at most."""
+
+
+def read_retention(s: Settings, topics: list[str], *,
+                   timeout: float = RETENTION_READ_SECONDS) -> list[TopicRetention]:
+    """Each topic's ``retention.ms`` as the broker reports it, read within ``timeout``
+    seconds in all; a topic whose retention could not be read (broker unreachable or
+    silent, describe_configs failing, the topic gone) has ``ms`` ``None`` and why.
+    Gives up at once when librdkafka reports every broker down (a closed port, a
+    host that does not resolve), instead of waiting out the timeout."""
+    if not topics:
+        return []
+    from confluent_kafka import KafkaError
+    from confluent_kafka.admin import (  # type: ignore[attr-defined]
+        AdminClient,
+        ConfigResource,
+    )
+
+    down: list[str] = []
+
+    def on_error(err: KafkaError) -> None:
+        if err.code() == KafkaError._ALL_BROKERS_DOWN:
+            down.append(err.str())
+
+    # librdkafka's own log off: an unreachable broker is said once, in the reason.
+    conf: dict[str, Any] = {**s.admin_config(), "log_level": 0, "error_cb": on_error}
+    client = AdminClient(conf)
+    resources = {t: ConfigResource(ConfigResource.Type.TOPIC, t) for t in topics}
+    try:
+        futures = client.describe_configs(list(resources.values()), request_timeout=timeout)
+    except Exception as exc:  # unread: the one-hour floor applies
+        why = f"describe_configs failed: {_kafka_text(exc)}"
+        return [TopicRetention(t, None, why) for t in topics]
+    deadline = time.monotonic() + timeout
+    while (not down and time.monotonic() < deadline
+           and not all(f.done() for f in futures.values())):
+        client.poll(0.05)
+    where = f"Kafka at {s.bootstrap_servers}"
+    out: list[TopicRetention] = []
+    for topic, res in resources.items():
+        fut = futures[res]
+        if not fut.done():
+            why = (f"{where} is unreachable: {down[0]}" if down
+                   else f"{where} did not answer within {timeout:g}s")
+            out.append(TopicRetention(topic, None, why))
+            continue
+        try:
+            entry = fut.result(timeout=0)["retention.ms"]
+            out.append(TopicRetention(topic, int(entry.value)))
+        except Exception as exc:  # the topic gone, not authorized, no retention.ms
+            out.append(TopicRetention(topic, None, f"{where}: {_kafka_text(exc)}"))
+    return out
+
+
+def _kafka_text(exc: BaseException) -> str:
+    """A Kafka error's own words (``Broker: Unknown topic or partition``)."""
+    err = exc.args[0] if exc.args else None
+    words = getattr(err, "str", None)
+    text = words() if callable(words) else str(exc)
+    return str(text) or type(exc).__name__

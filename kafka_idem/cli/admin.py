@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from kafka_idem.admin import audit, pauses
+from kafka_idem.admin import audit, pauses, retention
 from kafka_idem.admin import operations as admin
 from kafka_idem.admin.operations import AUDIT_COLUMNS, RECORD_FIELDS, record_json
 from kafka_idem.cli.common import (
@@ -44,7 +44,9 @@ def _print_json(data: Any) -> None:
 def status(obj: Ctx, as_json: bool, long_running: str | None, namespace: str | None) -> None:
     """Counts by status, leases, long-running records, failures by kind, retry backlog;
     the records of each namespace by status; the outbox's unpublished events (count and
-    age of the oldest) per namespace; the paused handlers (who, why, since). Exit 1 for an
+    age of the oldest) per namespace; the paused handlers (who, why, since); the
+    background retention's last run that removed records (when, by which member, how
+    many, its window) per namespace. Exit 1 for an
     unknown --namespace."""
     s = obj.settings()
     threshold = (duration(long_running, '--long-running') if long_running
@@ -56,10 +58,12 @@ def status(obj: Ctx, as_json: bool, long_running: str | None, namespace: str | N
             admin.require_namespace(conn, store, namespace)
         st = admin.status(conn, store, long_running_seconds=threshold, namespace=namespace)
         paused = pauses.listed(conn, store, namespace)
+        purged = retention.last_runs(conn, store, namespace)
     finally:
         conn.close()
     if as_json:
-        _print_json({**st.to_json(), "paused_handlers": [p.to_json() for p in paused]})
+        _print_json({**st.to_json(), "paused_handlers": [p.to_json() for p in paused],
+                     "retention": purged})
         return
     scope = f" namespace {namespace}" if namespace is not None else ""
     table = Grid(["what", "count"], title=f"kafka_idem store {s.schema_name}.{s.table}{scope}",
@@ -95,6 +99,19 @@ def status(obj: Ctx, as_json: bool, long_running: str | None, namespace: str | N
     if not paused:
         held.add("-", "none", "-", "-", "-")
     emit(held)
+    _last_purges(purged)
+
+
+def _last_purges(purged: dict[str, dict[str, Any]]) -> None:
+    """The background retention's latest run that removed records, per namespace."""
+    table = Grid(["namespace", "at", "member", "removed", "retention"],
+                 title="retention: last background purge", right=frozenset({"removed"}))
+    for ns, run in purged.items():
+        window = run["retention"] + (" (forced)" if run["force"] else "")
+        table.add(admin.shown(ns), run["at"], run["member"], run["removed"], window)
+    if not purged:
+        table.add("-", "none", "-", 0, "-")
+    emit(table)
 
 
 @click.command()

@@ -1,16 +1,13 @@
 """``kafka-idem purge``: retention of the store, refused where it could let a message
 that can still be redelivered run its effect again.
 
-The command, its output and :func:`read_retention` (each source topic's ``retention.ms``,
-as the broker reports it); the rules are :mod:`kafka_idem.admin.operations`'
-(``purge_risk``, ``purge``). Registered on the command group by
-:mod:`~kafka_idem.cli.commands`.
+The command and its output; the rules, and each source topic's ``retention.ms`` as the
+broker reports it, are :mod:`kafka_idem.admin.purge`'s (``purge_risk``, ``purge``,
+``read_retention``), shared with the members' background retention. Registered on the
+command group by :mod:`~kafka_idem.cli.commands`.
 """
 
 from __future__ import annotations
-
-import time
-from typing import Any
 
 import click
 
@@ -20,7 +17,6 @@ from kafka_idem.admin import purge as purging
 from kafka_idem.cli.common import NAMESPACE_HELP, Ctx, duration, store_connection, store_of
 from kafka_idem.cli.errors import warn
 from kafka_idem.observe.text import plain
-from kafka_idem.settings import Settings
 
 
 @click.command()
@@ -62,7 +58,7 @@ def purge(obj: Ctx, older_than: str, include_failed: bool, batch_size: int,
             admin.require_namespace(conn, store, namespace)
         topics = purging.topics_seen(conn, store)
         conn.rollback()
-        risk = purging.purge_risk(seconds, read_retention(s, topics))
+        risk = purging.purge_risk(seconds, purging.read_retention(s, topics))
         if dry_run:
             counts = purging.purge_preview(conn, store, older_than=seconds,
                                          include_failed=include_failed)
@@ -90,66 +86,3 @@ def purge(obj: Ctx, older_than: str, include_failed: bool, batch_size: int,
                 f"{risk.refusal(older_than)}"))
         return
     click.echo(plain(f"purged {deleted} records older than {older_than}{scope}"))
-
-
-RETENTION_READ_SECONDS = 10.0
-"""How long ``purge`` waits for the source topics' retention.ms, at most."""
-
-
-def read_retention(s: Settings, topics: list[str], *,
-                   timeout: float = RETENTION_READ_SECONDS) -> list[purging.TopicRetention]:
-    """Each topic's ``retention.ms`` as the broker reports it, read within ``timeout``
-    seconds in all; a topic whose retention could not be read (broker unreachable or
-    silent, describe_configs failing, the topic gone) has ``ms`` ``None`` and why.
-    Gives up at once when librdkafka reports every broker down (a closed port, a
-    host that does not resolve), instead of waiting out the timeout."""
-    if not topics:
-        return []
-    from confluent_kafka import KafkaError
-    from confluent_kafka.admin import (  # type: ignore[attr-defined]
-        AdminClient,
-        ConfigResource,
-    )
-
-    down: list[str] = []
-
-    def on_error(err: KafkaError) -> None:
-        if err.code() == KafkaError._ALL_BROKERS_DOWN:
-            down.append(err.str())
-
-    # librdkafka's own log off: an unreachable broker is said once, in the reason.
-    conf: dict[str, Any] = {**s.admin_config(), "log_level": 0, "error_cb": on_error}
-    client = AdminClient(conf)
-    resources = {t: ConfigResource(ConfigResource.Type.TOPIC, t) for t in topics}
-    try:
-        futures = client.describe_configs(list(resources.values()), request_timeout=timeout)
-    except Exception as exc:  # unread: the one-hour floor applies
-        why = f"describe_configs failed: {_kafka_text(exc)}"
-        return [purging.TopicRetention(t, None, why) for t in topics]
-    deadline = time.monotonic() + timeout
-    while (not down and time.monotonic() < deadline
-           and not all(f.done() for f in futures.values())):
-        client.poll(0.05)
-    where = f"Kafka at {s.bootstrap_servers}"
-    out: list[purging.TopicRetention] = []
-    for topic, res in resources.items():
-        fut = futures[res]
-        if not fut.done():
-            why = (f"{where} is unreachable: {down[0]}" if down
-                   else f"{where} did not answer within {timeout:g}s")
-            out.append(purging.TopicRetention(topic, None, why))
-            continue
-        try:
-            entry = fut.result(timeout=0)["retention.ms"]
-            out.append(purging.TopicRetention(topic, int(entry.value)))
-        except Exception as exc:  # the topic gone, not authorized, no retention.ms
-            out.append(purging.TopicRetention(topic, None, f"{where}: {_kafka_text(exc)}"))
-    return out
-
-
-def _kafka_text(exc: BaseException) -> str:
-    """A Kafka error's own words (``Broker: Unknown topic or partition``)."""
-    err = exc.args[0] if exc.args else None
-    words = getattr(err, "str", None)
-    text = words() if callable(words) else str(exc)
-    return str(text) or type(exc).__name__

@@ -58,9 +58,10 @@ from kafka_idem.consume.partitions import Partitions
 from kafka_idem.consume.paths.lease_keeper import LeaseKeeper
 from kafka_idem.consume.pause_watch import HandlerHold
 from kafka_idem.consume.progress import Progress
+from kafka_idem.consume.retention import Retention
 from kafka_idem.consume.send_letters import send_letters
 from kafka_idem.consume.shutdown import GRACE, Shutdown
-from kafka_idem.consume.startup import absent_topics, check_schema, tune_gc
+from kafka_idem.consume.startup import absent_topics, check_schema, tune_gc, warn_missing
 from kafka_idem.deadletters.dead_letter import DeadLetterer
 from kafka_idem.errors import FrameworkError
 from kafka_idem.observe import kafka_logs
@@ -120,6 +121,7 @@ class Runner:
                                 health=self.health)  # paused handlers (kafka-idem pause)
         if s.outbox_relay and app.event_topics:
             self.relay = RelayThread(Relay(app, metrics=self.metrics, health=self.health))
+        self.retention = Retention(s, self.store, self.metrics, app.topics)  # retention set
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -138,6 +140,7 @@ class Runner:
         s = self.settings
         self.app.check_topics()
         check_schema(self.settings, self.store, self.app)
+        self.retention.start()  # refuses a window shorter than the topics' retention
         conf = s.consumer_config(self.app.group_id)
         conf["error_cb"] = self._on_error
         conf["on_commit"] = self._on_commit
@@ -162,15 +165,7 @@ class Runner:
         log.info("consumer started", extra={"action": "started", "topic": topics})
 
     def _warn_missing(self, absent: list[str]) -> None:
-        new = [t for t in absent if t not in self.missing_topics]
-        if not new:
-            return
-        self.missing_topics.update(new)
-        log.warning(
-            "topic%s %s do%s not exist; create %s with: %s (this member starts consuming a "
-            "topic as soon as it exists)", "s" if len(new) > 1 else "", ", ".join(new),
-            "" if len(new) > 1 else "es", "them" if len(new) > 1 else "it",
-            self.topics_command, extra={"action": "topics_missing", "topic": ",".join(new)})
+        warn_missing(self.missing_topics, absent, self.topics_command)
 
     def run(self, *, max_seconds: float | None = None) -> int:
         """Run until stopped (SIGTERM/SIGINT or :meth:`stop`); return the exit code."""
@@ -436,6 +431,7 @@ class Runner:
             self.relay.close(self._left(60.0))
         if self.leases is not None:
             self.leases.stop()
+        self.retention.close(self._left(5.0))
         self.sampler.stopped.set()
         self.hold.stop()
         self.progress.tick(time.monotonic(), final=True)

@@ -1,5 +1,6 @@
 """What a member checks and sets once as it starts: the store's schema and unadopted
-records (:func:`check_schema`), the topics the cluster lacks (:func:`absent_topics`),
+records (:func:`check_schema`), the topics the cluster lacks (:func:`absent_topics`,
+said once each by :func:`warn_missing`),
 and the garbage collector's thresholds (:func:`tune_gc`)."""
 
 from __future__ import annotations
@@ -43,6 +44,20 @@ def absent_topics(settings: Settings, app: App) -> list[str]:
     except FrameworkError as exc:
         log.debug("topic check skipped: %s", exc, extra={"action": "topics"})
         return []
+
+
+def warn_missing(warned: set[str], absent: list[str], command: str) -> None:
+    """Say once which of the ``absent`` topics were not ``warned`` about yet (noted
+    there), with the ``command`` that creates them."""
+    new = [t for t in absent if t not in warned]
+    if not new:
+        return
+    warned.update(new)
+    log.warning(
+        "topic%s %s do%s not exist; create %s with: %s (this member starts consuming a "
+        "topic as soon as it exists)", "s" if len(new) > 1 else "", ", ".join(new),
+        "" if len(new) > 1 else "es", "them" if len(new) > 1 else "it",
+        command, extra={"action": "topics_missing", "topic": ",".join(new)})
 
 
 GC_YOUNG_THRESHOLD = 10_000  # allocations between collections of the youngest generation

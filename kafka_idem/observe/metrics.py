@@ -115,6 +115,18 @@ METRICS: tuple[tuple[str, _Kind, str, str, tuple[str, ...]], ...] = (
      "1 while the handler is paused (kafka-idem pause) and this member holds it: none "
      "of its calls runs or starts here; 0 otherwise.",
      ("handler",)),
+    ("retention_purged", Counter, "kafka_idem_retention_purged_total",
+     "Succeeded records older than the retention window removed by this member's "
+     "background retention runs.",
+     ()),
+    ("retention_last_run", Gauge, "kafka_idem_retention_last_run_timestamp_seconds",
+     "When this member last finished a background retention run that had the app's "
+     "turn (Unix time; 0: none yet). Alert when no member's moves for several intervals.",
+     ()),
+    ("retention_errors", Counter, "kafka_idem_retention_errors_total",
+     "Background retention runs that failed or were skipped, by kind (database, "
+     "unchecked: a source topic's retention.ms could not be read, too_short).",
+     ("kind",)),
 )
 
 
@@ -147,6 +159,9 @@ class Metrics:
     outbox_relay_errors: Counter
     outbox_shards: Gauge
     handler_paused: Gauge
+    retention_purged: Counter
+    retention_last_run: Gauge
+    retention_errors: Counter
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()

@@ -14,6 +14,7 @@ from pydantic import SecretStr
 
 from kafka_idem.deadletters.signing import MIN_KEY_BYTES
 from kafka_idem.observe.redact import redact, secrets_in
+from kafka_idem.settings.durations import parse_duration
 
 TOPIC_CHARS = re.compile(r"[a-zA-Z0-9._-]+")  # what Kafka allows in a topic name
 # Names are matched whole (fullmatch): "$" would also accept a trailing newline.
@@ -191,3 +192,21 @@ def _librdkafka_refuses(options: dict[str, Any]) -> str | None:
 _SILENT = logging.getLogger("kafka_idem.settings.check")
 _SILENT.addHandler(logging.NullHandler())
 _SILENT.propagate = False
+
+
+def check_duration(value: str | None) -> str | None:
+    """A duration like ``30d`` (:func:`~kafka_idem.settings.durations.parse_duration`),
+    kept as typed, so messages about it say what the operator wrote."""
+    if value is None:
+        return None
+    seconds = parse_duration(value)  # its ValueError names the forms it reads
+    if seconds <= 0:
+        raise ValueError(f"{value!r} is not a positive duration")
+    return value.strip()
+
+
+def check_console_token(value: SecretStr | None) -> SecretStr | None:
+    if value is not None and len(value.get_secret_value().strip()) < 16:
+        raise ValueError("must be at least 16 characters (e.g. python -c 'import "
+                         "secrets; print(secrets.token_urlsafe(24))')")
+    return value

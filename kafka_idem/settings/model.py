@@ -8,9 +8,9 @@ librdkafka configuration with the protected options applied over the user's
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationInfo, field_validator
+from pydantic import AfterValidator, Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kafka_idem.deadletters.signing import MIN_KEY_BYTES
@@ -20,6 +20,8 @@ from kafka_idem.observe.redact import option_secrets, redact, redact_options, se
 from kafka_idem.settings.checks import (
     check_backoff,
     check_conninfo,
+    check_console_token,
+    check_duration,
     check_group_id,
     check_group_instance_id,
     check_identifier,
@@ -239,6 +241,13 @@ class Settings(BaseSettings):
         description="PostgreSQL ends a framework session idle in a transaction this long "
         "(a stalled zombie's locks are released); 0 disables.",
     )
+    retention: Annotated[str | None, AfterValidator(check_duration)] = Field(
+        None, description="Background retention (unset: off): one member at a time purges the "
+        "app's succeeded records older than this (e.g. 30d), at least the topics' retention.ms.")
+    retention_force: bool = Field(False, description="Run retention although its window is "
+                                  "shorter than a source topic's retention.ms.")
+    retention_interval_seconds: float = Field(
+        300.0, gt=0, description="How often a member tries a retention run (with jitter).")
     long_running_seconds: float = Field(
         300.0, gt=0, description="A record unfinished for this long counts as long-running."
     )
@@ -313,10 +322,7 @@ class Settings(BaseSettings):
     @field_validator("console_token")
     @classmethod
     def _console_token(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and len(value.get_secret_value().strip()) < 16:
-            raise ValueError("must be at least 16 characters (e.g. python -c 'import "
-                             "secrets; print(secrets.token_urlsafe(24))')")
-        return value
+        return check_console_token(value)
 
     @field_validator("log_levels")
     @classmethod
@@ -395,15 +401,9 @@ class Settings(BaseSettings):
             **self.kafka,
         }
         say_ignored(self.kafka, _PROTECTED_CONSUMER, consumer=True)
-        conf.update(
-            {
-                "bootstrap.servers": self.bootstrap_servers,
-                "group.id": group,
-                "max.poll.interval.ms": self.max_poll_interval_ms,
-                "session.timeout.ms": self.session_timeout_ms,
-                **_PROTECTED_CONSUMER,
-            }
-        )
+        conf.update({"bootstrap.servers": self.bootstrap_servers, "group.id": group,
+                     "max.poll.interval.ms": self.max_poll_interval_ms,
+                     "session.timeout.ms": self.session_timeout_ms, **_PROTECTED_CONSUMER})
         if self.group_instance_id is not None:
             conf["group.instance.id"] = self.group_instance_id
         return conf

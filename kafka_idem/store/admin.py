@@ -92,7 +92,20 @@ class AdminQueries:
         with translate_errors():
             return conn.execute(self.q["purge_batch"], {
                 "ns": self.namespace, "statuses": list(statuses), "older_than": older_than,
-                "batch": batch_size}).rowcount
+                "batch": batch_size}, prepare=False).rowcount  # planned for its bound
+
+    def retention_turn(self, conn: Conn, *, take: bool) -> bool:
+        """Take (``take``) or give back this namespace's background-retention lock, a
+        session advisory lock keyed by schema, table and namespace; whether it was."""
+        what = f"{self.schema}.{self.table}:{self.ns}"
+        with translate_errors():
+            row = conn.execute(self.q["retention_lock" if take else "retention_unlock"],
+                               {"what": what}).fetchone()
+        return bool(row and row[0])
+
+    def retention_last(self, conn: Conn, namespace: str | None) -> Rows:
+        """The latest retention run that removed records, per namespace (or ``namespace``'s)."""
+        return self._rows(conn, "retention_last", {"ns": namespace})
 
     def purge_count(self, conn: Conn, *, statuses: Sequence[str],
                     older_than: float) -> dict[str, int]:

@@ -325,12 +325,16 @@ WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND status = 'failed';
 
 -- name: purge_batch
 -- Retention: one batch of old terminal records (never processing or retryable_failed).
+-- now() (the batch's transaction start), not clock_timestamp(): a stable bound is an
+-- index condition the planner can estimate, so few old records are read down the
+-- status index (status, updated_at), where a volatile one made every batch a
+-- sequential scan of the table (never prepared: a generic plan would not know the bound).
 DELETE FROM {table}
 WHERE ctid IN (
     SELECT ctid FROM {table}
     WHERE status = ANY(%(statuses)s)
       AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text)
-      AND updated_at < clock_timestamp() - make_interval(secs => %(older_than)s)
+      AND updated_at < now() - make_interval(secs => %(older_than)s)
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 );
@@ -340,8 +344,23 @@ WHERE ctid IN (
 SELECT status, count(*) AS n FROM {table}
 WHERE status = ANY(%(statuses)s)
   AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text)
-  AND updated_at < clock_timestamp() - make_interval(secs => %(older_than)s)
+  AND updated_at < now() - make_interval(secs => %(older_than)s)
 GROUP BY status;
+
+-- name: retention_lock
+-- The background retention's turn: one member of an app at a time (a session lock,
+-- held on the purging connection across its batches' transactions).
+SELECT pg_try_advisory_lock(hashtext('kafka_idem.retention'), hashtext(%(what)s));
+
+-- name: retention_unlock
+SELECT pg_advisory_unlock(hashtext('kafka_idem.retention'), hashtext(%(what)s));
+
+-- name: retention_last
+-- The latest background retention run of each namespace (or of one) that removed records.
+SELECT DISTINCT ON (namespace) namespace, at, actor, selection, counts
+FROM {audit}
+WHERE action = 'retention' AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text)
+ORDER BY namespace, id DESC;
 
 -- name: topics_seen
 SELECT DISTINCT kafka_topic FROM {table}

@@ -110,6 +110,30 @@ def test_the_rate_bench_measures_a_limited_handler_and_checks_exactly_once(mode:
     assert left == (0,), "the rate bench's database was left behind"
 
 
+def test_the_retention_bench_purges_the_old_records_and_keeps_the_rest() -> None:
+    """``python -m bench.retention`` at a tiny size: both runs drain their charges, the
+    member's background retention removes every old record and keeps every one inside
+    the window (it exits 1 otherwise), and its database is dropped afterwards."""
+    env = {**os.environ, "KAFKA_IDEM_BOOTSTRAP_SERVERS": BOOTSTRAP,
+           "KAFKA_IDEM_DATABASE_URL": ADMIN_DSN, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.retention", "--records", "3000", "--keep", "50",
+         "--messages", "300", "--timeout", "120", "--json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    said = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, said
+    run = json.loads(proc.stdout)
+    assert run["ok"], run["check"]
+    assert run["check"].startswith("old records left 0 (expected 0); inside the window kept "
+                                   "50 of 50; charges succeeded 600 of 600"), run["check"]
+    (pair,) = run["pairs"]
+    assert pair["without"]["msgs_per_s"] > 0 and pair["with"]["msgs_per_s"] > 0, said
+    with psycopg.connect(ADMIN_DSN) as conn:
+        left = conn.execute("SELECT count(*) FROM pg_database WHERE datname = %s",
+                            (run["database"],)).fetchone()
+    assert left == (0,), "the bench's database was left behind"
+
+
 def test_the_dead_letter_bench_checks_every_letter_and_its_signature(tmp_path: Path) -> None:
     """``python -m bench.deadletters`` at its tiniest: one unsigned and one signed run,
     each message dead-lettered once and every signed letter verified (it exits 1

@@ -33,7 +33,7 @@ RAW_RDKAFKA = re.compile(r"^%\d\|\d+\.\d+\|")  # librdkafka's own stderr format
 # The JSON shapes docs/reference/cli-conventions.md documents ("JSON output"): a field
 # is only ever added.
 STATUS_FIELDS = {"namespace", "by_status", "by_namespace", "processing", "long_running",
-                 "retry_backlog", "failed_by_kind", "outbox", "paused_handlers"}
+                 "retry_backlog", "failed_by_kind", "outbox", "paused_handlers", "retention"}
 RECORD_FIELDS = {"idempotency_key", "namespace", "status", "request_hash", "attempts",
                  "attempts_counted", "owner_token", "lease_until", "lease_live",
                  "next_attempt_at", "result_json",

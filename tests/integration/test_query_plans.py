@@ -117,3 +117,19 @@ def test_the_batch_completion_probes_each_key_whatever_the_statistics(
         assert cur.rowcount == BATCH
     assert conn.execute(f"SELECT count(*) FROM {TABLE} WHERE namespace = %s AND "
                         "status = 'succeeded'", (NS,)).fetchone() == (ROWS,)
+
+
+def test_a_purge_batch_reads_few_old_records_down_the_status_index(db: Any) -> None:
+    """Retention's selection (``purge`` and the members' background runs): when few
+    records are older than the window, the status index (status, updated_at) bounds
+    the read, instead of a sequential scan of the table per batch."""
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace=NS)
+    with psycopg.connect(db.dsn) as conn:
+        _fill(conn, processing=0)  # every record succeeded, just now
+        conn.execute(f"ANALYZE {TABLE}")
+        query = sql.SQL(store.q["purge_batch"].as_string(conn).replace("DELETE FROM", "SELECT "
+                        "ctid FROM", 1).split("WHERE ctid IN (", 1)[1].rsplit(")", 1)[0])
+        plan = _plan(conn, query, {"ns": NS, "statuses": ["succeeded"],
+                                   "older_than": 86400.0, "batch": 1000})
+    assert "Index Scan using task_idempotency_status_idx" in plan, plan
+    assert "Seq Scan" not in plan, plan

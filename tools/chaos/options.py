@@ -41,6 +41,9 @@ def parse(argv: list[str] | None, description: str) -> argparse.Namespace:
                     help=f"comma-separated subset of {','.join(FAULTS)}")
     ap.add_argument("--allow-broker-restart", action="store_true",
                     help="allow restarting the local broker (scripts/kafka.sh restart)")
+    ap.add_argument("--old-records", type=int, default=200_000,
+                    help="succeeded records older than the members' retention window, "
+                    "purged by them under load (0: retention off)")
     ap.add_argument("--json", type=Path, help="write the report to this file")
     ap.add_argument("--keep", action="store_true", help="keep topics, database and logs")
     args = ap.parse_args(argv)
@@ -86,7 +89,8 @@ def replay_args(args: argparse.Namespace, seed: int) -> str:
     parts = [f"--duration {args.duration:g}", f"--faults {args.faults}", f"--seed {seed}",
              f"--members {args.members}", f"--relays {args.relays}", f"--rate {args.rate:g}",
              f"--partitions {args.partitions}", f"--mode {args.mode}",
-             f"--concurrency {args.concurrency}", f"--fault-types {','.join(args.types)}"]
+             f"--concurrency {args.concurrency}", f"--fault-types {','.join(args.types)}",
+             f"--old-records {args.old_records}"]
     if args.order_by_tenant:
         parts.append("--order-by-tenant")
     if args.async_handler:

@@ -35,6 +35,9 @@ relays' control topic and transactional ids. They are removed at the end unless
    producing; wait until the group's committed offsets equal the end offsets and
    the outbox is empty (bounded by ``--heal-timeout``: liveness); SIGTERM the
    members and relays.
+   Meanwhile the members' background retention purges ``--old-records`` (200,000)
+   succeeded records older than its window, seeded before they start
+   (:mod:`tools.chaos.retention`): a purge under load and faults.
 5. Run the checker (:mod:`tools.chaos.checker`) on durable state, the event
    topic included (check 11, read_committed); print
    the fault log, the checker's table and the seed. Exit 1 on any anomaly.
@@ -65,6 +68,7 @@ from psycopg.conninfo import make_conninfo
 
 from kafka_idem.observe.redact import redact
 from kafka_idem.settings import Settings, load_settings
+from tools.chaos import retention
 from tools.chaos.checker import Liveness, check
 from tools.chaos.faults import FAULTS, Injector
 from tools.chaos.members import APP, Pool, member_env
@@ -173,6 +177,10 @@ class Run:
         self.created_topics = True
         env = member_env(s, self.dsn, self.topic, args.mode)
         env["KAFKA_IDEM_NAME_PREFIX"] = self.prefix  # the relays' control topic and ids: ours
+        purge_env, self.result["retention"] = retention.seed(s, self.dsn, self.topic,
+                                                             args.old_records)
+        env.update(purge_env)  # a purge under load: the members remove the old records
+        say(f"retention: {self.result['retention']}")
         made = create_outbox_topics(admin, env, APP, self.prefix, args.partitions)
         if self.events not in made:
             raise RuntimeError(f"kafka-idem topics create made no {self.events}: {made}")
@@ -281,6 +289,11 @@ class Run:
             for name, n in theirs.items():
                 mine[name] = mine.get(name, 0) + n
         self.health += _run_health(args, injector, by_type, pool, relays)
+        if self.result["retention"].get("retention"):
+            old = self.result["retention"]["old_records"]
+            kept = retention.left(self.dsn, s)
+            self.health.append(("retention purged every old record", kept == 0,
+                                f"{old - kept} of {old} removed under load"))
         self.health.append(_traffic_health(feed))
         self.result.update({
             "seconds": round(time.monotonic() - T0, 1),
