@@ -317,7 +317,34 @@ cmd_start() {
   write_config
   format_once
 
-  log "starting broker on $HOST:$PORT (logs in $LOG_DIR)"
+  local attempt
+  for attempt in 1 2 3 4 5; do
+    log "starting broker on $HOST:$PORT (logs in $LOG_DIR)"
+    launch
+    pid="$(cat "$PID_FILE")"
+    if wait_ready "$pid"; then
+      log "ready (pid $pid, ${SECONDS}s)"
+      echo "$HOST:$PORT"
+      return 0
+    fi
+    kill -KILL "$pid" 2>/dev/null || true
+    rm -f "$PID_FILE"
+    # The port is in the kernel's ephemeral range: a client reconnecting to it while
+    # the broker was down can connect to itself (TCP simultaneous open) and hold it for
+    # a moment. The broker then cannot bind; once that client gives up, it can.
+    if ((attempt < 5)) && tail -n 200 "$LOG_DIR/server.log" 2>/dev/null \
+        | grep -q "failed to bind to $HOST:$PORT: Address already in use"; then
+      log "port $PORT held for a moment (a client connected to itself?); trying again"
+      sleep 2
+      continue
+    fi
+    break
+  done
+  show_log_tail
+  die "Kafka failed to start"
+}
+
+launch() {
   # setsid+nohup: the broker outlives this shell and its terminal; stdin from
   # /dev/null and output to a file, other inherited fds closed.
   (
@@ -330,17 +357,7 @@ cmd_start() {
       -cp "$(java_cp)" kafka.Kafka "$SERVER_PROPS" \
       </dev/null >>"$LOG_DIR/kafka.out" 2>&1
   ) &
-  pid=$!
-  echo "$pid" >"$PID_FILE"
-
-  if ! wait_ready "$pid"; then
-    show_log_tail
-    kill -KILL "$pid" 2>/dev/null || true
-    rm -f "$PID_FILE"
-    die "Kafka failed to start"
-  fi
-  log "ready (pid $pid, ${SECONDS}s)"
-  echo "$HOST:$PORT"
+  echo "$!" >"$PID_FILE"
 }
 
 cmd_stop() {
