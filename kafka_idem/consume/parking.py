@@ -68,6 +68,7 @@ class Parking:
         self._entries: dict[int, Parked] = {}  # by offset
         self._lanes: dict[str, list[int]] = {}  # lane -> its parked offsets, in offset order
         self._low: list[int] = []  # heap of parked offsets (finished ones left until seen)
+        self._heads: set[int] = set()  # first in all their lanes: kept as lanes change
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -96,7 +97,12 @@ class Parking:
         self._entries[entry.offset] = entry
         heapq.heappush(self._low, entry.offset)
         for lane in lanes:
-            bisect.insort(self._lanes.setdefault(lane, []), entry.offset)
+            line = self._lanes.setdefault(lane, [])
+            bisect.insort(line, entry.offset)
+            if line[0] == entry.offset and len(line) > 1:
+                self._heads.discard(line[1])  # no longer first in this lane
+        if self._first(entry):
+            self._heads.add(entry.offset)
 
     def _first(self, entry: Parked) -> bool:
         return all(self._lanes[lane][0] == entry.offset for lane in entry.lanes)
@@ -104,14 +110,9 @@ class Parking:
     def heads(self) -> Iterator[Parked]:
         """The parked messages first in all their lanes and not running (few: the keys
         that wait for an attempt, not the messages behind them)."""
-        seen: set[int] = set()
-        for line in self._lanes.values():
-            offset = line[0]
-            if offset in seen:
-                continue
-            seen.add(offset)
+        for offset in self._heads:
             entry = self._entries[offset]
-            if not entry.running and self._first(entry):
+            if not entry.running:
                 yield entry
 
     def due(self, now: float) -> bool:
@@ -136,11 +137,14 @@ class Parking:
         """A parked message is done: it leaves its lanes, and the next of each runs
         when first in all of its own (at once: its wait was for this one)."""
         entry = self._entries.pop(offset)
+        self._heads.discard(offset)
         for lane in entry.lanes:
             line = self._lanes[lane]
             line.remove(offset)  # the first, as it ran first in its lanes
             if not line:
                 del self._lanes[lane]
+            elif self._first(nxt := self._entries[line[0]]):
+                self._heads.add(nxt.offset)
 
     def deferred(self, offset: int, not_before: float) -> None:
         """A parked message ran and must wait again (it stays first in its lanes)."""

@@ -190,3 +190,25 @@ def test_the_lookahead_is_a_bound_on_what_runs_past_the_parked_message() -> None
     run(st, 0.0, Deferred(9.0, "retry"))
     assert run(st, 0.0, OK, OK) == [1, 2]  # 3 is further than 2 past x: not run
     assert not st.due(0.0) and st.far_ahead()
+
+
+def test_the_heads_follow_the_lanes_as_messages_are_parked_and_finish() -> None:
+    """Heads are kept as lanes change (not searched for): checked against a search."""
+    import random as rnd
+
+    gen = rnd.Random(7)
+    p = Parking()
+    order = list(range(60))
+    gen.shuffle(order)
+    for o in order[:40]:
+        lanes = tuple(sorted({f"k{gen.randrange(8)}", f"o{gen.randrange(5)}"}))
+        p.park(msg(o, "x"), lanes, 0.0)
+
+    def searched() -> set[int]:
+        return {o for o, e in p._entries.items()
+                if all(p._lanes[lane][0] == o for lane in e.lanes)}
+
+    while len(p):
+        assert {e.offset for e in p.heads()} == searched()
+        p.finished(gen.choice(sorted(searched())))
+    assert list(p.heads()) == []
