@@ -59,6 +59,7 @@ class PartitionState(Committable):
         self._sifted = 0  # queued messages at the front checked against the parked lanes
         self._known: dict[int, Lanes] = {}  # offset -> lanes of a queued message, decoded
         self._ran: list[Any] = []  # the messages of the unit in flight, in its order
+        self._heads_first = True  # parked messages went first in the last unit with some
         self._frontier = -1  # the highest offset made committable (or the first queued)
 
     # --- fetched -------------------------------------------------------------
@@ -115,15 +116,20 @@ class PartitionState(Committable):
 
     def prefix(self, n: int | None = None, now: float = 0.0) -> list[Any]:
         """The messages of the next unit: the first ``n`` queued messages (all without
-        ``n``) that no parked one holds back, then the parked ones due now. They stay
-        where they are until their results apply. Parked ones last: a unit stops at its
-        first deferred message, and one still failing must not hold up the queue."""
+        ``n``) that no parked one holds back, and the parked ones due now. They stay
+        where they are until their results apply. A unit stops at its first deferred
+        message, so whichever comes first can hold the other up: parked ones still
+        failing, the queue; new failures in the queue, the due retries. So they take
+        turns at going first (they share no lane: either order keeps every lane's)."""
         if not self.parking:
             msgs = list(self.queue if n is None else itertools.islice(self.queue, n))
         else:
             room = self._sifted if n is None else min(n, self._sifted)
             heads = [entry.msg for entry in self.parking.take(now)]
-            msgs = list(itertools.islice(self.queue, room)) + heads
+            queued = list(itertools.islice(self.queue, room))
+            if heads:
+                self._heads_first = not self._heads_first
+            msgs = heads + queued if heads and self._heads_first else queued + heads
         self._ran = msgs
         return msgs
 

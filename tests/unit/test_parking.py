@@ -212,3 +212,14 @@ def test_the_heads_follow_the_lanes_as_messages_are_parked_and_finish() -> None:
         assert {e.offset for e in p.heads()} == searched()
         p.finished(gen.choice(sorted(searched())))
     assert list(p.heads()) == []
+
+
+def test_due_retries_and_the_queue_take_turns_so_neither_holds_the_other_up() -> None:
+    # x waits; every other queued message is a new key failing at its first attempt.
+    st = state("x", "a", "f1", "b", "f2", "c", "f3")
+    run(st, 0.0, Deferred(1.0, "retry"))
+    # Due at 1.0: the queue first this time (a, then f1 fails: the unit stops) ...
+    assert run(st, 1.0, OK, Deferred(5.0, "retry")) == [1, 2, 3, 4, 5, 6, 0]
+    # ... the due retry first the next time, whatever the queue holds.
+    assert run(st, 1.0, OK, OK, Deferred(5.0, "retry")) == [0, 3, 4, 5, 6]
+    assert st.parking.lowest() == 2 and st.to_commit == 2
