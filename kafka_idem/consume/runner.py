@@ -165,7 +165,7 @@ class Runner:
         log.info("consumer started", extra={"action": "started", "topic": topics})
 
     def _warn_missing(self, absent: list[str]) -> None:
-        warn_missing(self.missing_topics, absent, self.topics_command)
+        warn_missing(self.missing_topics, absent, self.topics_command, log)
 
     def run(self, *, max_seconds: float | None = None) -> int:
         """Run until stopped (SIGTERM/SIGINT or :meth:`stop`); return the exit code."""

@@ -46,14 +46,16 @@ def absent_topics(settings: Settings, app: App) -> list[str]:
         return []
 
 
-def warn_missing(warned: set[str], absent: list[str], command: str) -> None:
+def warn_missing(warned: set[str], absent: list[str], command: str,
+                 logger: logging.Logger) -> None:
     """Say once which of the ``absent`` topics were not ``warned`` about yet (noted
-    there), with the ``command`` that creates them."""
+    there), with the ``command`` that creates them, on ``logger`` (the member's loop's:
+    operators filter on it)."""
     new = [t for t in absent if t not in warned]
     if not new:
         return
     warned.update(new)
-    log.warning(
+    logger.warning(
         "topic%s %s do%s not exist; create %s with: %s (this member starts consuming a "
         "topic as soon as it exists)", "s" if len(new) > 1 else "", ", ".join(new),
         "" if len(new) > 1 else "es", "them" if len(new) > 1 else "it",
