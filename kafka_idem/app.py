@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from kafka_idem.codecs.avro_codec import AvroCodec, AvroObjectCodec
-from kafka_idem.codecs.base import Codec, CodecFactory, validate
-from kafka_idem.codecs.json_codec import JsonCodec
+from kafka_idem.codecs.avro_codec import AvroCodec
+from kafka_idem.codecs.base import Codec, CodecFactory
 from kafka_idem.errors import ConfigError, StaleOwner
 from kafka_idem.handler import (
     DEFAULT_ERRORS,
@@ -44,8 +43,8 @@ from kafka_idem.handler import (
     check_topic_name,
 )
 from kafka_idem.keys import KeySpec
+from kafka_idem.orm.sessions import Sessions
 from kafka_idem.registration import (
-    check_avro_reader,
     check_handler_function,
     check_handler_options,
     check_loop_closer,
@@ -56,6 +55,8 @@ from kafka_idem.settings import Settings, check_namespace, load_settings
 from kafka_idem.store import Store
 
 if TYPE_CHECKING:
+    from sqlalchemy import MetaData
+
     from kafka_idem.outbox.emit import Emitter
     from kafka_idem.producer import Producer
 
@@ -86,6 +87,7 @@ class App:
         self.declared_topics: dict[str, dict[str, Any]] = {}
         self.event_topics: dict[str, Handler[Any]] = {}
         self._emitter: Emitter | None = None
+        self.sessions = Sessions()  # ctx.session (app.sqlalchemy)
 
     @property
     def settings(self) -> Settings:
@@ -241,34 +243,9 @@ class App:
 
     def make_codec(self, handler: Handler[Any]) -> Codec:
         """The codec ``handler``'s format names, built from the app's settings."""
-        from kafka_idem.codecs.registry import RegistryCodec
+        from kafka_idem.codec_selection import codec_for
 
-        fmt = handler.format
-        if fmt is not None and not isinstance(fmt, str | CodecFactory):
-            return _Validated(fmt, handler)
-        name = handler.format_name or self.settings.default_format
-        try:
-            if isinstance(fmt, CodecFactory):
-                return fmt.for_handler(self, handler)
-            if name == "json":
-                return JsonCodec(handler.adapter)
-            schemas = self.avro_schemas() if handler.schema else None
-            if schemas is not None and handler.schema is not None:
-                check_avro_reader(handler, schemas, self.settings.schemas_dir)
-            if name == "registry":
-                return RegistryCodec(self.registry_client(), handler.adapter, schemas=schemas,
-                                     schema=handler.schema, subject=f"{handler.topic}-value")
-            if schemas is None or handler.schema is None:
-                raise ConfigError("format 'avro' needs schema= (the Avro reader schema's full "
-                                  "name); the app's default_format is 'avro'", setting="schema")
-            framed = None
-            if self.settings.schema_registry_url:  # as before formats: both framings
-                framed = RegistryCodec(self.registry_client(), handler.adapter, schemas=schemas,
-                                       schema=handler.schema, subject=f"{handler.topic}-value")
-            return AvroObjectCodec(schemas, handler.schema, handler.adapter, framed=framed)
-        except ConfigError as exc:
-            raise ConfigError(f"handler {handler.name!r}: {exc.message}",
-                              **exc.context) from exc
+        return codec_for(self, handler)
 
     def bind_codec(self, handler: Handler[Any]) -> Codec:
         """Make ``handler``'s codec from its format and the settings, and bind it."""
@@ -290,6 +267,21 @@ class App:
         """Register the app's own schema set-up, run by ``kafka-idem migrate`` (idempotent SQL)."""
         self.migrations.append(fn)
         return fn
+
+    def sqlalchemy(
+        self, *, metadata: MetaData | None = None,
+        engine_options: Mapping[str, Any] | None = None,
+        session_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Configure ``ctx.session``, the handlers' SQLAlchemy sessions (the
+        ``sqlalchemy`` extra), once: ``metadata``'s tables are created by ``kafka-idem
+        migrate --app`` (those missing; an app migration); ``engine_options`` (``echo``,
+        ``hide_parameters``, ``execution_options``, ``query_cache_size``,
+        ``logging_name``) and ``session_options`` (e.g. ``autoflush``, ``info``) apply to
+        every handler's session. Without this call ``ctx.session`` has the defaults."""
+        self.sessions.configure(metadata, engine_options, session_options)
+        if metadata is not None:
+            self.migrations.append(self.sessions.create_tables())
 
     def on_loop_close(
         self, fn: Callable[[], Awaitable[None]],
@@ -417,21 +409,6 @@ def _never(msg: Any, ctx: Context) -> Any:
 
 def _no_key(payload: Any) -> str:
     return ""
-
-
-class _Validated:
-    """A user's codec, its output validated into the handler's model."""
-
-    def __init__(self, codec: Codec, handler: Handler[Any]) -> None:
-        self.codec = codec
-        self.name = codec.name
-        self.adapter = handler.adapter
-
-    def decode(self, data: bytes) -> Any:
-        return validate(self.adapter, self.codec.decode(data), fmt=self.name)
-
-    def encode(self, payload: Any) -> bytes:
-        return self.codec.encode(payload)
 
 
 __all__ = ["App", "AsyncContext", "Context", "Done", "Handler", "StaleOwner"]

@@ -8,15 +8,19 @@ codec) and a :class:`Context` whose ``tx`` is an open psycopg transaction.
 from __future__ import annotations
 
 import inspect
-import threading
-from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
-from dataclasses import InitVar, dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
 
 import psycopg
 from pydantic import ValidationError
 
 from kafka_idem.codecs.base import FORMATS, Codec, CodecFactory, adapter_for, fields_of
+from kafka_idem.context import EMITTED as EMITTED
+from kafka_idem.context import AsyncContext as AsyncContext
+from kafka_idem.context import Context as Context
+from kafka_idem.context import Emitted as Emitted
+from kafka_idem.context import EventSink as EventSink
 from kafka_idem.errors import (
     ConfigError,
     MessageError,
@@ -31,124 +35,12 @@ from kafka_idem.retry import RetryPolicy
 from kafka_idem.settings import TOPIC_CHARS
 from kafka_idem.store import is_data_error
 
-if TYPE_CHECKING:
-    from kafka_idem.store import Event
-
 M = TypeVar("M")
 
 Format = Literal["json", "avro", "registry"]
 
 Mode = Literal["local", "leased"]
 ErrorKind = Literal["retryable", "permanent", "unknown_outcome"]
-
-
-class EventSink(Protocol):
-    """What ``ctx.emit`` encodes its events with: an app's outbox emitter
-    (:class:`kafka_idem.outbox.emit.Emitter`, ``app.outbox``)."""
-
-    def event(self, ctx: Context, topic: str, value: Any, *, key: str | bytes | None,
-              headers: Mapping[str, str | bytes] | None) -> Event: ...
-
-
-@dataclass
-class Context:
-    """What a handler knows about the message it is processing.
-
-    ``tx`` is the open transaction (a psycopg connection inside ``BEGIN``):
-    write business rows through it. ``idempotency_key`` is the key to pass
-    downstream (e.g. as an ``Idempotency-Key`` HTTP header) so remote side
-    effects are deduplicated by the remote side too.
-
-    The framework builds it with its collaborators: ``lost``, the event a leased-mode
-    heartbeat sets when the lease is taken over (:attr:`lease_lost`), and ``emitter``,
-    the app's outbox (``ctx.emit``; :meth:`take_events` hands its events over).
-    """
-
-    tx: psycopg.Connection[Any]
-    idempotency_key: str
-    request_hash: str
-    attempt: int
-    handler: str
-    topic: str
-    partition: int
-    offset: int
-    timestamp: int | None
-    kafka_key: bytes | None
-    headers: Mapping[str, bytes] = field(default_factory=dict)
-    lost: InitVar[threading.Event | None] = None
-    emitter: InitVar[EventSink | None] = None
-    _lease_lost: threading.Event | None = field(default=None, init=False, repr=False)
-    _emitter: EventSink | None = field(default=None, init=False, repr=False)
-    _events: list[Event] = field(default_factory=list, init=False, repr=False)
-
-    def __post_init__(self, lost: threading.Event | None, emitter: EventSink | None) -> None:
-        self._lease_lost = lost
-        self._emitter = emitter
-
-    @property
-    def lease_lost(self) -> bool:
-        """True once a heartbeat found the lease taken over (leased mode): stop early."""
-        return self._lease_lost is not None and self._lease_lost.is_set()
-
-    def emit(self, topic: str, value: Any, *, key: str | bytes | None = None,
-             headers: Mapping[str, str | bytes] | None = None) -> None:
-        """Publish an event to ``topic`` if and only if this handler's effect commits
-        (the transactional outbox, docs/OUTBOX.md): the event is encoded now with the
-        topic's codec (``app.event_topic``; ``bytes`` pass through as they are, ``None``
-        is a tombstone) and
-        written to the outbox in this transaction, right before the completion; the
-        relay publishes it exactly once, with ``idem.*`` headers naming this intent.
-        ``key`` (``str`` is UTF-8) is the Kafka key; events with the same key are
-        published in the order their transactions committed."""
-        if self._emitter is None:
-            raise ConfigError("ctx.emit needs the context of a kafka_idem app's handler",
-                              setting="event_topic")
-        self._events.append(self._emitter.event(self, topic, value, key=key,
-                                                headers=headers))
-
-    def take_events(self) -> list[Event]:
-        """The events :meth:`emit` kept, handed over once (the emitter writes them with
-        the completion; a re-run of the handler emits again)."""
-        events, self._events = self._events, []
-        return events
-
-
-@dataclass
-class AsyncContext(Context):
-    """An ``async def`` handler's :class:`Context`: ``tx`` is a
-    ``psycopg.AsyncConnection`` inside ``BEGIN`` (``await ctx.tx.execute(...)``);
-    everything else is the same."""
-
-    tx: psycopg.AsyncConnection[Any]  # type: ignore[assignment]
-
-    def emit(  # type: ignore[override]
-        self, topic: str, value: Any, *, key: str | bytes | None = None,
-        headers: Mapping[str, str | bytes] | None = None,
-    ) -> Emitted:
-        """:meth:`Context.emit`, done at the call: the event is registered now and written
-        with the handler's transaction on its async connection, right before the
-        completion. It returns an :class:`Emitted` that awaiting does nothing more with,
-        so ``await ctx.emit(...)`` and ``ctx.emit(...)`` both emit exactly once (a
-        forgotten ``await`` neither drops the event nor warns)."""
-        Context.emit(self, topic, value, key=key, headers=headers)
-        return EMITTED
-
-
-class Emitted:
-    """What :meth:`AsyncContext.emit` returns: its event is already registered, so
-    awaiting it completes at once, with ``None`` (awaiting it is optional, and can be
-    done any number of times)."""
-
-    __slots__ = ()
-
-    def __await__(self) -> Generator[Any, None, None]:
-        yield from ()
-
-    def __repr__(self) -> str:
-        return "<emitted>"
-
-
-EMITTED = Emitted()
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +71,18 @@ def refused_by_client(exc: BaseException) -> bool:
     ``commit()`` inside the attempt's transaction. A code defect too; a server's
     ``ProgrammingError`` (an undefined table: perhaps a migration not run yet) has a
     SQLSTATE and stays retryable."""
-    return isinstance(exc, psycopg.ProgrammingError) and not exc.sqlstate
+    return ((isinstance(exc, psycopg.ProgrammingError) and not exc.sqlstate)
+            or _orm_misuse(exc))
+
+
+# SQLAlchemy's errors that say the code is wrong (an ORM call with wrong arguments, a
+# statement that cannot compile, an object of no mapped class): code defects too.
+_ORM_DEFECTS = frozenset({"ArgumentError", "CompileError", "UnmappedError"})
+
+
+def _orm_misuse(exc: BaseException) -> bool:
+    return (type(exc).__module__.startswith("sqlalchemy")
+            and any(c.__name__ in _ORM_DEFECTS for c in type(exc).__mro__))
 
 
 # Default classification of exceptions a handler lets escape (first match wins).
@@ -415,9 +318,13 @@ class Handler(Generic[M]):
         return rule[1] == "permanent" and issubclass(rule[0], CODE_DEFECTS)
 
     def _rule(self, exc: BaseException) -> tuple[type[BaseException], ErrorKind] | None:
-        """The first mapping ``exc`` matches."""
+        """The first mapping ``exc`` matches (or, for the psycopg cause of an ORM error,
+        :func:`kafka_idem.orm.causes.as_cause`, the SQLAlchemy error around it)."""
+        wrapper = exc.__cause__
+        if wrapper is not None and not type(wrapper).__module__.startswith("sqlalchemy"):
+            wrapper = None
         for rule in self.errors:
-            if isinstance(exc, rule[0]):
+            if isinstance(exc, rule[0]) or (wrapper is not None and isinstance(wrapper, rule[0])):
                 return rule
         return None
 

@@ -20,10 +20,11 @@ import pytest
 from kafka_idem import App, AsyncContext, Permanent, Retryable, RetryPolicy
 from kafka_idem.consume.outcome import Prepared
 from kafka_idem.consume.paths.async_leased_path import AsyncLeasedPath
+from kafka_idem.consume.paths.calls import delivery
 from kafka_idem.consume.paths.leased_path import LeasedPath
 from kafka_idem.consume.paths.processor import Processor
 from kafka_idem.consume.paths.round_claim import RoundClaim, Wanted
-from kafka_idem.consume.paths.steps import Steps, delivery
+from kafka_idem.consume.paths.steps import Steps
 from kafka_idem.consume.paths.verdicts import Verdict
 from kafka_idem.errors import DataRejected, StoreUnavailable
 from kafka_idem.observe.metrics import Metrics

@@ -53,11 +53,11 @@ from kafka_idem.consume.parking import lanes as message_lanes
 from kafka_idem.consume.partitions import TP, Partitions
 from kafka_idem.consume.paths.async_connections import AsyncConnections, connection_limit
 from kafka_idem.consume.paths.async_leased_path import AsyncLeasedPath
+from kafka_idem.consume.paths.calls import delivery
 from kafka_idem.consume.paths.lease_keeper import LeaseKeeper
 from kafka_idem.consume.paths.processor import Processor
 from kafka_idem.consume.paths.round_claim import RoundClaim, Wanted
 from kafka_idem.consume.paths.slots import CallNotStarted, Gate, Slots, Tally
-from kafka_idem.consume.paths.steps import delivery
 from kafka_idem.consume.rate_limit import RateLimits
 from kafka_idem.errors import FrameworkError, MessageError
 from kafka_idem.handler import Handler

@@ -53,6 +53,7 @@ import psycopg
 from kafka_idem.app import App
 from kafka_idem.consume.outcome import Ended, Finished, Message, Prepared, Result
 from kafka_idem.consume.paths.async_connections import AsyncConnections
+from kafka_idem.consume.paths.calls import delivery, own_code
 from kafka_idem.consume.paths.futures import settled, start_here
 from kafka_idem.consume.paths.lease_keeper import Hold, LeaseKeeper
 from kafka_idem.consume.paths.leased_path import around_failure, note_withdrawal
@@ -64,7 +65,7 @@ from kafka_idem.consume.paths.round_claim import (
     claim_round_async,
 )
 from kafka_idem.consume.paths.slots import CallNotStarted, Gate
-from kafka_idem.consume.paths.steps import Steps, delivery, log, own_code
+from kafka_idem.consume.paths.steps import Steps, log
 from kafka_idem.consume.paths.verdicts import Verdict, last_chance_spent, reconcile_first
 from kafka_idem.errors import (
     FrameworkError,
@@ -74,6 +75,7 @@ from kafka_idem.errors import (
     TransientStoreError,
 )
 from kafka_idem.handler import AsyncContext, Done, Handler
+from kafka_idem.orm.causes import orm_cause
 from kafka_idem.store import (
     AsyncAttemptTransaction,
     AsyncConn,
@@ -313,6 +315,20 @@ class AsyncLeasedPath:
         self, handler: Handler[Any], prep: Prepared, ctx: AsyncContext, claim: Claim
     ) -> tuple[Any, str]:
         """:meth:`Steps._call`'s twin for coroutines (the decisions are shared)."""
+        try:
+            called = await self._reconcile_or_handle(handler, prep, ctx, claim)
+            await ctx.settle_session_async()
+        except BaseException as exc:
+            await ctx.discard_session_async()
+            cause = orm_cause(exc)
+            if cause is None:
+                raise
+            raise cause from exc
+        return called
+
+    async def _reconcile_or_handle(
+        self, handler: Handler[Any], prep: Prepared, ctx: AsyncContext, claim: Claim
+    ) -> tuple[Any, str]:
         if handler.reconcile is not None and reconcile_first(claim, reconciler=True):
             done = await handler.reconcile(prep.model, ctx)  # type: ignore[misc]
             if isinstance(done, Done):

@@ -51,8 +51,9 @@ from kafka_idem.consume.outcome import (
     Result,
     Results,
 )
+from kafka_idem.consume.paths.calls import delivery
 from kafka_idem.consume.paths.database import Database
-from kafka_idem.consume.paths.steps import Steps, delivery, log
+from kafka_idem.consume.paths.steps import Steps, log
 from kafka_idem.consume.paths.verdicts import Note, letter_note, where
 from kafka_idem.errors import MessageError, ResultNotJSON
 from kafka_idem.handler import Context, Handler
@@ -328,7 +329,11 @@ class BatchPath:
         with self.steps.handler_time(handler):
             try:
                 out = handler.bulk(batch, conn)
+                for _msg, ctx in batch:
+                    ctx.settle_session()
             except Exception as exc:
+                for _msg, ctx in batch:
+                    ctx.discard_session()
                 raise Fallback(f"bulk handler raised {type(exc).__name__}") from exc
         if len(out) != len(group):
             raise Fallback(f"bulk handler returned {len(out)} results for {len(group)} messages")
@@ -354,9 +359,12 @@ class BatchPath:
         tracing.note(item.msg, handler=item.handler.name, key=prep.key, attempts=claim.attempts)
         with self.steps.handler_time(item.handler), tracing.step(item.msg, "handler"):
             try:
-                return item.handler(prep.model, ctx)
+                result = item.handler(prep.model, ctx)
+                ctx.settle_session()  # its ORM writes flushed (ctx.session)
             except Exception as exc:
+                ctx.discard_session()
                 raise Fallback(f"handler raised {type(exc).__name__}") from exc
+            return result
 
 
 def _prep(item: _Item) -> Prepared:

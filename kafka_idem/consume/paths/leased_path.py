@@ -19,11 +19,12 @@ import uuid
 import psycopg
 
 from kafka_idem.consume.outcome import Deferred, Message, Prepared, Reason, Result
+from kafka_idem.consume.paths.calls import delivery
 from kafka_idem.consume.paths.database import Database
 from kafka_idem.consume.paths.lease_keeper import LeaseKeeper
 from kafka_idem.consume.paths.round_claim import RoundClaim, Tokens, claim_round
 from kafka_idem.consume.paths.slots import CallNotStarted, Gate
-from kafka_idem.consume.paths.steps import Steps, delivery, log
+from kafka_idem.consume.paths.steps import Steps, log
 from kafka_idem.consume.paths.verdicts import where
 from kafka_idem.errors import ConfigError, FrameworkError, MessageError, StaleOwner
 from kafka_idem.store import Claim, Conn, Outcome, describe

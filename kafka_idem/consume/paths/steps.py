@@ -42,6 +42,7 @@ from kafka_idem.consume.outcome import (
     Result,
     Results,
 )
+from kafka_idem.consume.paths.calls import context, delivery, own_code
 from kafka_idem.consume.paths.database import Database
 from kafka_idem.consume.paths.decoding import Decoding
 from kafka_idem.consume.paths.failure_record import Recording, recording
@@ -54,26 +55,22 @@ from kafka_idem.consume.paths.verdicts import (
     last_chance_spent,
     not_claimed,
     reconcile_first,
-    text_of,
     undecodable,
 )
 from kafka_idem.consume.tracing import Tracing
 from kafka_idem.errors import (
     FrameworkError,
-    InternalError,
     MessageError,
-    ResultNotJSON,
     StaleOwner,
     TransientStoreError,
 )
-from kafka_idem.handler import CODE_DEFECTS, EventSink
 from kafka_idem.observe.metrics import Metrics
+from kafka_idem.orm.causes import orm_cause
 from kafka_idem.store import (
     AsyncConn,
     AttemptTransaction,
     Claim,
     Conn,
-    Delivery,
     Failure,
     HandlerBlock,
     Outcome,
@@ -110,7 +107,8 @@ class Steps(Decoding):
         cls: type[Context] = Context, hold: Hold | None = None,
     ) -> Context:
         """:func:`context`, with this app's outbox for ``ctx.emit`` and ``hold``'s lease."""
-        return context(conn, handler, msg, prep, claim, cls, emitter=self.emitter, hold=hold)
+        return context(conn, handler, msg, prep, claim, cls, emitter=self.emitter, hold=hold,
+                       sessions=self.app.sessions)
 
     def handler(self, msg: Message) -> Handler[Any]:
         return self.app.handlers[msg.topic()]
@@ -353,6 +351,22 @@ class Steps(Decoding):
     def _call(
         self, handler: Handler[Any], prep: Prepared, ctx: Context, claim: Claim
     ) -> tuple[Any, str]:
+        """The reconciler or the handler, then its ORM session flushed (``ctx.session``:
+        a flush error is the handler's, judged as its psycopg cause)."""
+        try:
+            called = self._reconcile_or_handle(handler, prep, ctx, claim)
+            ctx.settle_session()
+        except BaseException as exc:
+            ctx.discard_session()
+            cause = orm_cause(exc)
+            if cause is None:
+                raise
+            raise cause from exc
+        return called
+
+    def _reconcile_or_handle(
+        self, handler: Handler[Any], prep: Prepared, ctx: Context, claim: Claim
+    ) -> tuple[Any, str]:
         if handler.reconcile is not None and reconcile_first(claim, reconciler=True):
             done = handler.reconcile(prep.model, ctx)
             if isinstance(done, Done):
@@ -400,48 +414,3 @@ class Steps(Decoding):
         return after_failure(f, recorded, letters=self.letters(handler), msg=msg, key=prep.key,
                              claim=claim, error_class=failure.error_class,
                              message=failure.message)
-
-
-@contextmanager
-def own_code(key: str) -> Iterator[None]:
-    """Around kafka_idem's own steps of an attempt (the completion after the handler):
-    a code defect raised there (:data:`~kafka_idem.handler.CODE_DEFECTS`: a
-    ``TypeError`` of kafka_idem, of psycopg or confluent-kafka under it) is no fault of
-    the message, so it leaves as :class:`InternalError`, a framework error (the
-    partition waits, nothing is charged), never as the handler's permanent failure.
-    :class:`ResultNotJSON` stays the handler's: its result cannot be stored."""
-    try:
-        yield
-    except ResultNotJSON:
-        raise
-    except CODE_DEFECTS as exc:
-        raise InternalError(f"{type(exc).__name__}: {text_of(exc)}", key=key) from exc
-
-
-def delivery(handler: Handler[Any], msg: Message) -> Delivery:
-    """Where ``msg`` came from, as the record keeps it (its last delivery)."""
-    return Delivery(msg.topic(), msg.partition(), msg.offset(), handler.name)
-
-
-def context(
-    conn: Any, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
-    cls: type[Context] = Context, *, emitter: EventSink | None = None, hold: Hold | None = None,
-) -> Context:
-    """What the handler gets for ``msg``: the open transaction and the message's facts
-    (``cls`` :class:`AsyncContext` for an ``async def`` handler's async connection),
-    the outbox ``emitter`` for ``ctx.emit`` and ``hold``'s lease for ``ctx.lease_lost``."""
-    ts_type, ts = msg.timestamp()
-    return cls(
-        tx=conn,
-        idempotency_key=prep.key,
-        request_hash=prep.request_hash,
-        attempt=claim.attempts,
-        handler=handler.name,
-        topic=msg.topic(),
-        partition=msg.partition(),
-        offset=msg.offset(),
-        timestamp=ts if ts_type else None,
-        kafka_key=msg.key(),
-        headers={k: v or b"" for k, v in (msg.headers() or [])},
-        lost=hold.lost if hold is not None else None, emitter=emitter,
-    )
