@@ -176,10 +176,15 @@ async def _sync_async(driver: psycopg.AsyncConnection[Any]) -> None:
 
 
 def _checked(options: dict[str, Any]) -> dict[str, Any]:
+    from kafka_idem.errors import ConfigError
+
+    if "isolation_level" in (options.get("execution_options") or {}):
+        raise ConfigError(
+            "app.sqlalchemy(engine_options=...): execution_options cannot set "
+            "isolation_level: a handler's transaction is the framework's (the "
+            "server's default isolation)", setting="sqlalchemy")
     unknown = sorted(set(options) - ENGINE_OPTIONS)
     if unknown:
-        from kafka_idem.errors import ConfigError
-
         raise ConfigError(
             f"app.sqlalchemy(engine_options=...) does not take {', '.join(unknown)}: a "
             "handler's session runs on the framework's connection and transaction (it "
