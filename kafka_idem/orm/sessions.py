@@ -135,8 +135,9 @@ class Sessions:
     # --- migrations -------------------------------------------------------------------
 
     def create_tables(self) -> Callable[[psycopg.Connection[Any]], None]:
-        """The app migration that creates the tables of :attr:`metadata` (those missing),
-        in the migration's transaction (``kafka-idem migrate --app``)."""
+        """The app migration that creates the tables of :attr:`metadata` (those missing,
+        and their schemas), in the migration's transaction (``kafka-idem migrate --app``),
+        at its place among the app's migrations (``app.sqlalchemy`` registers it)."""
         def sqlalchemy_metadata(conn: psycopg.Connection[Any]) -> None:
             assert self.metadata is not None
             from kafka_idem.orm.engines import LENT
@@ -147,6 +148,10 @@ class Sessions:
             finally:
                 LENT.reset(token)
             try:
+                for schema in sorted({t.schema for t in self.metadata.tables.values()
+                                      if t.schema}):
+                    bound.exec_driver_sql(  # create_all creates tables, not their schemas
+                        f'CREATE SCHEMA IF NOT EXISTS "{schema.replace(chr(34), chr(34) * 2)}"')
                 self.metadata.create_all(bound, checkfirst=True)
             finally:
                 bound.close()
