@@ -99,6 +99,8 @@ class Case:
     ref: Reference
     tables: list[Table] = field(default_factory=list)  # compared: the harness's, less drift
     result_drift: frozenset[str] = frozenset()  # stored result keys not compared
+    # columns an ORM client-side default fills, new in every delivery (by schema.table.col)
+    orm_made: dict[str, Any] = field(default_factory=dict)
     compared: Compared = field(default_factory=Compared)  # how events are compared
     conflict: FakeMessage | None = None
     batch: list[FakeMessage] = field(default_factory=list)

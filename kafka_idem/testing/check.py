@@ -11,10 +11,11 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kafka_idem.consume.paths.verdicts import CODE_DEFECT
 from kafka_idem.errors import ConfigError, MessageError
 from kafka_idem.handler import Handler
 from kafka_idem.retry import no_wait
-from kafka_idem.testing.case import Case, Kit, Reference, settings_for, show, told
+from kafka_idem.testing.case import Case, Kit, Reference, settings_for, show, sig, told
 from kafka_idem.testing.events import (
     MADE,
     Compared,
@@ -25,9 +26,10 @@ from kafka_idem.testing.events import (
     made_values,
 )
 from kafka_idem.testing.message import FakeMessage
+from kafka_idem.testing.orm_defaults import Leak, OrmMade, carrying, leak_fault, orm_made
 from kafka_idem.testing.processor import KitProcessor
-from kafka_idem.testing.report import CheckReport, ScenarioResult, remember_left_out
-from kafka_idem.testing.sandbox import Path, Sandbox
+from kafka_idem.testing.report import CheckReport, Fault, ScenarioResult, remember_left_out
+from kafka_idem.testing.sandbox import Delivered, Path, Sandbox
 from kafka_idem.testing.scenarios import LEASED_ONLY, RUN, SCENARIOS
 from kafka_idem.testing.tables import (
     DRIFTING,
@@ -143,14 +145,15 @@ def _probe(harness: Kit, msg: FakeMessage, path: Path) -> Probe:
 
 
 def _compared(harness: Kit, msg: FakeMessage, path: Path, tables: list[Table],
-              ref: list[EmittedEvent], ref_made: Made,
-              probed: list[EmittedEvent]) -> tuple[Compared, list[str]]:
-    """How events are compared, and the report's lines for the fields left out: the
-    user's ``ignore``, the fields that carry a value the database makes (found by
-    delivering the reference once more, every sequence moved on: a field that then
-    differs and is in both deliveries the value of one left-out column), and the
-    fields that differ between the ``probed`` delivery and the reference's, as a
-    column does (:data:`DRIFTING`)."""
+              ref: list[EmittedEvent], ref_made: Made, probed: list[EmittedEvent],
+              orm: dict[str, OrmMade]) -> tuple[Compared, list[str], list[Leak]]:
+    """How events are compared, the report's lines for the fields left out, and the
+    ORM-made values the events carry: the user's ``ignore``, the fields that carry a
+    value the database makes (found by delivering the reference once more, every
+    sequence moved on: a field that then differs and is in both deliveries the value
+    of one left-out column), and the fields that differ between the ``probed``
+    delivery and the reference's, as a column does (:data:`DRIFTING`; a field that is
+    in both the value of a column an ORM default fills, ``orm``, leaks it)."""
     made: dict[str, dict[str, str]] = {}
     if ref:
         _clean(harness)
@@ -168,11 +171,28 @@ def _compared(harness: Kit, msg: FakeMessage, path: Path, tables: list[Table],
         for name in sorted(names):
             left.setdefault(topic, set()).add(name)
             lines.append(f"event {topic} field {name} (ignored)")
+    leaks = []
     for topic, moving in sorted(drifting_fields(probed, ref).items()):
         for name in sorted(moving - left.get(topic, set())):
             left.setdefault(topic, set()).add(name)
-            lines.append(f"event {topic} field {name} ({DRIFTING})")
-    return Compared({t: frozenset(f) for t, f in left.items()}), lines
+            m = _carried(orm, probed, ref, topic, name)
+            if m is not None:
+                leaks.append(Leak(m, f"event {topic} field {name}"))
+            lines.append(f"event {topic} field {name} ({DRIFTING if m is None else m.why})")
+    return Compared({t: frozenset(f) for t, f in left.items()}), lines, leaks
+
+
+def _carried(orm: dict[str, OrmMade], first: list[EmittedEvent], second: list[EmittedEvent],
+             topic: str, name: str) -> OrmMade | None:
+    """The ORM-made column field ``name`` of the events to ``topic`` carries in both
+    deliveries (paired in order, as :func:`drifting_fields` pairs them), or ``None``."""
+    for a, b in zip(first, second, strict=True):
+        fa, fb = a.fields(), b.fields()
+        if a.topic == topic and fa is not None and fb is not None and name in fa.keys() & fb.keys():
+            m = carrying(orm, fa[name], fb[name])
+            if m is not None:
+                return m
+    return None
 
 
 def _require_comparable(harness: Kit) -> None:
@@ -193,29 +213,73 @@ def _reference(harness: Kit, handler: Handler[Any], msg: FakeMessage, paths: lis
     two is not compared."""
     probe_state, probe_result, _events = probe
     d = sb.drive(proc, msg, paths[0])
-    # what differs between two deliveries of the reference is not compared
-    tables = leave_out(harness.tables, drifting(probe_state, sb.state(harness.tables)),
-                       DRIFTING)
+    # what differs between two deliveries of the reference is not compared; what an ORM
+    # model's client-side default made, said so
+    full = sb.state(harness.tables)
+    moving = drifting(probe_state, full)
+    orm = orm_made(harness.app, moving, probe_state, full)
+    tables = leave_out(harness.tables, {t: [c for c in cs if f"{t}.{c}" not in orm]
+                                        for t, cs in moving.items()}, DRIFTING)
+    for m in orm.values():
+        tables = leave_out(tables, {m.table: [m.name]}, m.why)
     case = Case(harness, handler, msg, paths,
                 Reference(d, sb.state(tables), {}, sb.events()),
-                tables=tables, result_drift=drifting_result(probe_result, d.result))
+                tables=tables, result_drift=drifting_result(probe_result, d.result),
+                orm_made=orm)
     case.ref.effects = case.effects()
     return case, made_values(sb.conn(), tables)
 
 
-def _report(case: Case, topic: str, events_left_out: list[str]) -> CheckReport:
-    """The report before any scenario ran: what is compared, what is left out, and what
-    the reference delivery did."""
+def _result_left_out(case: Case, probe_result: Any) -> tuple[list[str], list[Leak]]:
+    """The report's lines for the stored result's keys left out, and the ORM-made
+    values among them (they leave the transaction: every duplicate gets them)."""
+    lines, leaks = [], []
+    result = case.ref.delivered.result
+    for k in sorted(case.result_drift):
+        what = f"the stored result{f'[{k!r}]' if k else ''}"
+        first, second = ((probe_result, result) if not k else
+                         (probe_result.get(k), result.get(k)))
+        m = carrying(case.orm_made, first, second)
+        if m is not None:
+            leaks.append(Leak(m, what))
+        lines.append(f"{what} ({DRIFTING if m is None else m.why})")
+    return lines, leaks
+
+
+def _defect(d: Delivered) -> Fault | None:
+    """A reference that failed as a code defect fails the check: nothing can be
+    compared with what the handler does until it succeeds."""
+    rec = d.record or {}
+    message = str(rec.get("error_message") or "")
+    if rec.get("status") != "failed" or not message.startswith(CODE_DEFECT):
+        return None
+    error = rec.get("error_class") or "an error"
+    return Fault(f"the reference delivery failed with a code defect ({show(sig(d))}: "
+                 f"{error})",
+                 [f"the reference delivery failed: {error}: {message}",
+                  "  no scenario can show what the handler does until a delivery succeeds: "
+                  "fix the handler (the scenarios below are compared with this failure)"],
+                 about_reference=True)
+
+
+def _report(case: Case, topic: str, events_left_out: list[str], probe_result: Any,
+            leaks: list[Leak]) -> CheckReport:
+    """The report before any scenario ran: what is compared, what is left out, what
+    the reference delivery did, and the check's own faults (:class:`Fault`)."""
     harness, handler, tables, d = case.harness, case.handler, case.tables, case.ref.delivered
+    results_left_out, result_leaks = _result_left_out(case, probe_result)
     report = CheckReport(
         handler=handler.name, topic=topic, mode=handler.mode,
         tables=[t.name for t in tables],
         left_out=[f"{t.name}.{c} ({why})" for t in tables for c, why in t.left_out]
-        + [f"the stored result{f'[{k!r}]' if k else ''} ({DRIFTING})"
-           for k in sorted(case.result_drift)] + events_left_out,
+        + results_left_out + events_left_out,
         remotes=list(harness.remotes), reference_outcome=show(case.first))
+    report.faults += [f for f in (_defect(d), leak_fault([*leaks, *result_leaks])) if f]
     rows = ", ".join(f"{len(r.rows)} row(s) in {name}" for name, r in case.ref.state.items())
     report.reference.append(f"delivered once on the {case.paths[0]} path: {told(d)}; {rows}")
+    if d.record and d.record.get("status") == "failed" and d.record.get("error_class"):
+        report.reference.append(f"error: {d.record['error_class']}: "
+                                f"{d.record.get('error_message') or ''}")
     if d.result is not None:
         report.reference.append(f"stored result: {json.dumps(d.result, default=str)}")
     if harness.app.event_topics:
@@ -264,9 +328,10 @@ def check(
                 return proc.prepare(handler, at(0, payload))
 
             other, payloads = _derived(harness, topic, data, prepare, conflict, batch)
-        case.compared, events_left_out = _compared(harness, msg, paths[0], case.tables,
-                                                   case.ref.events, ref_made, probe[2])
-    report = _report(case, topic, events_left_out)
+        case.compared, events_left_out, leaks = _compared(
+            harness, msg, paths[0], case.tables, case.ref.events, ref_made, probe[2],
+            case.orm_made)
+    report = _report(case, topic, events_left_out, probe[1], leaks)
     with no_wait():
         d = case.ref.delivered
         if d.outcome == "deferred":

@@ -32,7 +32,7 @@ from psycopg import sql
 from kafka_idem.app import App
 from kafka_idem.observe.tracing import TRACE_HEADERS
 from kafka_idem.store import Conn
-from kafka_idem.testing.tables import DRIFTING, State, Table, freeze, show_value, snapshot
+from kafka_idem.testing.tables import State, Table, freeze, made_anew, show_value, snapshot
 
 MADE = "a value the database makes"
 
@@ -128,10 +128,10 @@ Made = dict[str, list[Any]]  # "schema.table.column" -> its values
 
 def made_values(conn: Conn, tables: Iterable[Table]) -> Made:
     """The values of the left-out columns of ``tables`` now, but those the handler
-    makes anew (:data:`DRIFTING`): an event field copying one of those drifts as the
-    column does, and is said so (:func:`drifting_fields`)."""
+    makes anew (:func:`~kafka_idem.testing.tables.made_anew`): an event field copying
+    one of those drifts as the column does, and is said so (:func:`drifting_fields`)."""
     shown = [Table(t.name, made) for t in tables
-             if (made := tuple(c for c, why in t.left_out if why != DRIFTING))]
+             if (made := tuple(c for c, why in t.left_out if not made_anew(why)))]
     return _columns(snapshot(conn, shown))
 
 
@@ -160,7 +160,8 @@ def _same(a: Any, b: Any) -> bool:
     return False
 
 
-def _columns_of(value: Any, made: Made) -> set[str]:
+def columns_of(value: Any, made: Made) -> set[str]:
+    """The columns of ``made`` one of whose values is ``value``."""
     return {c for c, values in made.items() if any(_same(value, v) for v in values)}
 
 
@@ -178,7 +179,7 @@ def made_fields(first: list[EmittedEvent], first_made: Made,
         for name in fa.keys() & fb.keys():
             if fa[name] == fb[name]:
                 continue
-            both = _columns_of(fa[name], first_made) & _columns_of(fb[name], second_made)
+            both = columns_of(fa[name], first_made) & columns_of(fb[name], second_made)
             if both:
                 out.setdefault(a.topic, {})[name] = sorted(both)[0]
     return out

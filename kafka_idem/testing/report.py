@@ -184,6 +184,18 @@ def _parts(problem: str) -> list[str]:
     return parts
 
 
+@dataclass(frozen=True)
+class Fault:
+    """A problem of the whole check, found before any scenario ran (a reference that
+    failed with a code defect, a value an ORM default makes that leaves the
+    transaction): it fails the check whatever the scenarios say. ``head`` is said in
+    the headline, ``lines`` first of all below it."""
+
+    head: str
+    lines: list[str]
+    about_reference: bool = False  # says why the reference delivery did not succeed
+
+
 @dataclass
 class CheckReport:
     """Every scenario :meth:`Harness.check` ran, in order; ``str()`` is the report."""
@@ -198,12 +210,13 @@ class CheckReport:
     results: list[ScenarioResult] = field(default_factory=list)
     seconds: float = 0.0
     reference_outcome: str = "succeeded"  # the reference delivery's (``dead_lettered (...)``)
+    faults: list[Fault] = field(default_factory=list)  # the check's own problems
 
     @property
     def passed(self) -> bool:
-        """Every scenario agrees with the reference (which may itself have failed: see
-        :attr:`reference_succeeded`)."""
-        return all(r.passed for r in self.results)
+        """No :attr:`faults`, and every scenario agrees with the reference (which may
+        itself have failed, not as a code defect: see :attr:`reference_succeeded`)."""
+        return not self.faults and all(r.passed for r in self.results)
 
     @property
     def reference_succeeded(self) -> bool:
@@ -238,12 +251,19 @@ class CheckReport:
         verdict = (f"{len(self.failed)} of {len(ran)} scenarios FAILED" if self.failed
                    else f"all {len(ran)} scenarios passed")
         if not self.reference_succeeded:  # not "all passed", as if all were well
-            verdict = (f"the reference delivery did not succeed ({self.reference_outcome}); "
-                       + (verdict if self.failed else f"{len(ran)} scenarios agree with it"))
+            said = any(f.about_reference for f in self.faults)
+            verdict = ("" if said else f"the reference delivery did not succeed "
+                       f"({self.reference_outcome}); ") + (
+                verdict if self.failed else f"{len(ran)} scenarios agree with it")
+        if self.faults:
+            verdict = "FAILED: " + "; ".join([f.head for f in self.faults] + [verdict])
         left = (f"; {len(self.left_out)} value(s) LEFT OUT of the comparison (listed "
                 "below)") if self.left_out else ""
         out = [f"kafka_idem check of handler {self.handler!r} (topic {self.topic}, "
                f"{self.mode} mode): {verdict} in {self.seconds:.1f}s{left}"]
+        for fault in self.faults:  # the check's own problems first
+            out += [("  ! " if not line.startswith(" ") else "      ") + line.strip()
+                    for line in fault.lines]
         # What differs, then where: each distinct difference once, with its scenarios.
         failed = self.failed
         numbers: dict[str, int] = {}

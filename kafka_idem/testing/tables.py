@@ -221,6 +221,15 @@ class TableDiff:
 
 DRIFTING = ("differs between two deliveries of the reference: a value the handler makes "
             "anew, e.g. now(), a random id or a counter of the process")
+ORM_DEFAULT = "made by SQLAlchemy's client-side default"
+"""How the reason begins for a drifting column an ORM model's Python default fills
+(:mod:`kafka_idem.testing.orm_defaults`)."""
+
+
+def made_anew(why: str) -> bool:
+    """``why`` (a left-out column's reason) says the handler's side made the value anew
+    in each delivery (:data:`DRIFTING`, :data:`ORM_DEFAULT`), not the database."""
+    return why == DRIFTING or why.startswith(ORM_DEFAULT)
 
 
 def drifting(first: State, second: State) -> dict[str, list[str]]:

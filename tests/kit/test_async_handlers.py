@@ -133,18 +133,20 @@ def test_an_async_handler_writing_through_its_own_connection_fails(
     assert "table pickups.booked: 1 row(s) more than the reference" in report
 
 
-def test_a_reference_that_does_not_succeed_is_said_in_the_headline(
+def test_a_reference_that_fails_as_a_code_defect_fails_the_check(
     harness: Harness, mistake: dict[str, str]
 ) -> None:
-    mistake["now"] = "not_json"
-    report = harness.check(kit_async.BOOK, BOOKING)  # every scenario agrees with it...
-    head = str(report).splitlines()[0]
-    # ... but the headline does not say all is well
-    assert "all 4 scenarios passed" not in head
-    assert head.startswith("kafka_idem check of handler 'book' (topic x.book, leased mode): "
-                           "the reference delivery did not succeed (dead_lettered "
-                           "(permanent)); 4 scenarios agree with it")
-    assert not report.reference_succeeded
+    mistake["now"] = "not_json"  # a ResultNotJSON (a TypeError): a code defect
+    with pytest.raises(AssertionError) as caught:
+        harness.check(kit_async.BOOK, BOOKING)  # every scenario agrees with it...
+    lines = str(caught.value).splitlines()
+    # ... but the check fails, the headline and the first line saying why
+    assert lines[0].startswith(
+        "kafka_idem check of handler 'book' (topic x.book, leased mode): FAILED: the "
+        "reference delivery failed with a code defect (dead_lettered (permanent): "
+        "ResultNotJSON); 4 scenarios agree with it")
+    assert lines[1].startswith("  ! the reference delivery failed: ResultNotJSON: a code "
+                               "defect, not retried: ")
 
 
 def test_the_apps_on_loop_close_runs_when_the_kit_closes_a_process() -> None:

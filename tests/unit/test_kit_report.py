@@ -3,7 +3,7 @@ seen in N scenarios is said once, naming the N scenarios, before anything else."
 
 from __future__ import annotations
 
-from kafka_idem.testing.report import CheckReport, ScenarioResult, differences
+from kafka_idem.testing.report import CheckReport, Fault, ScenarioResult, differences
 
 EXTRA_ROW = ("table shop.orders: 1 row(s) more than the reference\n"
              "  extra   {key: 't1:order:o-1', amount: 12.50, note: 'a, b: {c}'}")
@@ -115,3 +115,32 @@ def test_a_reference_that_did_not_succeed_is_said_in_the_headline() -> None:
     assert str(differ).splitlines()[0].startswith(
         "kafka_idem check of handler 'place' (topic shop.orders, local mode): the reference "
         "delivery did not succeed (dead_lettered (exhausted)); 1 of 2 scenarios FAILED in ")
+
+
+def test_a_fault_of_the_check_fails_it_first_whatever_the_scenarios_say() -> None:
+    leak = Fault("a value made by an SQLAlchemy client-side default leaves the transaction",
+                 ["shop.orders.ref is made by ... in event shop.placed field ref",
+                  "  fix: derive it from the idempotency key"])
+    r = report(scenario("twice", "batch", EXTRA_ROW), scenario("concurrent", "batch"))
+    r.faults.append(leak)
+    lines = str(r).splitlines()
+    assert not r.passed
+    assert lines[0].split(": ", 1)[1].startswith(
+        "FAILED: a value made by an SQLAlchemy client-side default leaves the transaction; "
+        "1 of 2 scenarios FAILED in ")
+    assert lines[1:4] == ["  ! shop.orders.ref is made by ... in event shop.placed field ref",
+                          "      fix: derive it from the idempotency key",
+                          "  ! 1. table shop.orders: 1 row(s) more than the reference"]
+    clean = report(scenario("twice", "batch"))
+    clean.faults.append(leak)
+    assert not clean.passed and "all 1 scenarios passed in " in str(clean).splitlines()[0]
+    # a fault that says why the reference failed replaces "did not succeed"
+    defect = report(scenario("twice", "leased"))
+    defect.reference_outcome = "dead_lettered (permanent)"
+    defect.faults.append(Fault("the reference delivery failed with a code defect "
+                               "(dead_lettered (permanent): TypeError)",
+                               ["the reference delivery failed: TypeError: ..."],
+                               about_reference=True))
+    assert str(defect).splitlines()[0].split(": ", 1)[1].startswith(
+        "FAILED: the reference delivery failed with a code defect (dead_lettered "
+        "(permanent): TypeError); 1 scenarios agree with it in ")
