@@ -105,8 +105,8 @@ def test_redrive_by_filter_after_the_dry_run_with_a_reason(w: World, client: Any
     assert sorted(r["idempotency_key"] for r in rows) == sorted(keys)
     assert {(r["actor"], r["reason"], r["previous_status"]) for r in rows} == {
         (OPERATOR, "INC-1: fixed", "failed")}
-    [replay_row] = audit_rows(w.db, "replay")  # the replay's own row (its reason: each key's)
-    assert replay_row["actor"] == OPERATOR
+    [replay_row] = audit_rows(w.db, "replay")  # the replay's own row, with the reason typed
+    assert (replay_row["actor"], replay_row["reason"]) == (OPERATOR, "INC-1: fixed")
     assert replay_row["counts"]["sent"] == len(A)
     assert replay_row["selection"]["kind"] == "permanent"
     # the job's page shows the audit rows it wrote
