@@ -9,6 +9,7 @@ import click
 
 from kafka_idem.admin import audit
 from kafka_idem.cli.common import Ctx, load_app, store_connection
+from kafka_idem.cli.errors import ServiceError
 
 EXTRA = "pip install 'kafka-idem[console]'"
 
@@ -64,7 +65,7 @@ def console(obj: Ctx, app_spec: str, addr: str, port: int, read_only: bool, acto
                       trust_unsigned=trust_unsigned)
     web = create_app(app, s, options)
     # Listening before saying so: a request sent once the line is out waits for the
-    # server (it queues) instead of being refused; a port in use is one line, exit 2.
+    # server (it queues) instead of being refused; a port in use is one line, exit 3.
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     # IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else Nagle holds
     # every response body back about 40 ms on a kept-alive connection)
@@ -75,8 +76,8 @@ def console(obj: Ctx, app_spec: str, addr: str, port: int, read_only: bool, acto
         sock.listen(128)
     except OSError as exc:
         sock.close()
-        raise click.BadParameter(f"cannot listen on {addr}:{port}: {exc.strerror or exc}",
-                                 param_hint="'--addr' / '--port'") from None
+        raise ServiceError(f"cannot listen on {addr}:{port}: {exc.strerror or exc}; choose "
+                           "another --port or --addr") from exc
     shown = f"[{addr}]" if family == socket.AF_INET6 else addr
     where = (f"http://{shown}:{port}/" if addr not in ("0.0.0.0", "::")
              else f"port {port} of every address of this host")
