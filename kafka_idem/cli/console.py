@@ -23,9 +23,10 @@ EXTRA = "pip install 'kafka-idem[console]'"
               help="Port to listen on.")
 @click.option("--read-only", is_flag=True, help="Show everything, change nothing: no write "
               "button, and every write request refused.")
-@click.option("--actor", default=None, help="Who acts in the audit trail when no one logs in "
-              "(a console without a token; default: KAFKA_IDEM_ACTOR or the OS user). Logged-in "
-              "operators act under the name they log in with.")
+@click.option("--actor", default=None, help="Who acts in the audit trail when no one logs in: "
+              "every request of a console without a token, and requests with Authorization: "
+              "Bearer TOKEN (default: KAFKA_IDEM_ACTOR or the OS user). Logged-in operators act "
+              "under the name they log in with.")
 @click.option("--refresh", type=click.FloatRange(1, 3600), default=5.0, show_default=True,
               help="Seconds between two samples of the overview's counts (each reads every "
               "record), and the overview page's own refresh.")
