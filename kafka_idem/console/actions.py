@@ -87,6 +87,8 @@ def redrive_dry_run(console: Console, request: Request) -> Response:
               "include_permanent": data.get("include_permanent") == "on"}
     what = (f"{len(picks)} chosen record(s)" if picks else
             ", ".join(f"{k}={v}" for k, v in fields.items()) or "every record")
+    if params["include_permanent"]:
+        what += "; also keys that failed permanently"
     job = console.jobs.start(
         "redrive-dry-run", f"Dry run: re-drive {topic} ({what})", params,
         console.actor(request), lambda job: run_replays(console, job, dry_run=True, reason=None))

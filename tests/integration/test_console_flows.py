@@ -95,6 +95,7 @@ def test_redrive_by_filter_after_the_dry_run_with_a_reason(w: World, client: Any
     assert page.text("job-sent") == str(len(A))
     assert "would send" in page.text("job-summary")
     assert page.text("confirm").strip() == f"Re-drive {len(A)} record(s)"
+    assert "; also keys that failed permanently)</h1>" in page.html  # its title says so
     group = page.text("confirm-group")  # the confirmation's own
     assert group.startswith("kafka-idem-replay.") and not page.has("job-groups")
     assert state(w.db) == before  # a dry run writes nothing
