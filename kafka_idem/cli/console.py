@@ -9,6 +9,7 @@ import click
 
 from kafka_idem.admin import audit
 from kafka_idem.cli.common import Ctx, load_app, store_connection
+from kafka_idem.cli.errors import ServiceError
 
 EXTRA = "pip install 'kafka-idem[console]'"
 
@@ -22,9 +23,10 @@ EXTRA = "pip install 'kafka-idem[console]'"
               help="Port to listen on.")
 @click.option("--read-only", is_flag=True, help="Show everything, change nothing: no write "
               "button, and every write request refused.")
-@click.option("--actor", default=None, help="Who acts in the audit trail when no one logs in "
-              "(a console without a token; default: KAFKA_IDEM_ACTOR or the OS user). Logged-in "
-              "operators act under the name they log in with.")
+@click.option("--actor", default=None, help="Who acts in the audit trail when no one logs in: "
+              "every request of a console without a token, and requests with Authorization: "
+              "Bearer TOKEN (default: KAFKA_IDEM_ACTOR or the OS user). Logged-in operators act "
+              "under the name they log in with.")
 @click.option("--refresh", type=click.FloatRange(1, 3600), default=5.0, show_default=True,
               help="Seconds between two samples of the overview's counts (each reads every "
               "record), and the overview page's own refresh.")
@@ -64,7 +66,7 @@ def console(obj: Ctx, app_spec: str, addr: str, port: int, read_only: bool, acto
                       trust_unsigned=trust_unsigned)
     web = create_app(app, s, options)
     # Listening before saying so: a request sent once the line is out waits for the
-    # server (it queues) instead of being refused; a port in use is one line, exit 2.
+    # server (it queues) instead of being refused; a port in use is one line, exit 3.
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     # IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else Nagle holds
     # every response body back about 40 ms on a kept-alive connection)
@@ -75,8 +77,8 @@ def console(obj: Ctx, app_spec: str, addr: str, port: int, read_only: bool, acto
         sock.listen(128)
     except OSError as exc:
         sock.close()
-        raise click.BadParameter(f"cannot listen on {addr}:{port}: {exc.strerror or exc}",
-                                 param_hint="'--addr' / '--port'") from None
+        raise ServiceError(f"cannot listen on {addr}:{port}: {exc.strerror or exc}; choose "
+                           "another --port or --addr") from exc
     shown = f"[{addr}]" if family == socket.AF_INET6 else addr
     where = (f"http://{shown}:{port}/" if addr not in ("0.0.0.0", "::")
              else f"port {port} of every address of this host")

@@ -47,8 +47,8 @@ from kafka_idem.observe.text import plain
               help="At most this many records per second.")
 @click.option("--limit", type=click.IntRange(min=1),
               help="Send at most this many records; run again to continue.")
-@click.option("--reason", help="Why failed keys are re-run (kept in each key's audit row); "
-              "required when the replay re-runs failed keys.")
+@click.option("--reason", help="Why the records are replayed (kept in the replay's audit "
+              "row and in each re-run key's); required when the replay re-runs failed keys.")
 @click.option("--include-permanent", is_flag=True,
               help="Also re-run keys that failed permanently (default: only exhausted ones).")
 @click.option("--app", "app_spec", metavar="MODULE:APP",

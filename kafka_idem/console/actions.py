@@ -31,6 +31,7 @@ from kafka_idem.errors import KafkaIdemError
 from kafka_idem.observe.redact import redact
 from kafka_idem.replay.bulk import Filter, bulk_rerun
 from kafka_idem.replay.single import rerun_key
+from kafka_idem.replay.summary import replay_group
 
 
 def run_replays(console: Console, job: Job, *, dry_run: bool, reason: str | None) -> dict[str, Any]:
@@ -38,12 +39,8 @@ def run_replays(console: Console, job: Job, *, dry_run: bool, reason: str | None
     confirmed run (``positions`` in its params: what its dry run would send) acts on
     those records only, never on more than the operator saw."""
     p = job.params
-    sel = selection(p["filters"])
     chosen = p["positions"] if p.get("positions") is not None else p["picks"]
-    if chosen:  # the filter's fields stay (the audit row says them), its range is theirs
-        kept = {k: v for k, v in dataclasses.asdict(sel).items()
-                if v is not None and k not in ("partition", "from_offset", "to_offset")}
-        sel = replay.Selection.at((tuple(x) for x in chosen), **kept)
+    sel = _records(selection(p["filters"]), chosen)
     would: list[dict[str, Any]] = []
     positions: list[list[int]] = []
 
@@ -59,8 +56,23 @@ def run_replays(console: Console, job: Job, *, dry_run: bool, reason: str | None
         actor=job.actor, reason=reason, include_permanent=p["include_permanent"],
         app=console.app, trust_unsigned=console.options.trust_unsigned,
         on_action=on_action if dry_run else None, on_progress=job.report)
+    # A confirmation is a replay of the records its dry run would send: a group of its
+    # own, named from their positions (not the dry run's, named from the filter).
+    confirm_group = None if not (dry_run and positions) else replay_group(
+        p["topic"], _records(selection(p["filters"]), positions), None,
+        p["include_permanent"], prefix=console.settings.name_prefix)
     return {"summaries": [summary.to_json()], "totals": totals([summary]),
-            "would_send": would, "positions": positions}
+            "would_send": would, "positions": positions, "confirm_group": confirm_group}
+
+
+def _records(sel: replay.Selection, chosen: list[Any]) -> replay.Selection:
+    """``sel`` held to the records at ``chosen`` positions, if any: the filter's fields
+    stay (the audit row says them), its range is theirs."""
+    if not chosen:
+        return sel
+    kept = {k: v for k, v in dataclasses.asdict(sel).items()
+            if v is not None and k not in ("partition", "from_offset", "to_offset")}
+    return replay.Selection.at((tuple(x) for x in chosen), **kept)
 
 
 def redrive_dry_run(console: Console, request: Request) -> Response:
@@ -75,6 +87,8 @@ def redrive_dry_run(console: Console, request: Request) -> Response:
               "include_permanent": data.get("include_permanent") == "on"}
     what = (f"{len(picks)} chosen record(s)" if picks else
             ", ".join(f"{k}={v}" for k, v in fields.items()) or "every record")
+    if params["include_permanent"]:
+        what += "; also keys that failed permanently"
     job = console.jobs.start(
         "redrive-dry-run", f"Dry run: re-drive {topic} ({what})", params,
         console.actor(request), lambda job: run_replays(console, job, dry_run=True, reason=None))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from typing import Any
+from urllib.parse import urlencode
 
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
@@ -30,6 +31,10 @@ from kafka_idem.errors import KafkaIdemError
 from kafka_idem.observe.text import plain, to_json
 
 PAGE = 50
+# The records page's filters the bulk re-run's form takes, by the name it takes them
+# under (an exact key it does not: a key's own page has its Re-run button).
+RERUN_FIELDS = {"namespace": "namespace", "handler": "handler", "error_kind": "kind",
+                "prefix": "key_prefix", "since": "since", "until": "until"}
 
 
 def overview(console: Console, request: Request) -> Response:
@@ -93,9 +98,11 @@ def records(console: Console, request: Request) -> Response:
                 last = rows[-1]
                 next_cursor = [last["updated_at"], last["namespace"], last["idempotency_key"]]
     filters = {k: v for k, v in q.items() if k != "after" and v}
+    rerun_query = urlencode([(RERUN_FIELDS[k], v) for k, v in filters.items()
+                             if k in RERUN_FIELDS])
     return console.render(request, "records.html", title="Records", rows=rows,
                           filters=filters, next_cursor=next_cursor,
-                          bulk_ok=status == "failed")
+                          bulk_ok=status == "failed", rerun_query=rerun_query)
 
 
 def _pair(cursor: tuple[str, ...] | None) -> tuple[str, str] | None:

@@ -123,8 +123,8 @@ def replay(
     for the next run of the same replay). ``dry_run`` produces nothing, commits no
     position and writes no audit row; ``on_record(record, target)`` is called for
     each record sent, once its batch committed (or, in a dry run, that would be
-    sent). A real run appends one ``replay`` audit row with the counts, also when it
-    is interrupted. ``store`` defaults to the settings' schema and table.
+    sent). A real run appends one ``replay`` audit row with the counts and ``reason``,
+    also when it is interrupted. ``store`` defaults to the settings' schema and table.
     ``on_progress(scanned, total, sent)`` is called as batches are done.
     """
     if limit is not None and limit < 1:
@@ -150,10 +150,10 @@ def replay(
                  on_progress=on_progress)
         except BaseException:
             if not dry_run and summary.scanned:
-                _audit_quietly(conn, store, summary, selection, actor, limit, rate)
+                _audit_quietly(conn, store, summary, selection, actor, limit, rate, reason)
             raise
         if not dry_run:
-            _audit(conn, store, summary, selection, actor, limit, rate)
+            _audit(conn, store, summary, selection, actor, limit, rate, reason)
     finally:
         conn.close()
     return summary
@@ -248,10 +248,11 @@ def _audit(
     actor: str,
     limit: int | None,
     rate: float | None,
+    reason: str | None,
 ) -> None:
     with conn.transaction():
         audit.record(
-            conn, store, actor=actor, action="replay",
+            conn, store, actor=actor, action="replay", reason=reason,
             selection={**selection.to_json(), "dlq_topic": summary.dlq_topic,
                        "to_topic": summary.to_topic, "group": summary.group,
                        "run": summary.run, "limit": limit, "rate": rate},
@@ -260,12 +261,13 @@ def _audit(
 
 
 def _audit_quietly(conn: Conn, store: Store, summary: ReplaySummary, selection: Selection,
-                   actor: str, limit: int | None, rate: float | None) -> None:
+                   actor: str, limit: int | None, rate: float | None,
+                   reason: str | None) -> None:
     """The audit row of an interrupted replay, without hiding why it was interrupted."""
     try:
         if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             conn.rollback()
-        _audit(conn, store, summary, selection, actor, limit, rate)
+        _audit(conn, store, summary, selection, actor, limit, rate, reason)
     except Exception as exc:
         log.error("could not write the audit row of an interrupted replay: %s", exc,
                   extra={"action": "replay_audit_failed", "counts": summary.counts()})

@@ -170,6 +170,17 @@ def test_a_metrics_port_in_use_is_one_line_naming_the_setting(
     assert "KAFKA_IDEM_METRICS_PORT" in line
 
 
+def test_a_console_port_in_use_is_one_line_and_exit_3(db: DB, taken_port: int) -> None:
+    """An operational error (as --help and cli-conventions say), not a usage error."""
+    r = kafka_idem("console", "tests.apps.consoled:app", "--port", str(taken_port), db=db,
+                   env={"CONSOLED_ORDERS": "cli-errors-orders",
+                        "CONSOLED_REFUNDS": "cli-errors-refunds"}, timeout=60)
+    assert r.code == 3, (r.code, r.out, r.err)
+    line = one_error_line(r)
+    assert line.startswith(f"error: cannot listen on 127.0.0.1:{taken_port}: "), line
+    assert line.endswith("; choose another --port or --addr"), line
+
+
 # --- variables that are not settings -------------------------------------------------------
 
 MISSPELT = ("KAFKA_IDEM_BATCH_SIZ is not a setting (did you mean KAFKA_IDEM_BATCH_SIZE?); "

@@ -174,6 +174,7 @@ def test_exhausted_keys_fixed_and_replayed_succeed_once_each(
     assert {r["status"] for r in db.records()} == {"retryable_failed"}
     [row] = db.rows("SELECT * FROM kafka_idem.admin_audit WHERE action = 'replay'")
     assert row["counts"]["rerun"] == len(ex.keys)
+    assert (row["actor"], row["reason"]) == ("acceptance", REASON)
     assert all(r["selection"]["run"] == summary["run"] for r in reruns(db))
 
     members.start(STOCK, env(db, ex.topic), group=group)

@@ -458,7 +458,8 @@ def test_failed_orders_fixed_and_redriven_from_the_console(
     reruns = [r for r in audit if r[2] == "rerun"]
     assert sorted(r[4] for r in reruns) == sorted(bad_keys), audit
     assert {(r[1], r[5], r[6]) for r in reruns} == {(f"{ACTOR} (console)", reason, "failed")}
-    assert [r[1] for r in audit if r[2] == "replay"] == [f"{ACTOR} (console)"], audit
+    assert [(r[1], r[5]) for r in audit if r[2] == "replay"] == [
+        (f"{ACTOR} (console)", reason)], audit
     shot(page, "redrive-done")
 
     # The member takes them: they succeed, once each.

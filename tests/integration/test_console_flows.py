@@ -95,20 +95,29 @@ def test_redrive_by_filter_after_the_dry_run_with_a_reason(w: World, client: Any
     assert page.text("job-sent") == str(len(A))
     assert "would send" in page.text("job-summary")
     assert page.text("confirm").strip() == f"Re-drive {len(A)} record(s)"
+    assert "; also keys that failed permanently)</h1>" in page.html  # its title says so
+    group = page.text("confirm-group")  # the confirmation's own
+    assert group.startswith("kafka-idem-replay.") and not page.has("job-groups")
     assert state(w.db) == before  # a dry run writes nothing
 
     run = job_of(post(client, "/redrive/run", {"dry_run": dry, "reason": "INC-1: fixed"}))
     page = finished(client, run)
     assert (page.text("job-state"), page.text("job-sent")) == ("done", str(len(A)))
+    assert page.text("job-groups") == f"replay group(s): {group}"
     assert {status_of(w.db, k) for k in keys} == {"retryable_failed"}
     rows = reruns_of(w, keys)
     assert sorted(r["idempotency_key"] for r in rows) == sorted(keys)
     assert {(r["actor"], r["reason"], r["previous_status"]) for r in rows} == {
         (OPERATOR, "INC-1: fixed", "failed")}
-    [replay_row] = audit_rows(w.db, "replay")  # the replay's own row (its reason: each key's)
-    assert replay_row["actor"] == OPERATOR
+    [replay_row] = audit_rows(w.db, "replay")  # the replay's own row, with the reason typed
+    assert (replay_row["actor"], replay_row["reason"]) == (OPERATOR, "INC-1: fixed")
     assert replay_row["counts"]["sent"] == len(A)
     assert replay_row["selection"]["kind"] == "permanent"
+    assert replay_row["selection"]["group"] == group  # the group the dry run named
+    # the same dry run confirmed again: the same replay, past its records, sends nothing
+    twice = finished(client, job_of(post(client, "/redrive/run", {
+        "dry_run": dry, "reason": "INC-1: again"})))
+    assert (twice.text("job-sent"), twice.text("job-groups")) == ("0", f"replay group(s): {group}")
     # the job's page shows the audit rows it wrote
     audit_table = page.text("job-audit")
     assert audit_table.count(OPERATOR) == len(A) + 1 and "INC-1: fixed" in audit_table
@@ -119,6 +128,12 @@ def test_redrive_by_filter_after_the_dry_run_with_a_reason(w: World, client: Any
     succeeded_once(w, keys)
     assert {status_of(w.db, order_key(o)) for o in C} == {"failed"}  # not selected
     assert {status_of(w.db, refund_key(o)) for o in B + D} == {"failed"}
+    # The same filter's dry run again (another replay group: the filter's) reads those
+    # records again; what keeps it from sending them twice is their keys' state.
+    again = finished(client, job_of(post(client, "/redrive/dry-run", {
+        "topic": w.dlq, "kind": "permanent", "handler": "order", "include_permanent": "on"})))
+    assert again.text("job-sent") == "0" and not again.has("confirm-form")
+    assert "".join(again.text("by-kind").split()) == f"kindskippedsucceededpermanent{len(A)}"
 
 
 def test_redrive_of_hand_picked_records(w: World, client: Any) -> None:

@@ -1,7 +1,8 @@
 """Pausing and resuming a handler from the web console, at the HTTP level: the overview
 shows the app's handlers, paused or running (who, why, since); Pause (a reason
 required) and Resume are audited with the console's operator, behind its CSRF check,
-refused by a read-only console. That members honour a pause is
+refused by a read-only console; a script's (Authorization: Bearer) audited under
+``--actor``. That members honour a pause is
 ``tests/integration/test_pause.py``'s.
 """
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka.admin import AdminClient
+from pydantic import SecretStr
 
 from tests.integration.console_support import (
     OPERATOR,
@@ -94,3 +96,22 @@ def test_a_read_only_console_shows_the_pauses_and_refuses_to_change_them(w: Worl
     finally:
         with console(w.app, ready=False) as client:
             post(client, "/handlers/resume", {"handler": "refund"})
+
+
+def test_a_pause_sent_with_the_bearer_token_is_audited_under_the_actor(w: World) -> None:
+    """No one logs in with a bearer token: ``--actor`` (kafka-idem console --help) names it."""
+    token = "pause-token-0123456789abcdef"
+    settings = w.app.settings.model_copy(update={"console_token": SecretStr(token)})
+    bearer = {"authorization": f"Bearer {token}"}
+    with console(w.app, settings, ready=False) as client:
+        r = client.post("/handlers/pause", data={"handler": "refund", "reason": "by script"},
+                        headers=bearer)  # no CSRF token: a browser never sends the header
+        assert r.status_code == 303, r.text
+        try:
+            assert [(p["handler"], p["actor"]) for p in pauses(w)] == [("refund", OPERATOR)]
+            [row] = [r for r in audit_rows(w.db, "pause") if r["reason"] == "by script"]
+            assert row["actor"] == OPERATOR
+        finally:
+            r = client.post("/handlers/resume", data={"handler": "refund"}, headers=bearer)
+            assert r.status_code == 303, r.text
+    assert pauses(w) == []

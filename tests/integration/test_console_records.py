@@ -16,7 +16,7 @@ import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import parse_qsl, urlencode
 
 import psycopg
 import pytest
@@ -30,9 +30,13 @@ from tests.conftest import ADMIN_DSN, dsn_for, empty_database, wait_for
 from tests.integration.console_support import (
     World,
     console,
+    finished,
     get,
+    job_of,
     order,
     order_key,
+    post,
+    state,
     walk,
     world,
 )
@@ -201,6 +205,44 @@ def test_a_damaged_page_link_is_bad_input_not_a_server_error(client: Any) -> Non
         for extra in ({}, {"prefix": "t1:"}):
             r = client.get(f"/records?{urlencode({**extra, 'after': after})}")
             assert r.status_code == 400, (after, extra, r.status_code)
+
+
+def test_the_bulk_rerun_link_keeps_every_filter_the_rerun_takes(w: World, client: Any) -> None:
+    """Namespace, handler, error kind, key prefix, since and until go to the bulk re-run's
+    form, from there to its dry run, which selects by them (a dry run: nothing changes)."""
+    failed = w.db.rows("SELECT last_failure_at AS at FROM kafka_idem.task_idempotency "
+                       "WHERE namespace = 'consoled' AND status = 'failed' AND handler = 'order'")
+    assert len(failed) == 5
+    first, last = min(r["at"] for r in failed), max(r["at"] for r in failed)
+    hour = dt.timedelta(hours=1)
+    for since, until, selected in ((first - hour, last + hour, 5), (last + hour, None, 0)):
+        shown = {"status": "failed", "namespace": "consoled", "handler": "order",
+                 "error_kind": "permanent", "prefix": "t1:order:f",
+                 "since": since.isoformat()} | ({"until": until.isoformat()} if until else {})
+        link = get(client, f"/records?{urlencode(shown)}").href("bulk-rerun")
+        assert link is not None and link.startswith("/rerun?"), link
+        carried = dict(parse_qsl(link.split("?", 1)[1]))
+        expected = {"namespace": "consoled", "handler": "order", "kind": "permanent",
+                    "key_prefix": "t1:order:f", "since": shown["since"]} | (
+                        {"until": shown["until"]} if until else {})
+        assert carried == expected
+        form = get(client, link)
+        assert "<option selected>permanent</option>" in form.html
+        assert "<option selected>order</option>" in form.html
+        fields = {k: form.inputs(k) for k in ("namespace", "key_prefix", "since", "until")}
+        assert fields == {k: [carried.get(k, "")] for k in fields}
+        before = state(w.db)
+        sent = {"kind": "permanent", "handler": "order", **{k: v[0] for k, v in fields.items()}}
+        page = finished(client, job_of(post(client, "/rerun/dry-run", sent)))
+        assert f"selected {selected} failed key(s)" in page.text("job-summary"), page.html
+        title = html.unescape(page.html)
+        for k, v in expected.items():
+            assert f"{k}={datetime_of(v) if k in ('since', 'until') else v}" in title, (k, v)
+        assert state(w.db) == before
+
+
+def datetime_of(text: str) -> str:
+    return dt.datetime.fromisoformat(text).isoformat()
 
 
 # --- the store queries ---------------------------------------------------------------------
