@@ -162,9 +162,14 @@ def _sync_results(conn: Any, cursor: Any, statement: str, parameters: Any, conte
 
 
 def _unread(context: Any) -> bool:
-    """An ``INSERT`` without ``RETURNING``: SQLAlchemy reads neither its rows nor its
-    row count, so it stays queued with what follows."""
+    """An ``INSERT`` without ``RETURNING`` outside a savepoint: SQLAlchemy reads neither
+    its rows nor its row count, so it stays queued with what follows. Inside one
+    (``session.begin_nested()``) it is synced too: its error must come while the
+    savepoint is open, where SQLAlchemy rolls back to it, not at its ``RELEASE``, after
+    which SQLAlchemy takes the savepoint for gone and the transaction stays aborted."""
     if context is None or not context.isinsert:
+        return False
+    if context.root_connection.in_nested_transaction():
         return False
     compiled = context.compiled
     return compiled is not None and not compiled.effective_returning
