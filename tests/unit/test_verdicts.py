@@ -259,3 +259,14 @@ def test_outcomes_and_reasons_still_equal_their_strings() -> None:
     assert f"{Reason.FRAMEWORK}" == "framework"
     with pytest.raises(ValueError):
         Deferred(0.0, "bussy")
+
+
+def test_a_recorded_error_message_has_its_secrets_masked() -> None:
+    """A handler's error text is recorded, dead-lettered and logged without the
+    passwords it quotes (a connection string in a client library's error)."""
+    exc = RuntimeError("upstream refused: password=hunter2 at postgresql://bob:s3cret@db/x")
+    error_class, message = error_of(exc, 500)
+    assert error_class == "RuntimeError"
+    assert "hunter2" not in message and "s3cret" not in message
+    assert message == ("upstream refused: password=********** at "
+                       "postgresql://bob:**********@db/x")

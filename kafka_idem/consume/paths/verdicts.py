@@ -22,6 +22,7 @@ from kafka_idem.consume.outcome import Deferred, Ended, Finished, Message, Prepa
 from kafka_idem.deadletters.dead_letter import DeadLetter, bounded
 from kafka_idem.errors import DataRejected, MessageError, RetryLimitReached, Undecodable
 from kafka_idem.handler import ErrorKind
+from kafka_idem.observe.redact import redact
 from kafka_idem.retry import Exhausted, RetryPolicy
 from kafka_idem.store import Claim, Failure, Outcome, is_data_error, rejected
 
@@ -164,7 +165,9 @@ def text_of(exc: BaseException) -> str:
 
 
 def error_of(exc: BaseException, message_max: int) -> tuple[str, str]:
-    """The error class and bounded message recorded for ``exc``."""
+    """The error class and bounded message recorded for ``exc`` (in the record, the dead
+    letter's headers and the log), its secrets masked (``password=...``, a URL's
+    password: :func:`~kafka_idem.observe.redact.redact`)."""
     error_class = type(exc).__name__
     if isinstance(exc, ValidationError):
         # pydantic's text quotes the input values (a payload's, a secret's): a
@@ -178,7 +181,7 @@ def error_of(exc: BaseException, message_max: int) -> tuple[str, str]:
         # so by SQLSTATE, without psycopg's DETAIL/CONTEXT, which quote the values.
         error_class = DataRejected.__name__
         text = rejected(exc).message
-    return error_class, bounded(text, message_max)
+    return error_class, bounded(redact(text), message_max)
 
 
 @dataclass(frozen=True, slots=True)
