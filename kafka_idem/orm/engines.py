@@ -23,7 +23,7 @@ In a pipeline (the batch path, a leased attempt) psycopg knows a statement's col
 and row count only once its result is read, while SQLAlchemy looks at both right after
 the statement (whether it returned rows; an ``UPDATE`` that matched no row is a
 ``StaleDataError``): every statement but an ``INSERT`` without ``RETURNING`` is synced
-at once (:func:`_sync_results`).
+at once (:func:`_synced`; an ``AsyncSession``'s, :func:`_sync_results`).
 """
 
 from __future__ import annotations
@@ -143,22 +143,41 @@ def _guard(engine: Engine) -> None:
     dialect.do_close = _no_op
     dialect.do_terminate = _no_op
     dialect.get_isolation_level = _isolation_level(dialect)
+    _sync_each_statement(dialect)
     event.listen(engine, "after_cursor_execute", _sync_results)
+
+
+def _sync_each_statement(dialect: Any) -> None:
+    """A sync statement is synced by the dialect's own ``do_execute*`` rather than by an
+    engine event: the dialect's first-connect check (server version, ...) runs on a
+    connection without engine events, and in a pipeline it would read no rows."""
+    for name in ("do_execute", "do_executemany", "do_execute_no_params"):
+        setattr(dialect, name, _synced(getattr(dialect, name)))
+
+
+def _synced(do: Any) -> Any:
+    def run(cursor: Any, statement: str, *args: Any) -> None:
+        do(cursor, statement, *args)
+        driver = getattr(cursor, "connection", None)
+        context = args[-1] if args else None
+        if (isinstance(driver, psycopg.Connection)
+                and driver.info.pipeline_status != PipelineStatus.OFF and not _unread(context)):
+            with driver.pipeline():  # a nested block: its end syncs
+                pass
+    return run
 
 
 def _sync_results(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any,
                   executemany: bool) -> None:
-    """A statement run in a pipeline whose result SQLAlchemy reads at once: synced."""
+    """A statement of an ``AsyncSession`` run in a pipeline whose result SQLAlchemy
+    reads at once: synced (a sync one was, by :func:`_synced`)."""
     driver = conn.connection.driver_connection
-    if driver.info.pipeline_status == PipelineStatus.OFF or _unread(context):
+    if (isinstance(driver, psycopg.Connection)
+            or driver.info.pipeline_status == PipelineStatus.OFF or _unread(context)):
         return
-    if isinstance(driver, psycopg.Connection):
-        with driver.pipeline():  # a nested block: its end syncs
-            pass
-    else:
-        from sqlalchemy.util import await_only
+    from sqlalchemy.util import await_only
 
-        await_only(_sync_async(driver))
+    await_only(_sync_async(driver))
 
 
 def _unread(context: Any) -> bool:

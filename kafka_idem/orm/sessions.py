@@ -105,6 +105,8 @@ class Sessions:
 
     def open(self, conn: psycopg.Connection[Any]) -> Opened:
         """A session on ``conn``, the handler's connection inside its transaction."""
+        if self._engine is None:
+            _sqlalchemy()  # the ConfigError naming the extra, before engines.py imports it
         from kafka_idem.orm.engines import LENT
 
         token = LENT.set(conn)
@@ -124,6 +126,8 @@ class Sessions:
     def open_async(self, conn: psycopg.AsyncConnection[Any]) -> AsyncOpened:
         """An ``AsyncSession`` on ``conn`` (an ``async def`` handler's): its connection
         is checked out at its first statement, in the handler's task (:data:`LENT`)."""
+        if self._async_engine is None:
+            _sqlalchemy()
         from kafka_idem.orm.engines import LENT
 
         LENT.set(conn)
