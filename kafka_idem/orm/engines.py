@@ -169,11 +169,13 @@ def _synced(do: Any) -> Any:
 
 def _sync_results(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any,
                   executemany: bool) -> None:
-    """A statement of an ``AsyncSession`` run in a pipeline whose result SQLAlchemy
-    reads at once: synced (a sync one was, by :func:`_synced`)."""
+    """An ``AsyncSession``'s ``INSERT`` without ``RETURNING`` that its cursor left queued
+    (:func:`_queued_insert`) but that runs inside a savepoint: synced (:func:`_unread`).
+    Its other statements were synced by the cursor, a sync session's by :func:`_synced`."""
     driver = conn.connection.driver_connection
     if (isinstance(driver, psycopg.Connection)
-            or driver.info.pipeline_status == PipelineStatus.OFF or _unread(context)):
+            or driver.info.pipeline_status == PipelineStatus.OFF
+            or not _queued_insert(statement) or _unread(context)):
         return
     from sqlalchemy.util import await_only
 
