@@ -17,7 +17,8 @@ to a pooled connection is the framework's alone, so the engine's dialect
 
 Each lent connection gets one pool record, made the first time it is lent (SQLAlchemy's
 ``connect`` hooks and the dialect's first-connect check run then, in that handler's
-transaction: reads only), and reused while the connection lives.
+transaction: reads only; an async engine awaits them, so no lock is held meanwhile), and
+reused while the connection lives.
 
 In a pipeline (the batch path, a leased attempt) psycopg knows a statement's columns
 and row count only once its result is read, while SQLAlchemy looks at both right after
@@ -82,13 +83,18 @@ class LendingPool(Pool):
                 "while the handler runs (kafka_idem closes it when the handler returns)")
         with self._lock:
             rec = self._records.get(id(lent))
-            if (rec is None or rec.dbapi_connection is None
-                    or rec.driver_connection is not lent):
-                rec = _ConnectionRecord(self)  # calls the creator: LENT, as the dialect wants it
-                self._records[id(lent)] = rec
-                if len(self._records) > self._swept_at:
-                    self._sweep()
+        if rec is not None and rec.dbapi_connection is not None \
+                and rec.driver_connection is lent:
             return rec
+        # Made without the lock: making it runs the dialect's connect hooks, which an
+        # async engine awaits, while other handlers' checkouts run on the same thread
+        # (a lent connection is one handler's: no one else makes its record meanwhile).
+        rec = _ConnectionRecord(self)  # calls the creator: LENT, as the dialect wants it
+        with self._lock:
+            self._records[id(lent)] = rec
+            if len(self._records) > self._swept_at:
+                self._sweep()
+        return rec
 
     def _sweep(self) -> None:
         """Forget the records of connections the framework has closed since."""
