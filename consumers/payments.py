@@ -15,7 +15,7 @@ The ledger has *no* unique constraint on purpose: this example relies on the
 framework alone, so a double execution would show as a second ledger row.
 
     kafka-idem migrate --app consumers.payments:app
-    kafka-idem topics create --app consumers.payments:app   # + payments.charge-completed
+    kafka-idem topics create consumers.payments:app         # + payments.charge-completed
     kafka-idem run consumers.payments:app                   # the relay publishes the events
 """
 
