@@ -1,5 +1,9 @@
 """Chaos verification of the payments example: a fault-injecting run and an anomaly checker.
 
+The run's members run ``consumers.payments:app``, or with ``--orm`` the same example
+written with SQLAlchemy's ORM, ``consumers.payments_orm:app`` (same tables, records and
+events, so the checker is the same).
+
 * :mod:`tools.chaos.checker` reads only durable state (the source topic,
   the DLQ topic, the group's committed offsets, PostgreSQL) and counts anomalies;
   it re-exports the public names and is the command line

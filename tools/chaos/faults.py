@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from confluent_kafka.admin import AdminClient
 
 from tools.chaos.members import (
-    APP,
     MAX_MEMBERS,
     MAX_POLL_INTERVAL_MS,
     MIN_MEMBERS,
@@ -185,7 +184,7 @@ class Injector:
 
     def _pause(self, f: Fault) -> None:
         seconds = self.rng.uniform(3.0, 12.0)
-        out = admin_cli(self.pool.env, "pause", APP, "--handler", HANDLER, "--reason",
+        out = admin_cli(self.pool.env, "pause", self.pool.app, "--handler", HANDLER, "--reason",
                         f"chaos fault {f.n}", "--actor", "chaos")
         if out.returncode:  # the database may be away: the fault did not happen
             f.detail = f"kafka-idem pause failed: {(out.stderr or out.stdout).strip()[-200:]}"
@@ -228,7 +227,7 @@ class Injector:
                 self.undo.remove(u)
                 say(f"{self.dlq_topic} max.message.bytes restored")
             elif u.what == "resume":
-                out = admin_cli(self.pool.env, "resume", APP, "--handler", HANDLER,
+                out = admin_cli(self.pool.env, "resume", self.pool.app, "--handler", HANDLER,
                                 "--reason", "chaos: the fault ends", "--actor", "chaos")
                 if out.returncode:  # retried on the next tick
                     say(f"[yellow]resume failed, will retry: {out.stderr.strip()[-200:]}[/]")

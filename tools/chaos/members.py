@@ -1,6 +1,7 @@
 """The consumer group under test: ``kafka-idem run consumers.payments:app`` processes
 (each also runs the outbox relay), and the standalone relays
-(``kafka-idem relay consumers.payments:app``).
+(``kafka-idem relay consumers.payments:app``); with ``--orm``, of
+``consumers.payments_orm:app`` (:data:`ORM_APP`) instead.
 
 :class:`Pool` starts members (or relays) with the chaos settings (:data:`MEMBER_ENV`,
 short session and poll intervals), signals them (SIGKILL, SIGSTOP/SIGCONT, SIGTERM),
@@ -25,6 +26,7 @@ from kafka_idem.settings import Settings
 from tools.chaos.checker import ROOT
 
 APP = "consumers.payments:app"
+ORM_APP = "consumers.payments_orm:app"  # the same example on ctx.session (--orm)
 MIN_MEMBERS, MAX_MEMBERS = 2, 4
 SESSION_TIMEOUT_MS, MAX_POLL_INTERVAL_MS = 6000, 10000
 # The members' settings (environment variables set before the caller's own).
@@ -113,8 +115,9 @@ class Member:
 
 class Pool:
     def __init__(self, cmd: list[str], env: dict[str, str], logs: Path,
-                 prefix: str = "m") -> None:
+                 prefix: str = "m", app: str = APP) -> None:
         self.cmd, self.env, self.logs, self.prefix = cmd, env, logs, prefix
+        self.app = app  # MODULE:APP the processes run (the pause fault pauses its handler)
         self.members: list[Member] = []
         self.crashed: list[Member] = []
         self.slow_stops: list[str] = []

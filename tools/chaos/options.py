@@ -35,6 +35,10 @@ def parse(argv: list[str] | None, description: str) -> argparse.Namespace:
                     "each tenant's order)")
     ap.add_argument("--async-handler", action="store_true",
                     help="leased mode: the payments handler as async def (PAYMENTS_ASYNC=1)")
+    ap.add_argument("--orm", action="store_true",
+                    help="run consumers.payments_orm:app (the same example on SQLAlchemy's "
+                    "ORM, ctx.session; its tables made by its models' metadata) instead of "
+                    "consumers.payments:app")
     ap.add_argument("--heal-timeout", type=float, default=180.0,
                     help="liveness bound: seconds for the lag to reach 0 after healing")
     ap.add_argument("--fault-types", default=",".join(FAULTS),
@@ -99,4 +103,6 @@ def replay_args(args: argparse.Namespace, seed: int) -> str:
         parts.append("--allow-broker-restart")
     if args.format:
         parts.append(f"--format {args.format}")
+    if args.orm:
+        parts.append("--orm")
     return " ".join(parts)

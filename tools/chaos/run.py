@@ -1,7 +1,8 @@
 """The chaos run: a consumer group under seeded faults, then the anomaly checker.
 
     python -m tools.chaos.run --duration 120 --faults 24 --seed 7 --members 3 \\
-        [--relays 1] [--format avro|json] [--json report.json] [--allow-broker-restart] [--keep]
+        [--relays 1] [--format avro|json] [--orm] [--json report.json] [--allow-broker-restart]
+        [--keep]
 
 Everything is fresh and named after a run id: the topic ``chaos.<id>.charge-requested``
 (6 partitions) and its ``.dlq``, the event topic ``chaos.<id>.charge-completed`` (the
@@ -15,7 +16,10 @@ relays' control topic and transactional ids. They are removed at the end unless
    outbox relay, and ``--relays`` standalone ``kafka-idem relay`` processes compete
    with them for the outbox's shards; ``--mode leased
    --concurrency N [--order-by-tenant] [--async-handler]`` runs the handler
-   key-ordered (``--async-handler``: as ``async def``).
+   key-ordered (``--async-handler``: as ``async def``). ``--orm`` runs
+   ``consumers.payments_orm:app`` instead: the same example written with SQLAlchemy's
+   ORM (``ctx.session``) on the same tables, its tables made by its models' metadata
+   (``kafka-idem migrate --app``'s app migration); everything else is the same.
 2. A producer thread sends charge intents at ``--rate`` per second (idempotent,
    acks=all): originals, re-sends of earlier intents (new request id), payload
    conflicts, invalid charges (amount <= 0, unknown currency), undecodable bytes.
@@ -71,7 +75,7 @@ from kafka_idem.settings import Settings, load_settings
 from tools.chaos import retention
 from tools.chaos.checker import Liveness, check
 from tools.chaos.faults import FAULTS, Injector
-from tools.chaos.members import APP, Pool, member_env
+from tools.chaos.members import APP, ORM_APP, Pool, member_env
 from tools.chaos.options import events_ordered, ordered_by, parse, replay_args
 from tools.chaos.output import T0, console, print_summary, progress, say
 from tools.chaos.services import (
@@ -121,6 +125,7 @@ class Run:
         from consumers.payments import events_topic
 
         self.args, self.s = args, s
+        self.app = ORM_APP if args.orm else APP
         self.seed = args.seed if args.seed is not None else random.randrange(1_000_000_000)
         run_id = uuid.uuid4().hex[:8]
         self.topic = f"chaos.{run_id}.charge-requested"
@@ -149,7 +154,8 @@ class Run:
         args, s = self.args, self.s
         console.rule(f"kafka_idem chaos run {self.result['run_id']}: seed {self.seed}, "
                      f"{args.faults} faults over {args.duration:.0f}s, {args.members} members, "
-                     f"{args.mode} mode, {os.environ.get('PAYMENTS_FORMAT', 'avro')} payloads")
+                     f"{args.mode} mode, {os.environ.get('PAYMENTS_FORMAT', 'avro')} payloads, "
+                     f"{self.app}")
         say(f"Kafka {s.bootstrap_servers}, PostgreSQL {s.redacted()['database_url']}, "
             f"faults: {', '.join(args.types)}")
         pool, relays = self.set_up()
@@ -169,7 +175,7 @@ class Run:
         args, s, admin = self.args, self.s, self.admin
         self.dsn = create_database(s.dsn, self.dbname)
         self.created_db = True
-        migrate_database(self.dsn, s.schema_name, s.table)
+        migrate_database(self.dsn, s.schema_name, s.table, self.app)
         rf = min(3, len(admin.list_topics(timeout=15).brokers))
         for f in admin.create_topics([NewTopic(t, args.partitions, rf)
                                       for t in (self.topic, self.dlq_topic)]).values():
@@ -181,7 +187,7 @@ class Run:
                                                              args.old_records)
         env.update(purge_env)  # a purge under load: the members remove the old records
         say(f"retention: {self.result['retention']}")
-        made = create_outbox_topics(admin, env, APP, self.prefix, args.partitions)
+        made = create_outbox_topics(admin, env, self.app, self.prefix, args.partitions)
         if self.events not in made:
             raise RuntimeError(f"kafka-idem topics create made no {self.events}: {made}")
         self.outbox_topics = [t for t in made if t not in (self.topic, self.dlq_topic)]
@@ -194,10 +200,11 @@ class Run:
         if args.async_handler:
             env["PAYMENTS_ASYNC"] = "1"
         cli = [sys.executable, "-m", "kafka_idem.cli"]
-        self.pool = pool = Pool([*cli, "run", APP, "--group-id", self.group], env, self.logs)
+        self.pool = pool = Pool([*cli, "run", self.app, "--group-id", self.group], env,
+                                self.logs, app=self.app)
         for _ in range(args.members):
             pool.start()
-        self.relays = relays = Pool([*cli, "relay", APP], env, self.logs, "r")
+        self.relays = relays = Pool([*cli, "relay", self.app], env, self.logs, "r", app=self.app)
         for _ in range(args.relays):
             relays.start()
         say(f"members {pool.alive()}, relays {relays.alive()} starting; logs in {self.logs}")

@@ -9,6 +9,7 @@ and removing the run's artefacts at the end.
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -28,7 +29,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 from psycopg import sql
 
-from kafka_idem.admin.migrate import migrate
+from kafka_idem.admin.migrate import migrate, migrate_app
 from kafka_idem.settings import Settings
 from tools.chaos.checker import ROOT
 from tools.chaos.db_state import read_outbox
@@ -94,12 +95,13 @@ def create_database(admin_dsn: str, name: str) -> str:
     return psycopg.conninfo.make_conninfo(admin_dsn, dbname=name)
 
 
-def migrate_database(dsn: str, schema: str, table: str) -> None:
+def migrate_database(dsn: str, schema: str, table: str, app: str) -> None:
+    """The store's migrations, then ``app``'s own (``MODULE:APP``), as ``kafka-idem
+    migrate --app`` runs them: payments.py's ``create_tables``, or the ORM example's
+    metadata."""
     migrate(dsn, schema, table)
-    from consumers.payments import create_tables
-
-    with psycopg.connect(dsn, application_name="chaos-run") as conn:
-        create_tables(conn)
+    module, name = app.split(":")
+    migrate_app(dsn, schema, getattr(importlib.import_module(module), name).migrations)
 
 
 def create_outbox_topics(admin: AdminClient, env: dict[str, str], app: str, prefix: str,
