@@ -49,7 +49,7 @@ from psycopg import sql
 from rich.console import Console
 from rich.table import Table
 
-from bench import pgbench, procstat
+from bench import orm, pgbench, procstat
 from bench.effects import TABLE, ledger_state
 from bench.gateway import ACCOUNTS, GATEWAY_PATHS, GatewayProcess, ideal
 from bench.workload import (
@@ -74,9 +74,13 @@ PATHS: dict[str, tuple[str, str, str, bool, str]] = {
     "raw": ("raw confluent-kafka (consume + commit)", "raw", "", False, "main"),
     "naive": ("naive consumer (1 tx/msg, sync commit)", "naive", "", False, "slow"),
     "leased": ("kafka_idem leased", "framework", "leased", True, "slow"),
+    "leased_orm": ("kafka_idem leased, ORM handler (ctx.session)", "framework", "leased", False,
+                   "slow"),
     "batch": ("kafka_idem batch (bulk handler)", "framework", "local", True, "main"),
     "batch_nobulk": ("kafka_idem batch (per-message handler)", "framework", "local", False,
                      "main"),
+    "batch_orm": ("kafka_idem batch (per-message ORM handler, ctx.session)", "framework",
+                  "local", False, "main"),
     "batch_m2": ("kafka_idem batch, two members in one group (bulk handler)", "framework",
                  "local", True, "main"),
     "batch_json": ("kafka_idem batch, JSON payloads (bulk handler)", "framework", "local", True,
@@ -93,11 +97,12 @@ PATHS: dict[str, tuple[str, str, str, bool, str]] = {
     "gateway_async": ("kafka_idem leased, gateway 50 ms, async def, concurrency=64", "gateway",
                       "leased", False, "gw"),
 }
-ALL = ["raw", "pgbench", "naive", "leased", "batch", "batch_m2", "batch_json", "batch_nobulk",
-       "dup90",
+ALL = ["raw", "pgbench", "naive", "leased", "leased_orm", "batch", "batch_m2", "batch_json",
+       "batch_nobulk", "batch_orm", "dup90",
        "batch_emit", "relay", "rss", "gateway", "gateway_c64", "gateway_async"]
 ONE_PARTITION = ("gw", "gw1")  # the gateway rows: one partition, key-ordered inside it
-BATCH_FAMILY = ("batch", "batch_m2", "batch_json", "batch_nobulk", "dup90", "batch_emit")
+BATCH_FAMILY = ("batch", "batch_m2", "batch_json", "batch_nobulk", "batch_orm", "dup90",
+                "batch_emit")
 # paths drained by several members of one group at once (the throughput phase only)
 MEMBERS = {"batch_m2": 2}
 EMITTING = ("batch_emit", "relay")  # the paths whose payments app has its events
@@ -176,7 +181,8 @@ def run_worker(spec: dict[str, Any], work: Path) -> dict[str, Any]:
 
 
 def _start_worker(spec: dict[str, Any], work: Path) -> tuple[subprocess.Popen[bytes], Path]:
-    name = f"{spec['path']}-{spec['phase']}" + (f"-m{spec['member']}" if "member" in spec else "")
+    name = (f"{spec['path']}-{spec['phase']}" + (f"-{spec['rep']}" if spec.get("rep") else "")
+            + (f"-m{spec['member']}" if "member" in spec else ""))
     spec_file, out_file = work / f"{name}.spec.json", work / f"{name}.out.json"
     spec_file.write_text(json.dumps(spec))
     # the worker's app (and its paced producer) decode/encode in the path's format
@@ -571,6 +577,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also run the batch path (pyinstrument) and the leased path "
                         "(cProfile of the worker threads) under a profiler -> "
                         "bench/profile-{batch,leased}.txt")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="throughput runs of each ORM row and its raw-SQL row (leased_orm "
+                        "and leased, batch_orm and batch_nobulk), in alternating pairs; the "
+                        "rows show the run of median consumer CPU per message [3]")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
     parser.add_argument("--seed", type=int, default=None, help="workload seed")
     parser.add_argument("--keep", action="store_true", help="keep topics, schemas and rows")
@@ -587,8 +597,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if unknown := set(args.paths) - set(ALL):
         parser.error(f"unknown paths {sorted(unknown)}")
-    if not 0 <= args.dup_ratio < 1 or min(args.messages, args.slow_messages) < 1:
-        parser.error("need messages >= 1 and 0 <= --dup-ratio < 1")
+    if not 0 <= args.dup_ratio < 1 or min(args.messages, args.slow_messages, args.pairs) < 1:
+        parser.error("need messages >= 1, --pairs >= 1 and 0 <= --dup-ratio < 1")
     return args
 
 
@@ -628,30 +638,42 @@ def main(argv: list[str] | None = None) -> int:
     rss: dict[str, Any] | None = None
     profiles: dict[str, Any] = {}
 
-    def schema_for(path: str, phase: str) -> str:
-        name = f"bench_{run_id}_{path}_{phase[0]}"
+    def schema_for(path: str, phase: str, rep: int = 0) -> str:
+        name = f"bench_{run_id}_{path}_{phase[0]}" + (f"{rep}" if rep else "")
         migrate(s.dsn, name, TABLE)
         schemas.append(name)
         return name
 
-    def spec(path: str, phase: str, topic: str, plan: Plan, **extra: Any) -> dict[str, Any]:
+    def spec(path: str, phase: str, topic: str, plan: Plan, rep: int = 0,
+             **extra: Any) -> dict[str, Any]:
         _label, kind, mode, bulk, _t = PATHS.get(path, PATHS["batch"])
-        group = f"bench-{run_id}-{path}-{phase}"
+        group = f"bench-{run_id}-{path}-{phase}" + (f"-{rep}" if rep else "")
         groups.append(group)
-        return {"path": path, "phase": phase, "kind": kind, "mode": mode, "bulk": bulk,
+        return {"path": path, "phase": phase, "rep": rep, "kind": kind, "mode": mode,
+                "bulk": bulk, "orm": path in orm.ORM_PATHS,
                 "topic": topic, "group": group, "plan": plan.to_json(),
-                "schema": schema_for(path, phase) if kind != "raw" else None,
+                "schema": schema_for(path, phase, rep) if kind != "raw" else None,
                 "batch_size": args.batch_size, "local_workers": args.local_workers,
                 "timeout": args.timeout, "verbose": args.verbose,
                 "gateway_url": gateway.url if gateway is not None else None,
                 "events": path in EMITTING, **extra}
 
+    def run_throughput(path: str, rep: int = 0) -> dict[str, Any]:
+        topic_key = PATHS[path][4]
+        tspec = spec(path, "throughput", topics[topic_key], plans[topic_key], rep=rep,
+                     ends=ends[topic_key], round_trips=path not in MEMBERS)
+        out = (run_members(s, tspec, work, MEMBERS[path]) if path in MEMBERS
+               else run_worker(tspec, work))
+        out["messages"] = plans[topic_key].n
+        return out
+
+    paired: dict[str, list[dict[str, Any]]] = {}  # an ORM pair's throughput runs, in order
+    ends: dict[str, dict[int, int]] = {}
     try:
         create_payments_tables(s.dsn)
         if any(p in GATEWAY_PATHS for p in wanted):
             gateway = GatewayProcess()
             console.print(f"gateway (50 ms per charge) on {gateway.url}, pid {gateway.proc.pid}")
-        ends: dict[str, dict[int, int]] = {}
         for key in sorted(needed):
             partitions = 1 if key in ONE_PARTITION else PARTITIONS
             create_topic(admin, topics[key], partitions)
@@ -688,13 +710,20 @@ def main(argv: list[str] | None = None) -> int:
             label, _kind, _mode, _bulk, topic_key = PATHS[path]
             plan = plans[topic_key]
             m = Measured(path, label)
+            if (pair := orm.pair_of(path, wanted)) is not None and path not in paired:
+                # an ORM row and its raw-SQL row: args.pairs throughput runs of each,
+                # alternating, which of the two goes first alternating too
+                console.print(f"measuring {' and '.join(PATHS[p][0] for p in pair)}: "
+                              f"{args.pairs} pairs of throughput runs ...")
+                for i in range(args.pairs):
+                    for p in (pair if i % 2 == 0 else pair[::-1]):
+                        out = run_throughput(p, i + 1)
+                        paired.setdefault(p, []).append(out)
+                        console.print(f"  pair {i + 1}, {p}: {orm.summary(out)}")
             console.print(f"measuring {label} ...")
             gw_cpu = gateway.cpu_seconds() if gateway is not None else 0.0
-            tspec = spec(path, "throughput", topics[topic_key], plan, ends=ends[topic_key],
-                         round_trips=path not in MEMBERS)
-            m.throughput = (run_members(s, tspec, work, MEMBERS[path]) if path in MEMBERS
-                            else run_worker(tspec, work))
-            m.throughput["messages"] = plan.n
+            m.throughput = (orm.median_run(paired[path]) if path in paired
+                            else run_throughput(path))
             if path in GATEWAY_PATHS and gateway is not None:
                 # the remote system's CPU (in "other"), over the whole worker run
                 m.throughput["gateway_cpu_ms_per_msg"] = round(
@@ -764,6 +793,8 @@ def main(argv: list[str] | None = None) -> int:
         out_console.print(st)
     if (ob := render_outbox(by)) is not None:
         out_console.print(ob)
+    if (ot := orm.render(orm.comparisons(rows))) is not None:
+        out_console.print(ot)
     if ts:
         out_console.print(render_targets(ts))
     if rss and rss.get("samples"):
@@ -869,6 +900,7 @@ def write_results(
             for m in rows
         ],
         "rss": rss,
+        "orm": orm.comparisons(rows),
         "profiles": profiles,
         "targets": ts,
     }, indent=2, default=str) + "\n")

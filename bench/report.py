@@ -161,6 +161,16 @@ def targets_table(d: dict[str, Any]) -> list[str]:
     return out
 
 
+def orm_table(d: dict[str, Any]) -> list[str]:
+    from bench import orm
+
+    comps = d.get("orm") or []
+    if not comps:
+        return []
+    return [_row(orm.HEADER), _row(["---", "---", *(["---:"] * 6), "---"]),
+            *(_row(r) for r in orm.lines(comps))]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     d = json.loads(Path(args[0] if args else HERE / "results.json").read_text())
@@ -168,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                          ("Batch path phases", phases_table(d)),
                          ("Round trips", round_trips_table(d)),
                          ("pgbench statements", statements_table(d)),
+                         ("ORM handlers", orm_table(d)),
                          ("Targets", targets_table(d))):
         if lines:
             print(f"<!-- {title} -->")

@@ -242,8 +242,13 @@ class FrameworkLoop:
         else:
             # events: the app as shipped (a ChargeCompleted per charge, the Runner's relay
             # publishing them); else without them, as every row before the outbox measured
-            app = payments.build_app(mode=mode, events=bool(spec.get("events")),
-                                     name_prefix=f"{spec['group']}.", **common)
+            build = payments.build_app
+            if spec.get("orm"):  # the same charge through ctx.session (bench/orm.py)
+                from bench import orm
+
+                build = orm.build_app
+            app = build(mode=mode, events=bool(spec.get("events")),
+                        name_prefix=f"{spec['group']}.", **common)
             if spec.get("events"):
                 outbox.make_topics(app, s, partitions=4)
         if not spec.get("bulk", True):
