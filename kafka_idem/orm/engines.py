@@ -32,15 +32,17 @@ from __future__ import annotations
 import collections
 import contextvars
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg.pq import PipelineStatus
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry, Pool
 from sqlalchemy.pool.base import _ConnectionRecord
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 LENT: contextvars.ContextVar[Any] = contextvars.ContextVar("kafka_idem_lent", default=None)
 """The psycopg connection (sync or async) the next checkout of a lending engine gets."""
@@ -240,6 +242,7 @@ def lending_async_engine(options: dict[str, Any]) -> AsyncEngine:
         AsyncAdapt_psycopg_connection,
         AsyncAdapt_psycopg_cursor,
     )
+    from sqlalchemy.ext.asyncio import create_async_engine  # greenlet: async handlers only
 
     class _LentAsyncCursor(AsyncAdapt_psycopg_cursor):
         """SQLAlchemy's adapter reads a statement's rows right after it, only if its

@@ -8,12 +8,15 @@ returns. ``begin_nested()`` (a savepoint) works as everywhere.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+import functools
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session, SessionTransaction
 
 from kafka_idem.orm.engines import refused
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
 
 
 class HandlerSession(Session):
@@ -31,18 +34,22 @@ class HandlerSession(Session):
         return super().begin(nested=True)
 
 
-class HandlerAsyncSession(AsyncSession):
-    """An ``async def`` handler's ``ctx.session``."""
+@functools.cache
+def async_session_class() -> type[AsyncSession]:
+    """An ``async def`` handler's ``ctx.session`` class (made at the first use: SQLAlchemy's
+    asyncio extension needs greenlet, which a sync app never imports)."""
+    from sqlalchemy.ext.asyncio import AsyncSession
 
-    async def commit(self) -> NoReturn:
-        raise refused("session.commit()")
+    class HandlerAsyncSession(AsyncSession):
+        """An ``async def`` handler's ``ctx.session``."""
 
-    async def rollback(self) -> NoReturn:
-        raise refused("session.rollback()")
+        async def commit(self) -> NoReturn:
+            raise refused("session.commit()")
 
-    def begin(self) -> Any:
-        raise refused("session.begin()")
+        async def rollback(self) -> NoReturn:
+            raise refused("session.rollback()")
 
+        def begin(self) -> Any:
+            raise refused("session.begin()")
 
-def session_classes() -> tuple[type[Session], type[AsyncSession]]:
-    return HandlerSession, HandlerAsyncSession
+    return HandlerAsyncSession

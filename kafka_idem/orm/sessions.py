@@ -32,10 +32,14 @@ OWN_SESSION_OPTIONS = frozenset({"bind", "binds", "join_transaction_mode", "auto
                                  "sync_session_class", "twophase"})
 
 
-def _sqlalchemy() -> None:
+def _sqlalchemy(*, asyncio: bool = False) -> None:
+    """SQLAlchemy importable (with its asyncio extension and greenlet for ``asyncio``),
+    else the configuration error naming the extra."""
     try:
         import sqlalchemy
-        import sqlalchemy.ext.asyncio  # noqa: F401
+
+        if asyncio:
+            import sqlalchemy.ext.asyncio  # noqa: F401
     except ImportError as exc:
         raise ConfigError(f"ctx.session needs SQLAlchemy 2 ({EXTRA}): {exc}",
                           setting="sqlalchemy") from None
@@ -52,7 +56,6 @@ class Sessions:
         self._lock = threading.Lock()
         self._engine: Engine | None = None
         self._async_engine: AsyncEngine | None = None
-        self._classes: tuple[type[Session], type[AsyncSession]] | None = None
 
     def configure(self, metadata: MetaData | None, engine_options: Mapping[str, Any] | None,
                   session_options: Mapping[str, Any] | None) -> None:
@@ -86,20 +89,13 @@ class Sessions:
 
     def async_engine(self) -> AsyncEngine:
         if self._async_engine is None:
-            _sqlalchemy()
+            _sqlalchemy(asyncio=True)
             from kafka_idem.orm.engines import lending_async_engine
 
             with self._lock:
                 if self._async_engine is None:
                     self._async_engine = lending_async_engine(self.engine_options)
         return self._async_engine
-
-    def classes(self) -> tuple[type[Session], type[AsyncSession]]:
-        if self._classes is None:
-            from kafka_idem.orm.handler_session import session_classes
-
-            self._classes = session_classes()
-        return self._classes
 
     # --- a handler's session -----------------------------------------------------------
 
@@ -116,8 +112,10 @@ class Sessions:
             LENT.reset(token)
         try:
             bound.begin()  # no statement: the session joins the framework's transaction
-            session = self.classes()[0](bind=bound, join_transaction_mode="rollback_only",
-                                        **self.session_options)
+            from kafka_idem.orm.handler_session import HandlerSession
+
+            session = HandlerSession(bind=bound, join_transaction_mode="rollback_only",
+                                     **self.session_options)
         except BaseException:
             bound.close()
             raise
@@ -127,11 +125,13 @@ class Sessions:
         """An ``AsyncSession`` on ``conn`` (an ``async def`` handler's): its connection
         is checked out at its first statement, in the handler's task (:data:`LENT`)."""
         if self._async_engine is None:
-            _sqlalchemy()
+            _sqlalchemy(asyncio=True)
         from kafka_idem.orm.engines import LENT
 
         LENT.set(conn)
-        sync_class, async_class = self.classes()
+        from kafka_idem.orm.handler_session import HandlerSession, async_session_class
+
+        sync_class, async_class = HandlerSession, async_session_class()
         session = async_class(bind=self.async_engine(), sync_session_class=sync_class,
                               **self.session_options)
         return AsyncOpened(session, conn)
@@ -184,11 +184,16 @@ class Opened:
             self.discard()
 
     def discard(self) -> None:
-        """Release the session without a statement (the framework rolls back)."""
-        try:
-            self.session.close()
-        finally:
-            self._bound.close()
+        """Release the session's connection without a statement (the framework commits or
+        rolls back); the session is left to be freed with the handler's context.
+
+        Not ``session.close()``: on CPython 3.11 (3.11.7 here; not 3.12), closing a
+        session whose identity map held a few hundred loaded objects (a lazy-loaded
+        collection), right after its flush, on the batch path, crashed the process in the
+        garbage collector (a segfault in the detach of its states; gone with the GC
+        off, or without the close). The objects are released when the session is
+        freed instead; a later use of the session fails on its closed connection."""
+        self._bound.close()
 
 
 class AsyncOpened:
