@@ -76,11 +76,15 @@ PATHS: dict[str, tuple[str, str, str, bool, str]] = {
     "leased": ("kafka_idem leased", "framework", "leased", True, "slow"),
     "leased_orm": ("kafka_idem leased, ORM handler (ctx.session)", "framework", "leased", False,
                    "slow"),
+    "leased_orm_core": ("kafka_idem leased, ORM handler, 2.0-style statements (ctx.session)",
+                        "framework", "leased", False, "slow"),
     "batch": ("kafka_idem batch (bulk handler)", "framework", "local", True, "main"),
     "batch_nobulk": ("kafka_idem batch (per-message handler)", "framework", "local", False,
                      "main"),
     "batch_orm": ("kafka_idem batch (per-message ORM handler, ctx.session)", "framework",
                   "local", False, "main"),
+    "batch_orm_core": ("kafka_idem batch (per-message ORM handler, 2.0-style statements)",
+                       "framework", "local", False, "main"),
     "batch_m2": ("kafka_idem batch, two members in one group (bulk handler)", "framework",
                  "local", True, "main"),
     "batch_json": ("kafka_idem batch, JSON payloads (bulk handler)", "framework", "local", True,
@@ -94,15 +98,20 @@ PATHS: dict[str, tuple[str, str, str, bool, str]] = {
                 "gw1"),
     "gateway_c64": ("kafka_idem leased, gateway 50 ms, concurrency=64", "gateway", "leased",
                     False, "gw"),
+    "gateway_c64_orm": ("kafka_idem leased, gateway 50 ms, concurrency=64, ORM handler",
+                        "gateway", "leased", False, "gw"),
     "gateway_async": ("kafka_idem leased, gateway 50 ms, async def, concurrency=64", "gateway",
                       "leased", False, "gw"),
+    "gateway_async_orm": ("kafka_idem leased, gateway 50 ms, async def, concurrency=64, ORM "
+                          "handler (AsyncSession)", "gateway", "leased", False, "gw"),
 }
-ALL = ["raw", "pgbench", "naive", "leased", "leased_orm", "batch", "batch_m2", "batch_json",
-       "batch_nobulk", "batch_orm", "dup90",
-       "batch_emit", "relay", "rss", "gateway", "gateway_c64", "gateway_async"]
+ALL = ["raw", "pgbench", "naive", "leased", "leased_orm", "leased_orm_core", "batch",
+       "batch_m2", "batch_json", "batch_nobulk", "batch_orm", "batch_orm_core", "dup90",
+       "batch_emit", "relay", "rss", "gateway", "gateway_c64", "gateway_c64_orm",
+       "gateway_async", "gateway_async_orm"]
 ONE_PARTITION = ("gw", "gw1")  # the gateway rows: one partition, key-ordered inside it
-BATCH_FAMILY = ("batch", "batch_m2", "batch_json", "batch_nobulk", "batch_orm", "dup90",
-                "batch_emit")
+BATCH_FAMILY = ("batch", "batch_m2", "batch_json", "batch_nobulk", "batch_orm",
+                "batch_orm_core", "dup90", "batch_emit")
 # paths drained by several members of one group at once (the throughput phase only)
 MEMBERS = {"batch_m2": 2}
 EMITTING = ("batch_emit", "relay")  # the paths whose payments app has its events
@@ -578,9 +587,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(cProfile of the worker threads) under a profiler -> "
                         "bench/profile-{batch,leased}.txt")
     parser.add_argument("--pairs", type=int, default=3,
-                        help="throughput runs of each ORM row and its raw-SQL row (leased_orm "
-                        "and leased, batch_orm and batch_nobulk), in alternating pairs; the "
-                        "rows show the run of median consumer CPU per message [3]")
+                        help="throughput runs of each ORM row and its raw-SQL row (leased_orm"
+                        "[_core] and leased, batch_orm[_core] and batch_nobulk, gateway_c64_orm "
+                        "and gateway_c64, gateway_async_orm and gateway_async), alternating; "
+                        "the rows show the run of median consumer CPU per message [3]")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
     parser.add_argument("--seed", type=int, default=None, help="workload seed")
     parser.add_argument("--keep", action="store_true", help="keep topics, schemas and rows")
@@ -651,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         groups.append(group)
         return {"path": path, "phase": phase, "rep": rep, "kind": kind, "mode": mode,
                 "bulk": bulk, "orm": path in orm.ORM_PATHS,
+                "orm_core": path in orm.CORE_PATHS,
                 "topic": topic, "group": group, "plan": plan.to_json(),
                 "schema": schema_for(path, phase, rep) if kind != "raw" else None,
                 "batch_size": args.batch_size, "local_workers": args.local_workers,
@@ -711,12 +722,12 @@ def main(argv: list[str] | None = None) -> int:
             plan = plans[topic_key]
             m = Measured(path, label)
             if (pair := orm.pair_of(path, wanted)) is not None and path not in paired:
-                # an ORM row and its raw-SQL row: args.pairs throughput runs of each,
-                # alternating, which of the two goes first alternating too
+                # a raw-SQL row and its ORM rows: args.pairs throughput runs of each,
+                # alternating, the order rotating (a pair: which goes first alternates)
                 console.print(f"measuring {' and '.join(PATHS[p][0] for p in pair)}: "
-                              f"{args.pairs} pairs of throughput runs ...")
+                              f"{args.pairs} rounds of throughput runs ...")
                 for i in range(args.pairs):
-                    for p in (pair if i % 2 == 0 else pair[::-1]):
+                    for p in pair[i % len(pair):] + pair[:i % len(pair)]:
                         out = run_throughput(p, i + 1)
                         paired.setdefault(p, []).append(out)
                         console.print(f"  pair {i + 1}, {p}: {orm.summary(out)}")

@@ -38,7 +38,9 @@ ORDERING_KEY = "{tenant_id}"
 GATEWAY_PATHS: dict[str, tuple[int, bool]] = {
     "gateway": (1, False),
     "gateway_c64": (64, False),
+    "gateway_c64_orm": (64, False),  # bench/orm_gateway.py: the same work on ctx.session
     "gateway_async": (64, True),
+    "gateway_async_orm": (64, True),
 }
 
 

@@ -31,6 +31,7 @@ event (:class:`bench.outbox.EventClock`). Worker kind ``relay``:
 from __future__ import annotations
 
 import cProfile
+import functools
 import io
 import json
 import logging
@@ -236,9 +237,13 @@ class FrameworkLoop:
             database_url=s.dsn, kafka={**s.kafka, **spec.get("kafka", {})},
         )
         if spec["kind"] == "gateway":
-            app = gateway_example.build_app(gateway_url=spec["gateway_url"], timeout=10.0,
-                                            **bench_gateway.app_settings(spec["path"]),
-                                            **common)
+            build_gateway = gateway_example.build_app
+            if spec.get("orm"):  # the same charge recorded through ctx.session
+                from bench import orm_gateway
+
+                build_gateway = orm_gateway.build_app
+            app = build_gateway(gateway_url=spec["gateway_url"], timeout=10.0,
+                                **bench_gateway.app_settings(spec["path"]), **common)
         else:
             # events: the app as shipped (a ChargeCompleted per charge, the Runner's relay
             # publishing them); else without them, as every row before the outbox measured
@@ -246,7 +251,7 @@ class FrameworkLoop:
             if spec.get("orm"):  # the same charge through ctx.session (bench/orm.py)
                 from bench import orm
 
-                build = orm.build_app
+                build = functools.partial(orm.build_app, core=bool(spec.get("orm_core")))
             app = build(mode=mode, events=bool(spec.get("events")),
                         name_prefix=f"{spec['group']}.", **common)
             if spec.get("events"):

@@ -1,6 +1,6 @@
 """``python -m bench`` as a subprocess at the tiniest sizes, on a few rows (raw, the
-batch path, the leased path and its ORM twin, the batch path's ORM row, the outbox relay,
-the gateway at concurrency 1), against
+batch path, the leased path and its ORM twins, the batch path's ORM rows, the outbox relay,
+the gateway at concurrency 1 and the ORM gateway rows), against
 the shared services: it exits 0 and every row's exactly-once check passed; and
 ``python -m bench.floor`` (the gateway rows' work with no framework) and
 ``python -m bench.rate`` (a handler's ``max_rate``) the same way;
@@ -29,7 +29,8 @@ from psycopg import sql
 
 from tests.conftest import ADMIN_DSN, BOOTSTRAP, ROOT
 
-ROWS = ("raw", "batch", "leased", "leased_orm", "batch_orm", "relay", "gateway")
+ROWS = ("raw", "batch", "leased", "leased_orm", "leased_orm_core", "batch_orm",
+        "batch_orm_core", "relay", "gateway", "gateway_c64_orm", "gateway_async_orm")
 # the latency phase leaves its first second out: two seconds leave it something
 SIZES = ("--messages", "40", "--slow-messages", "20", "--gateway-messages", "40",
          "--latency-seconds", "2", "--pairs", "1", "--timeout", "120")
@@ -66,14 +67,16 @@ def test_the_bench_runs_its_rows_exactly_once(tmp_path: Path) -> None:
     assert paths["batch"]["throughput"]["check"].startswith("ok: 40 ledger rows / 40 keys")
     assert paths["leased"]["throughput"]["check"].startswith("ok: 20 ledger rows / 20 keys")
     assert "0 outbox rows twice" in paths["relay"]["throughput"]["check"]
-    for orm_row in ("leased_orm", "batch_orm"):
+    for orm_row in ("leased_orm", "leased_orm_core", "batch_orm", "batch_orm_core"):
         assert paths[orm_row]["throughput"]["check"].startswith(
             f"ok: {paths[orm_row]['messages']} ledger rows"), paths[orm_row]["throughput"]
-    # the ORM row next to its raw row (its pair measured; batch_orm's raw row not asked)
-    (comparison,) = run["orm"]
-    assert (comparison["raw"], comparison["orm"], len(comparison["pairs"])) == (
-        "leased", "leased_orm", 1)
-    assert comparison["cpu_ratio"] > 0, comparison
+    for orm_row in ("gateway_c64_orm", "gateway_async_orm"):
+        assert paths[orm_row]["throughput"]["check"].startswith(
+            "ok: 40 rows / 40 keys, 40 gateway charges"), paths[orm_row]["throughput"]
+    # the ORM rows next to their raw row (the leased ones; the others' raw rows not asked)
+    assert [(c["raw"], c["orm"], len(c["pairs"])) for c in run["orm"]] == [
+        ("leased", "leased_orm", 1), ("leased", "leased_orm_core", 1)]
+    assert all(c["cpu_ratio"] > 0 for c in run["orm"]), run["orm"]
 
 
 def test_the_floor_runs_its_work_exactly_once() -> None:
