@@ -150,11 +150,11 @@ def _compared(harness: Kit, msg: FakeMessage, path: Path, tables: list[Table],
     """How events are compared, the report's lines for the fields left out, and the
     ORM-made values the events carry: the user's ``ignore``, the fields that carry a
     value the database makes (found by delivering the reference once more, every
-    sequence moved on: a field that then differs and is in both deliveries the value
-    of one left-out column), and the fields that differ between the ``probed``
+    sequence moved to a range of its own: a field that then differs and is in both
+    deliveries the value of one left-out column), and the fields that differ between the ``probed``
     delivery and the reference's, as a column does (:data:`DRIFTING`; a field that is
     in both the value of a column an ORM default fills, ``orm``, leaks it)."""
-    made: dict[str, dict[str, str]] = {}
+    made: dict[str, dict[str, tuple[str, ...]]] = {}
     if ref:
         _clean(harness)
         with harness.scratch(**settings_for(path)) as sb:
@@ -164,9 +164,9 @@ def _compared(harness: Kit, msg: FakeMessage, path: Path, tables: list[Table],
     left: dict[str, set[str]] = {}
     lines = []
     for topic, fields in sorted(made.items()):
-        for name, column in sorted(fields.items()):
+        for name, columns in sorted(fields.items()):
             left.setdefault(topic, set()).add(name)
-            lines.append(f"event {topic} field {name} ({MADE}: {column})")
+            lines.append(f"event {topic} field {name} ({MADE}: {' or '.join(columns)})")
     for topic, names in sorted(harness.event_ignore.items()):
         for name in sorted(names):
             left.setdefault(topic, set()).add(name)

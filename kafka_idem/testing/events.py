@@ -9,9 +9,10 @@ context (``traceparent``, ``tracestate``: a span's, new in every run).
 
 A field is left out when it carries a value the database makes, as the tables'
 identity, sequence and volatile-default columns are: found by delivering the
-reference once more with every sequence moved on (:func:`made_fields`), a field
-whose value differs *and* is, in each delivery, the value of one and the same
-left-out column (``payments.ledger.id``, ``payments.ledger.created_at``). A value the
+reference once more with every sequence moved to a range of its own (so no two
+sequences' numbers meet), a field whose value differs *and* is, in each delivery,
+the value of one and the same left-out column (:func:`made_fields`:
+``payments.ledger.id``, ``payments.ledger.created_at``). A value the
 handler makes anew itself (a counter of the process, a random id, the time) is left
 out as such a column is: a field that differs between two deliveries of the
 reference, each from a clean database (:func:`drifting_fields`).
@@ -32,7 +33,15 @@ from psycopg import sql
 from kafka_idem.app import App
 from kafka_idem.observe.tracing import TRACE_HEADERS
 from kafka_idem.store import Conn
-from kafka_idem.testing.tables import State, Table, freeze, made_anew, show_value, snapshot
+from kafka_idem.testing.tables import (
+    REFERENCES,
+    State,
+    Table,
+    freeze,
+    made_anew,
+    show_value,
+    snapshot,
+)
 
 MADE = "a value the database makes"
 
@@ -129,9 +138,12 @@ Made = dict[str, list[Any]]  # "schema.table.column" -> its values
 def made_values(conn: Conn, tables: Iterable[Table]) -> Made:
     """The values of the left-out columns of ``tables`` now, but those the handler
     makes anew (:func:`~kafka_idem.testing.tables.made_anew`): an event field copying
-    one of those drifts as the column does, and is said so (:func:`drifting_fields`)."""
+    one of those drifts as the column does, and is said so (:func:`drifting_fields`);
+    and but a column that only references one of the others (its values are that
+    column's: a field is said to carry the column that makes the value)."""
     shown = [Table(t.name, made) for t in tables
-             if (made := tuple(c for c, why in t.left_out if not made_anew(why)))]
+             if (made := tuple(c for c, why in t.left_out
+                               if not made_anew(why) and not why.startswith(REFERENCES)))]
     return _columns(snapshot(conn, shown))
 
 
@@ -166,10 +178,13 @@ def columns_of(value: Any, made: Made) -> set[str]:
 
 
 def made_fields(first: list[EmittedEvent], first_made: Made,
-                second: list[EmittedEvent], second_made: Made) -> dict[str, dict[str, str]]:
+                second: list[EmittedEvent], second_made: Made
+                ) -> dict[str, dict[str, tuple[str, ...]]]:
     """The event fields whose values differ between two deliveries and are, in both,
-    the value of one and the same left-out column: ``{topic: {field: column}}``."""
-    out: dict[str, dict[str, str]] = {}
+    the value of one and the same left-out column: ``{topic: {field: columns}}``, the
+    columns sorted (more than one: the field's value is each's in both deliveries, as
+    two ``now()`` defaults in one transaction are; it is one of theirs)."""
+    out: dict[str, dict[str, tuple[str, ...]]] = {}
     if len(first) != len(second):
         return out
     for a, b in zip(first, second, strict=True):
@@ -181,7 +196,7 @@ def made_fields(first: list[EmittedEvent], first_made: Made,
                 continue
             both = columns_of(fa[name], first_made) & columns_of(fb[name], second_made)
             if both:
-                out.setdefault(a.topic, {})[name] = sorted(both)[0]
+                out.setdefault(a.topic, {})[name] = tuple(sorted(both))
     return out
 
 

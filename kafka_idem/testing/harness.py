@@ -185,13 +185,12 @@ class Harness:
         finally:
             sb.close()
 
-    def move_sequences(self, conn: Conn, by: int = 1000) -> None:
-        """Move every sequence of the clean state on by ``by``: a delivery then gets
-        other numbers from them (how :meth:`check` tells a number the database made)."""
-        for name, value, _called in self._state.sequences:
-            conn.execute("SELECT setval(%s::regclass, %s, true)",
-                         (psycopg.sql.Identifier(*split_name(name)).as_string(conn),
-                          value + by))
+    def move_sequences(self, conn: Conn) -> None:
+        """Move every sequence of the clean state on, each to a range of its own
+        (:meth:`~kafka_idem.testing.reset.CleanState.move_apart`): a delivery then gets
+        other numbers from them, and no two give the same (how :meth:`check` tells a
+        number the database made, and which column's it is)."""
+        self._state.move_apart(conn)
 
     @property
     def current(self) -> Sandbox:

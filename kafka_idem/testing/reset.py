@@ -83,6 +83,37 @@ class CleanState:
             if owner not in store]
         return state
 
+    def move_apart(self, conn: Conn, *, room: int = 1_000_000) -> None:
+        """Move every sequence on from its clean position to a range of its own: the
+        ``k``-th (by name) of those that count up to ``top + (k + 1) * step``, ``top``
+        the highest clean position, ``step`` ``room`` or less where a sequence's
+        maximum leaves less (a ``serial`` of ``smallint``), those that count down
+        alike below the lowest. A delivery then draws other numbers than the
+        reference's, and numbers no other sequence gives (for fewer than ``step`` rows
+        each), so an event field's number names the one column it comes from. A
+        sequence with no room left stays where it is."""
+        rows = conn.execute(
+            "SELECT schemaname || '.' || sequencename, increment_by, min_value, max_value"
+            " FROM pg_sequences WHERE schemaname || '.' || sequencename = ANY(%s)",
+            ([n for n, _, _ in self.sequences],)).fetchall()
+        info = {r[0]: (int(r[1]), int(r[2]), int(r[3])) for r in rows}
+        clean = {n: v for n, v, _ in self.sequences if n in info}
+        moved: dict[str, int] = {}
+        for sign in (1, -1):
+            names = sorted(n for n in clean if (info[n][0] > 0) == (sign > 0))
+            if not names:
+                continue
+            edge = max(sign * clean[n] for n in names)  # top (or minus the bottom)
+            limit = min(sign * info[n][2 if sign > 0 else 1] for n in names)
+            step = min(room, (limit - edge) // (len(names) + 1))
+            if step > 0:
+                moved.update({n: sign * (edge + (k + 1) * step) for k, n in enumerate(names)})
+        if moved:
+            conn.execute(
+                "SELECT setval(s.name::regclass, s.value, true)"
+                " FROM unnest(%s::text[], %s::bigint[]) AS s(name, value)",
+                ([_ident(n).as_string(conn) for n in moved], list(moved.values())))
+
     def restore(self, conn: Conn, store: Store) -> None:
         """Put the database ``conn`` is connected to back in the captured state (every
         other connection to it is ended first)."""

@@ -141,7 +141,7 @@ def _follow_foreign_keys(conn: Conn, left_out: dict[str, dict[str, str]]) -> Non
         for name, cols, ref, refcols in links:
             for col, refcol in zip(cols, refcols, strict=True):
                 if refcol in left_out.get(ref, {}) and col not in left_out[name]:
-                    left_out[name][col] = f"references {ref}.{refcol}"
+                    left_out[name][col] = f"{REFERENCES}{ref}.{refcol}"
                     changed = True
 
 
@@ -224,6 +224,10 @@ DRIFTING = ("differs between two deliveries of the reference: a value the handle
 ORM_DEFAULT = "made by SQLAlchemy's client-side default"
 """How the reason begins for a drifting column an ORM model's Python default fills
 (:mod:`kafka_idem.testing.orm_defaults`)."""
+
+
+REFERENCES = "references "
+"""How the reason begins for a column left out as it references a left-out column."""
 
 
 def made_anew(why: str) -> bool:

@@ -158,7 +158,16 @@ def test_a_field_is_the_databases_only_when_both_values_are_one_columns() -> Non
     moved = {"shop.orders.id": [1001], "shop.orders.created_at": [t2]}
     # n and id differ but come from no column: a counter, a random id, compared
     assert made_fields(first, made, second, moved) == {
-        "shop.placed": {"row": "shop.orders.id", "at": "shop.orders.created_at"}}
+        "shop.placed": {"row": ("shop.orders.id",), "at": ("shop.orders.created_at",)}}
+    # two columns with the value in both deliveries (two now() in one transaction): both
+    made |= {"shop.lines.created_at": [t1]}
+    moved |= {"shop.lines.created_at": [t2]}
+    assert made_fields(first, made, second, moved)["shop.placed"]["at"] == (
+        "shop.lines.created_at", "shop.orders.created_at")
+    # one of them in the reference only (its sequence moved elsewhere): not that one
+    moved["shop.lines.created_at"] = [t1]
+    assert made_fields(first, made, second, moved)["shop.placed"]["at"] == (
+        "shop.orders.created_at",)
     swapped = {"shop.orders.id": [t2], "shop.orders.created_at": [1001]}
     assert made_fields(first, made, second, swapped) == {}  # not the same column
     assert made_fields(first, made, second + second, moved) == {}  # not the same events
