@@ -17,8 +17,10 @@ def test_the_member_tunes_the_garbage_collector_once_and_only_when_asked() -> No
         assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, before[1], before[2])
         frozen = gc.get_freeze_count()
         assert frozen > 0  # what start-up made is out of every collection
-        tune_gc()  # a second member in the process changes nothing
-        assert gc.get_freeze_count() == frozen
+        tune_gc()  # a second member in the process changes nothing: freezes nothing more
+        # (never more: frozen objects other tests' threads still drop may be freed meanwhile)
+        assert gc.get_freeze_count() <= frozen
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, before[1], before[2])
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
