@@ -154,7 +154,7 @@ class App:
         errors: Mapping[type[BaseException], ErrorKind] | None = None,
         concurrency: int = 1,
         ordering_key: KeySpec | None = None, max_rate: float | None = None,
-        retry_blocks_partition: bool = False,
+        retry_blocks_partition: bool = False, shard_key: KeySpec | None = None,
     ) -> Callable[[Callable[[M, Any], Any]], Handler[M]]:
         """Register a handler for ``topic``.
 
@@ -195,6 +195,9 @@ class App:
         An ``async def`` handler (leased mode) runs on the member's event loop with
         an :class:`AsyncContext` (``ctx.tx`` a ``psycopg.AsyncConnection``; the how-to
         on concurrency has an example).
+
+        ``shard_key`` (like ``key``, e.g. ``"{tenant_id}"``; default the key): where a
+        store distributed on Citus places the message's rows (docs/SCALING.md).
         """
         check_handler_options(topic, dlq_topic=dlq_topic, mode=mode, concurrency=concurrency,
                               ordering_key=ordering_key, taken=self.handlers, max_rate=max_rate)
@@ -208,7 +211,8 @@ class App:
                 hash_fields=tuple(hash_fields), mode=mode, batch=batch, dlq_topic=dlq_topic,
                 schema=schema, retry=retry, errors=mapping, format=format,
                 binder=self.bind_codec, concurrency=concurrency, ordering_key=ordering_key,
-                max_rate=max_rate, retry_blocks_partition=retry_blocks_partition)
+                max_rate=max_rate, retry_blocks_partition=retry_blocks_partition,
+                shard_key=shard_key)
             self.handlers[topic] = h
             return h
 

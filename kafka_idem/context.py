@@ -60,6 +60,8 @@ class Context:
     timestamp: int | None
     kafka_key: bytes | None
     headers: Mapping[str, bytes] = field(default_factory=dict)
+    # the handler's shard_key= for this message (None without one: the key places it)
+    shard_key: str | None = None
     lost: InitVar[threading.Event | None] = None
     emitter: InitVar[EventSink | None] = None
     sessions: InitVar[Sessions | None] = None

@@ -147,6 +147,7 @@ class Handler(Generic[M]):
         ordering_key: KeySpec | None = None,
         max_rate: float | None = None,
         retry_blocks_partition: bool = False,
+        shard_key: KeySpec | None = None,
     ) -> None:
         check_takes_two(fn, what=f"handler {name!r}", params="(msg, ctx)", setting="handler")
         self.fn = fn
@@ -163,6 +164,9 @@ class Handler(Generic[M]):
         # Without a model the payload's types are the sender's: a key field must hold a
         # string, or 7 and "7" would share a key (docs/BAD_INPUT.md).
         self.key = KeyTemplate(key, strings_only=model is None)
+        # the shard a distributed store keeps this message's rows on (None: the key's own)
+        self.shard = (shard_template(name, shard_key, self.key)
+                      if shard_key is not None else None)
         self.hash_fields = hash_fields
         self.mode: Mode = mode
         self.batch = batch
@@ -327,6 +331,22 @@ class Handler(Generic[M]):
             if isinstance(exc, rule[0]) or (wrapper is not None and isinstance(wrapper, rule[0])):
                 return rule
         return None
+
+
+def shard_template(name: str, spec: KeySpec, key: KeyTemplate) -> KeyTemplate:
+    """``shard_key=``'s template; refused when it names a field ``key=`` does not (two
+    messages with one idempotency key could then be placed on two shards, and the
+    second would not find the first's record)."""
+    shard = KeyTemplate(spec, setting="shard_key", strings_only=key.strings_only)
+    if isinstance(spec, str) and isinstance(key.spec, str):
+        extra = [f for f in shard.fields if f not in key.fields]
+        if extra:
+            raise ConfigError(
+                f"handler {name!r}: shard_key= names {', '.join(map(repr, extra))}, which "
+                f"key= ({key.spec!r}) does not: one idempotency key must always have one "
+                "shard; add the field to key= or leave it out of shard_key=",
+                setting="shard_key")
+    return shard
 
 
 def _check_fields(name: str, topic: str, model: Any, known: tuple[str, ...],

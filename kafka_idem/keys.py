@@ -312,7 +312,7 @@ class KeyTemplate:
             if not names:
                 raise ConfigError(
                     f"{setting} template {spec!r} names no payload field; use e.g. "
-                    + ("'{tenant_id}'" if setting == "ordering_key"
+                    + ("'{tenant_id}'" if setting in ("ordering_key", "shard_key")
                        else "'{tenant_id}:charge:{order_id}'"),
                     setting=setting,
                 )

@@ -13,6 +13,8 @@
 # Environment:
 #   KAFKA_IDEM_PG_PORT     port (default 55432)
 #   KAFKA_IDEM_LOCAL_DIR   where .local lives (default <repo>/.local)
+#   KAFKA_IDEM_PG_EXTRA_CONF  extra postgresql.conf lines for this cluster (scripts/citus.sh
+#                          starts its three nodes through this script with Citus's settings)
 #
 # Files: $KAFKA_IDEM_LOCAL_DIR/postgres/{data,run,log}. Delete data/ for an
 # empty cluster. PostgreSQL refuses to run as root, so as root the server runs
@@ -200,6 +202,7 @@ shared_buffers = 128MB
 # Readable server log for debugging tests.
 log_min_messages = warning
 log_line_prefix = '%m [%p] %q%u@%d '
+${KAFKA_IDEM_PG_EXTRA_CONF:-}
 EOF
   ((IS_ROOT)) && chown "$RUN_USER:" "$conf"
   return 0

@@ -32,6 +32,8 @@ from kafka_idem.settings import DEFAULT_BOOTSTRAP, DEFAULT_DATABASE_URL
 from kafka_idem.verify.kafka import retrying
 
 ROOT = Path(__file__).resolve().parent.parent
+# the Citus cluster of the distributed-store tests (fixtures citus, citus_store)
+pytest_plugins = ["tests.citus"]
 BOOTSTRAP = os.environ.get("KAFKA_IDEM_BOOTSTRAP_SERVERS", DEFAULT_BOOTSTRAP)
 ADMIN_DSN = os.environ.get("KAFKA_IDEM_DATABASE_URL", DEFAULT_DATABASE_URL)
 HINT = "start the local services with `./dev services start` (or run the tests with `./dev test`)"

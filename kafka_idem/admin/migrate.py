@@ -216,3 +216,20 @@ def _migrate(dsn: str, schema: str, table: str, *, from_scratch: bool) -> list[M
                 )
                 done.append(migration)
     return done
+
+
+def distribute_store(dsn: str, schema: str, table: str, *, citus: bool | None) -> list[str]:
+    """After :func:`migrate`: distribute the store on a Citus coordinator
+    (:func:`kafka_idem.admin.citus.distribute`). ``citus=None`` does it when the database
+    has the ``citus`` extension, ``True`` insists (a ConfigError without it), ``False``
+    leaves the store's tables local. Returns what changed."""
+    from kafka_idem.admin import citus as dist
+
+    if citus is False:
+        return []
+    with (translate_errors(), psycopg.connect(dsn, autocommit=False) as conn,
+          conn.transaction()):
+        if citus is None and dist.citus_version(conn) is None:
+            return []
+        _lock(conn, schema)
+        return dist.distribute(conn, schema, table)

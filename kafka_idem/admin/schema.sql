@@ -31,6 +31,9 @@ CREATE TABLE {table} (
     -- the app (or the apps sharing it on purpose) the key belongs to; '' = written
     -- before namespaces existed and not yet assigned to an app (migration 0005)
     namespace         text        NOT NULL,
+    -- the value a distributed store (Citus) keeps a message's rows together by
+    -- (migration 0009); NULL on one PostgreSQL unless the handler sets shard_key=
+    shard_key         text,
     CONSTRAINT {pkey} PRIMARY KEY (namespace, idempotency_key),
     CHECK (status <> 'processing' OR (owner_token IS NOT NULL AND lease_until IS NOT NULL)),
     CHECK (status <> 'succeeded' OR completed_token IS NOT NULL)
@@ -194,7 +197,8 @@ CREATE TABLE {outbox} (
     source_topic     text,
     source_partition integer,
     source_offset    bigint,
-    created_at       timestamptz NOT NULL DEFAULT clock_timestamp()
+    created_at       timestamptz NOT NULL DEFAULT clock_timestamp(),
+    shard_key        text
 );
 
 CREATE INDEX {outbox_shard_idx} ON {outbox} (namespace, shard, id);

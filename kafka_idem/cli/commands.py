@@ -21,8 +21,9 @@ import click
 
 from kafka_idem._version import __version__
 from kafka_idem.admin import audit
+from kafka_idem.admin.citus import fit
+from kafka_idem.admin.migrate import distribute_store, migrate_app
 from kafka_idem.admin.migrate import migrate as run_migrations
-from kafka_idem.admin.migrate import migrate_app
 from kafka_idem.cli import errors as cli_errors
 from kafka_idem.cli.admin import inspect, rerun, status
 from kafka_idem.cli.common import Ctx, GlobalOptions, importable_cwd, load_app, store_of
@@ -83,14 +84,20 @@ def cli(ctx: click.Context, /, log_format: str | None, debug: bool, **overrides:
 @cli.command()
 @click.option("--app", "app_spec", help="Also run MODULE:APP's own migrations, and assign "
               "to its namespace the records its handlers wrote before namespaces.")
+@click.option("--citus/--no-citus", default=None, help="Distribute the store's tables on "
+              "this Citus coordinator (default: when the database has the citus extension; "
+              "--no-citus keeps them local).")
 @click.pass_obj
-def migrate(obj: Ctx, app_spec: str | None) -> None:
+def migrate(obj: Ctx, app_spec: str | None, citus: bool | None) -> None:
     """Create or upgrade the store schema (versioned, add-only; twice is a no-op).
 
     With --app, also the app's own migrations, then the adoption: records written
     before keys were scoped per app (migration 0005) by one of the app's handlers
     (same topic and handler name) move to the app's namespace, with an audit row.
-    An app with such records is refused at start until this ran."""
+    An app with such records is refused at start until this ran.
+
+    On a Citus coordinator the store is then distributed (docs/SCALING.md): records
+    and outbox by shard_key, the rest as reference tables."""
     from kafka_idem.admin import namespaces
 
     app = load_app(app_spec, param_hint="'--app'") if app_spec else None
@@ -98,6 +105,8 @@ def migrate(obj: Ctx, app_spec: str | None) -> None:
     applied = run_migrations(s.dsn, s.schema_name, s.table)
     names = ", ".join(f"{m.version:04d}_{m.name}" for m in applied) or "nothing to do"
     click.echo(f"schema {s.schema_name}: {names}")
+    for line in distribute_store(s.dsn, s.schema_name, s.table, citus=citus):
+        click.echo(plain(f"schema {s.schema_name}: {line}"))
     if app is None:
         return
     steps = migrate_app(s.dsn, s.schema_name, app.migrations)
@@ -105,7 +114,9 @@ def migrate(obj: Ctx, app_spec: str | None) -> None:
                                             or "no migrations (@app.migration) to run")))
     conn = connect(s.dsn)
     try:
-        moved = namespaces.adopt(conn, store_of(s), app, actor=audit.default_actor())
+        store = store_of(s)
+        fit(conn, store)
+        moved = namespaces.adopt(conn, store, app, actor=audit.default_actor())
     finally:
         conn.close()
     for p in moved:

@@ -108,6 +108,7 @@ class Prepared:
     model: Any  # the handler's pydantic model
     key: str
     request_hash: str
+    shard: str | None = None  # the handler's shard_key (None: the store's default)
 
 
 Ahead = Mapping[TP, Mapping[int, Prepared | MessageError]]

@@ -11,6 +11,7 @@ import logging
 from confluent_kafka.admin import AdminClient
 
 from kafka_idem.admin import topics
+from kafka_idem.admin.citus import fit, refuse_uncolocated
 from kafka_idem.admin.migrate import require_current
 from kafka_idem.admin.namespaces import refuse_unassigned
 from kafka_idem.app import App
@@ -27,6 +28,9 @@ def check_schema(settings: Settings, store: Store, app: App) -> None:
     conn = connect(settings.dsn, application_name=f"kafka_idem:{app.name}")
     try:
         require_current(conn, settings.schema_name)
+        if fit(conn, store):
+            app.outbox.store.distribute()  # ctx.emit's statements: the same flavour
+            refuse_uncolocated(conn, store, app.sessions.table_names())
         refuse_unassigned(conn, store, app)
     finally:
         conn.close()

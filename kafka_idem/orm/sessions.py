@@ -57,6 +57,13 @@ class Sessions:
         self._engine: Engine | None = None
         self._async_engine: AsyncEngine | None = None
 
+    def table_names(self) -> list[str]:
+        """The qualified names of :attr:`metadata`'s tables (none without it)."""
+        if self.metadata is None:
+            return []
+        return [psycopg.sql.Identifier(t.schema or "public", t.name).as_string(None)
+                for t in self.metadata.tables.values()]
+
     def configure(self, metadata: MetaData | None, engine_options: Mapping[str, Any] | None,
                   session_options: Mapping[str, Any] | None) -> None:
         _sqlalchemy()

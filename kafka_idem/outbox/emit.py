@@ -115,7 +115,8 @@ class Emitter:
         return Event(topic=topic, key=raw_key, value=data, headers=tuple(pairs),
                      idem_key=ctx.idempotency_key, slot=slot,
                      shard=shard_of(slot, self.shards),
-                     source=Delivery(ctx.topic, ctx.partition, ctx.offset, ctx.handler))
+                     source=Delivery(ctx.topic, ctx.partition, ctx.offset, ctx.handler),
+                     shard_key=ctx.shard_key)
 
     def flush(self, conn: Conn, *contexts: Context, wake: set[str] | None = None) -> None:
         """Write the events of ``contexts`` in the open transaction (right before the

@@ -29,7 +29,9 @@ OWN_VARIABLES = frozenset({
     "KAFKA_IDEM_LOCAL_DIR",  # the services' state folder (scripts, ./dev)
     "KAFKA_IDEM_KAFKA_PORT", "KAFKA_IDEM_KAFKA_START_TIMEOUT",  # scripts/kafka.sh
     "KAFKA_IDEM_KAFKA_EXTRA_CONFIG",
-    "KAFKA_IDEM_PG_PORT",  # scripts/postgres.sh
+    "KAFKA_IDEM_PG_PORT", "KAFKA_IDEM_PG_EXTRA_CONF",  # scripts/postgres.sh
+    "KAFKA_IDEM_CITUS_PORT", "KAFKA_IDEM_CITUS_INSTALLER",  # scripts/citus.sh
+    "KAFKA_IDEM_TEST_CITUS_URL",  # the tests' Citus cluster (tests/citus.py)
     "KAFKA_IDEM_REGISTRY_PORT", "KAFKA_IDEM_REGISTRY_START_TIMEOUT",  # scripts/registry.sh
     "KAFKA_IDEM_CHROMIUM", "KAFKA_IDEM_CHROMEDRIVER",  # scripts/browser.sh (console tests)
     "KAFKA_IDEM_SCREENSHOTS",  # where the console's browser tests put their screenshots

@@ -35,6 +35,15 @@ class AdminQueries:
     namespace: str | None
     schema: str
     table: str
+    distributed: bool
+
+    def shard_of(self, key: str, shard: str | None) -> str | None:
+        """The shard key a record (or event) of ``key`` is stored with: the handler's
+        (``shard``), else the key itself on a distributed store; ``None`` (not stored)
+        on one PostgreSQL."""
+        if shard is not None:
+            return shard
+        return key if self.distributed else None
 
     @property
     def ns(self) -> str:

@@ -36,7 +36,8 @@ def claim_plan(
     row = yield Statement(q["claim_insert"], params)
     if row is not None:
         return _claimed(key, params, row)
-    rec = yield Statement(q["claim_lock"], {"ns": params["ns"], "key": key}, dicts=True)
+    rec = yield Statement(q["claim_lock"], {"ns": params["ns"], "key": key,
+                                               "shard": params["shard"]}, dicts=True)
     if rec is None:
         # Purged between our insert and our lock: a new key again.
         row = yield Statement(q["claim_insert"], params)
@@ -150,7 +151,8 @@ def _exhaust(q: Queries, rec: dict[str, Any], params: dict[str, Any],
     error_class = rec["error_class"] or ("LeaseExpired" if took_over else None)
     row = yield Statement(
         q["exhaust"],
-        {"ns": params["ns"], "key": key, "error_class": error_class, "error_message": message},
+        {"ns": params["ns"], "key": key, "shard": params["shard"], "error_class": error_class,
+         "error_message": message},
     )
     assert row is not None
     return Claim(

@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 import psycopg
 
 from kafka_idem.errors import (
+    ConfigError,
     DataRejected,
     IllegalTransition,
     KafkaIdemError,
@@ -164,3 +165,13 @@ def raise_attempt_error(exc: BaseException, **context: Any) -> NoReturn:
     if isinstance(raw, psycopg.Error) and raw.sqlstate in (STALE_OWNER, ILLEGAL_TRANSITION):
         raise translated(raw, **context) from raw
     raise raw
+
+
+def local_write_error(handler: str, tables: list[str], records: str) -> ConfigError:
+    """The handler wrote tables local to the Citus coordinator: what to do about it."""
+    return ConfigError(
+        f"handler {handler!r} wrote {', '.join(tables)}, local to the Citus coordinator: "
+        "those writes would not commit atomically with the message's record (on a worker). "
+        f"Distribute {'them' if len(tables) > 1 else 'it'} by the shard key with "
+        f"create_distributed_table(..., colocate_with => '{records}'), or "
+        "make it a reference table (docs/SCALING.md)", setting="shard_key")

@@ -38,6 +38,8 @@ class OutboxQueries(AdminQueries):
             "headers": [Jsonb([[k, base64.b64encode(v).decode()] for k, v in e.headers])
                         if e.headers else None for e in events],  # most have none: NULL
             "idem_keys": [e.idem_key for e in events],
+            # an event lives on its message's shard (a distributed store; NULL: none)
+            "shard_keys": [self.shard_of(e.idem_key, e.shard_key) for e in events],
             "source_topics": [e.source.topic if e.source else None for e in events],
             "source_partitions": [e.source.partition if e.source else None for e in events],
             "source_offsets": [e.source.offset if e.source else None for e in events],
@@ -58,7 +60,10 @@ class OutboxQueries(AdminQueries):
             lock["notes"] = []
         with translate_errors():
             conn.execute(self.q["outbox_lock_slots"], lock)
-            conn.execute(self.q["outbox_insert"], rows)
+            if self.distributed:
+                conn.cursor().executemany(self.q["outbox_insert"], _each(rows))
+            else:
+                conn.execute(self.q["outbox_insert"], rows)
 
     def outbox_wake(self, conn: Conn, notes: Sequence[str]) -> None:
         """Notify the relays of ``notes`` (``"<shard>:<namespace>"``), at the caller's
@@ -73,7 +78,10 @@ class OutboxQueries(AdminQueries):
         lock, rows = self._outbox_params(events)
         with translate_errors():
             await conn.execute(self.q["outbox_lock_slots"], lock)
-            await conn.execute(self.q["outbox_insert"], rows)
+            if self.distributed:
+                await conn.cursor().executemany(self.q["outbox_insert"], _each(rows))
+            else:
+                await conn.execute(self.q["outbox_insert"], rows)
 
     def outbox_rows(self, conn: Conn, shard: int, limit: int) -> list[OutboxRow]:
         """The rows of ``shard`` visible now, in id order (at most ``limit``)."""
@@ -107,3 +115,11 @@ class OutboxQueries(AdminQueries):
         with translate_errors():
             cur = conn.cursor(row_factory=dict_row)
             return cur.execute(self.q["outbox_pending"], {"ns": namespace}).fetchall()
+
+
+def _each(rows: dict[str, Any]) -> list[dict[str, Any]]:
+    """``outbox_insert``'s arrays as one parameter set per event (a distributed store's
+    ``outbox_insert_distributed``), in emit order."""
+    arrays = {k: v for k, v in rows.items() if k != "ns"}
+    n = len(arrays["topics"])
+    return [{"ns": rows["ns"], **{k: v[i] for k, v in arrays.items()}} for i in range(n)]

@@ -46,7 +46,7 @@ from psycopg.types.json import Jsonb
 
 from kafka_idem.errors import ResultNotJSON, StaleOwner
 from kafka_idem.store.claim_plan import ERROR_FIELDS, claim_plan, dead_again
-from kafka_idem.store.errors import storable, translate_errors
+from kafka_idem.store.errors import local_write_error, storable, translate_errors
 from kafka_idem.store.outbox import OutboxQueries
 from kafka_idem.store.plans import Plan, Statement, run_plan, run_plan_async
 from kafka_idem.store.queries import compile_queries
@@ -73,20 +73,29 @@ class Store(OutboxQueries):
     for claim+handler+complete in local mode, two in leased mode).
     """
 
-    def __init__(self, *, schema: str, table: str, namespace: str | None = None) -> None:
+    def __init__(self, *, schema: str, table: str, namespace: str | None = None,
+                 distributed: bool = False) -> None:
         self.schema = schema
         self.table = table
         # Records are identified by (namespace, key). A consumer's store has its app's
         # namespace; an admin tool's store may have none (``scoped`` gives one).
         self.namespace = namespace
-        self.q = compile_queries(schema, table)
+        self.distributed = distributed
+        self.q = compile_queries(schema, table, distributed=distributed)
 
     def scoped(self, namespace: str) -> Store:
         """This store (same queries) for ``namespace``."""
         other = Store.__new__(Store)
         other.schema, other.table, other.q = self.schema, self.table, self.q
+        other.distributed = self.distributed
         other.namespace = namespace
         return other
+
+    def distribute(self) -> None:
+        """From now on, the queries of a store distributed on Citus (a member learns it
+        at start: :func:`kafka_idem.admin.citus.check_layout`)."""
+        self.distributed = True
+        self.q = compile_queries(self.schema, self.table, distributed=True)
 
     # --- claim ---------------------------------------------------------------
 
@@ -102,11 +111,12 @@ class Store(OutboxQueries):
         max_elapsed_seconds: float,
         reentrant_token: uuid.UUID | None = None,
         reconcile_first: bool = False,
+        shard: str | None = None,
     ) -> Claim:
         """The whole claim of ``key`` (the module doc's 1 and 2a-f), in the caller's
         transaction: :func:`~kafka_idem.store.claim_plan.claim_plan` run on ``conn``."""
         plan = self._claim_plan(key, request_hash, delivery, lease_seconds, max_attempts,
-                                max_elapsed_seconds, reentrant_token, reconcile_first)
+                                max_elapsed_seconds, reentrant_token, reconcile_first, shard)
         with translate_errors(key=key):
             return run_plan(conn, plan)
 
@@ -122,32 +132,34 @@ class Store(OutboxQueries):
         max_elapsed_seconds: float,
         reentrant_token: uuid.UUID | None = None,
         reconcile_first: bool = False,
+        shard: str | None = None,
     ) -> Claim:
         """:meth:`claim` on an async connection (in the caller's transaction,
         ``async with conn.transaction()``): the same plan, so the same statements in
         the same order, and the same decisions."""
         plan = self._claim_plan(key, request_hash, delivery, lease_seconds, max_attempts,
-                                max_elapsed_seconds, reentrant_token, reconcile_first)
+                                max_elapsed_seconds, reentrant_token, reconcile_first, shard)
         with translate_errors(key=key):
             return await run_plan_async(conn, plan)
 
     def _claim_plan(
         self, key: str, request_hash: str, delivery: Delivery, lease_seconds: float,
         max_attempts: int, max_elapsed_seconds: float, reentrant_token: uuid.UUID | None,
-        reconcile_first: bool,
+        reconcile_first: bool, shard: str | None,
     ) -> Plan[Claim]:
         return claim_plan(
-            self.q, self._claim_params(key, request_hash, delivery, lease_seconds),
+            self.q, self._claim_params(key, request_hash, delivery, lease_seconds, shard),
             max_attempts=max_attempts, max_elapsed_seconds=max_elapsed_seconds,
             reentrant_token=reentrant_token, reconcile_first=reconcile_first)
 
     def claim_new(
-        self, conn: Conn, *, key: str, request_hash: str, delivery: Delivery, lease_seconds: float
+        self, conn: Conn, *, key: str, request_hash: str, delivery: Delivery,
+        lease_seconds: float, shard: str | None = None,
     ) -> Claim | None:
         """Step 1 alone: claim ``key`` if it is new, else ``None`` (then call :meth:`claim`).
 
         On an autocommit connection this is a whole claim in one round trip."""
-        params = self._claim_params(key, request_hash, delivery, lease_seconds)
+        params = self._claim_params(key, request_hash, delivery, lease_seconds, shard)
         with translate_errors(key=key):
             row = conn.execute(self.q["claim_insert"], params).fetchone()
         if row is None:
@@ -156,10 +168,10 @@ class Store(OutboxQueries):
 
     async def claim_new_async(
         self, conn: AsyncConn, *, key: str, request_hash: str, delivery: Delivery,
-        lease_seconds: float,
+        lease_seconds: float, shard: str | None = None,
     ) -> Claim | None:
         """:meth:`claim_new` on an autocommit async connection: the same statement."""
-        params = self._claim_params(key, request_hash, delivery, lease_seconds)
+        params = self._claim_params(key, request_hash, delivery, lease_seconds, shard)
         with translate_errors(key=key):
             row = await (await conn.execute(self.q["claim_insert"], params)).fetchone()
         if row is None:
@@ -167,11 +179,13 @@ class Store(OutboxQueries):
         return Claim(Outcome.CLAIMED, key, token=params["token"], attempts=int(row[0]))
 
     def _claim_params(
-        self, key: str, request_hash: str, delivery: Delivery, lease_seconds: float
+        self, key: str, request_hash: str, delivery: Delivery, lease_seconds: float,
+        shard: str | None = None,
     ) -> dict[str, Any]:
         return {
             "ns": self.ns,
             "key": key,
+            "shard": self.shard_of(key, shard),
             "hash": request_hash,
             "token": uuid.uuid4(),
             "lease": lease_seconds,
@@ -184,7 +198,8 @@ class Store(OutboxQueries):
     def dead(self, conn: Conn, rec: dict[str, Any], delivery: Delivery) -> Claim:
         """A locked ``failed`` record met again (the batch path): dead-lettered again,
         exactly as :meth:`claim` decides it (its failure time and last delivery move)."""
-        params = {"ns": self.ns, "key": rec["idempotency_key"], "topic": delivery.topic,
+        params = {"ns": self.ns, "key": rec["idempotency_key"],
+                  "shard": self.shard_of(rec["idempotency_key"], None), "topic": delivery.topic,
                   "partition": delivery.partition, "offset": delivery.offset}
         errors = {name: rec[name] for name in ERROR_FIELDS}
         with translate_errors(key=params["key"]):
@@ -193,7 +208,8 @@ class Store(OutboxQueries):
     # --- complete / fail / heartbeat -----------------------------------------
 
     def complete(
-        self, conn: Conn, *, key: str, token: uuid.UUID, result: Any, wait: bool = True
+        self, conn: Conn, *, key: str, token: uuid.UUID, result: Any, wait: bool = True,
+        shard: str | None = None,
     ) -> None:
         """Mark succeeded if ``token`` still owns ``key``; else raise :class:`StaleOwner`
         (the statement fails with KI002 on the server). ``wait=False``, in pipeline
@@ -201,22 +217,42 @@ class Store(OutboxQueries):
         token then aborts the transaction, and its error (KI002) comes at the next
         sync, for the caller to translate (:func:`~kafka_idem.store.translated`)."""
         with translate_errors(key=key):
-            cur = conn.execute(self.q["complete"], self._complete_params(key, token, result))
+            cur = conn.execute(self.q["complete"], self._complete_params(key, token, result, shard))
             if wait:
                 cur.fetchone()
 
     async def complete_async(
-        self, conn: AsyncConn, *, key: str, token: uuid.UUID, result: Any, wait: bool = True
+        self, conn: AsyncConn, *, key: str, token: uuid.UUID, result: Any, wait: bool = True,
+        shard: str | None = None,
     ) -> None:
         """:meth:`complete` on an async connection (an ``async def`` handler's
         transaction): the same statement, the same fencing."""
         with translate_errors(key=key):
-            cur = await conn.execute(self.q["complete"], self._complete_params(key, token, result))
+            cur = await conn.execute(self.q["complete"],
+                                     self._complete_params(key, token, result, shard))
             if wait:
                 await cur.fetchone()
 
-    def _complete_params(self, key: str, token: uuid.UUID, result: Any) -> dict[str, Any]:
-        return {"ns": self.ns, "key": key, "token": token,
+    def refuse_local_writes(self, conn: Conn, handler: str) -> None:
+        """A distributed store: raise :class:`ConfigError` when the open transaction
+        wrote a table local to the Citus coordinator (``local_writes``): its writes
+        would not commit atomically with the record, which lives on a worker."""
+        with translate_errors():
+            found = [r[0] for r in conn.execute(self.q["local_writes"]).fetchall()]
+        if found:
+            raise local_write_error(handler, found, f"{self.schema}.{self.table}")
+
+    async def refuse_local_writes_async(self, conn: AsyncConn, handler: str) -> None:
+        """:meth:`refuse_local_writes` on an async connection."""
+        with translate_errors():
+            cur = await conn.execute(self.q["local_writes"])
+            found = [r[0] for r in await cur.fetchall()]
+        if found:
+            raise local_write_error(handler, found, f"{self.schema}.{self.table}")
+
+    def _complete_params(self, key: str, token: uuid.UUID, result: Any,
+                         shard: str | None) -> dict[str, Any]:
+        return {"ns": self.ns, "key": key, "token": token, "shard": self.shard_of(key, shard),
                 "result": Jsonb(result, dumps=result_dumps)}
 
     def fail(
@@ -230,10 +266,12 @@ class Store(OutboxQueries):
         error_class: str,
         error_message: str,
         delay: float = 0.0,
+        shard: str | None = None,
     ) -> Failure:
         """Record a failure as ``retryable_failed`` (due in ``delay`` s) or ``failed``;
         :class:`StaleOwner` when ``token`` no longer owns ``key``."""
-        plan = self._fail_plan(key, token, status, kind, error_class, error_message, delay)
+        plan = self._fail_plan(key, token, status, kind, error_class, error_message, delay,
+                               shard)
         with translate_errors(key=key):
             return run_plan(conn, plan)
 
@@ -248,17 +286,21 @@ class Store(OutboxQueries):
         error_class: str,
         error_message: str,
         delay: float = 0.0,
+        shard: str | None = None,
     ) -> Failure:
         """:meth:`fail` on an async connection: the same statement, the same answer."""
-        plan = self._fail_plan(key, token, status, kind, error_class, error_message, delay)
+        plan = self._fail_plan(key, token, status, kind, error_class, error_message, delay,
+                               shard)
         with translate_errors(key=key):
             return await run_plan_async(conn, plan)
 
     def _fail_plan(self, key: str, token: uuid.UUID, status: str, kind: str,
-                   error_class: str, error_message: str, delay: float) -> Plan[Failure]:
+                   error_class: str, error_message: str, delay: float,
+                   shard: str | None) -> Plan[Failure]:
         row = yield Statement(self.q["fail"], {
             "ns": self.ns,
             "key": key,
+            "shard": self.shard_of(key, shard),
             "token": token,
             "status": status,
             "kind": kind,
@@ -270,16 +312,18 @@ class Store(OutboxQueries):
             raise StaleOwner(key=key)
         return Failure(int(row[0]), row[1], row[2], row[3])
 
-    def extend_lease(self, conn: Conn, *, key: str, token: uuid.UUID, lease_seconds: float) -> bool:
+    def extend_lease(self, conn: Conn, *, key: str, token: uuid.UUID, lease_seconds: float,
+                     shard: str | None = None) -> bool:
         with translate_errors(key=key):
             row = conn.execute(
                 self.q["extend_lease"],
-                {"ns": self.ns, "key": key, "token": token, "lease": lease_seconds},
+                {"ns": self.ns, "key": key, "token": token, "lease": lease_seconds,
+                 "shard": self.shard_of(key, shard)},
             ).fetchone()
         return row is not None
 
     def withdraw_claim(self, conn: Conn, *, key: str, token: uuid.UUID,
-                       took_over: bool) -> bool:
+                       took_over: bool, shard: str | None = None) -> bool:
         """Withdraw our claim of ``key`` (fenced by ``token``) whose handler never ran:
         its lease ends now and it is not counted against the retry limit. False when
         the claim was not ours any more (or its lease already over). The next claim is
@@ -287,19 +331,21 @@ class Store(OutboxQueries):
         the attempt before it died mid-call, and nobody has reconciled it yet)."""
         with translate_errors(key=key):
             row = conn.execute(self.q["withdraw_claim"],
-                               self._withdraw_params(key, token, took_over)).fetchone()
+                               self._withdraw_params(key, token, took_over, shard)).fetchone()
         return row is not None
 
-    async def withdraw_claim_async(self, conn: AsyncConn, *, key: str,
-                                   token: uuid.UUID, took_over: bool) -> bool:
+    async def withdraw_claim_async(self, conn: AsyncConn, *, key: str, token: uuid.UUID,
+                                   took_over: bool, shard: str | None = None) -> bool:
         """:meth:`withdraw_claim` on an async connection."""
         with translate_errors(key=key):
             cur = await conn.execute(self.q["withdraw_claim"],
-                                     self._withdraw_params(key, token, took_over))
+                                     self._withdraw_params(key, token, took_over, shard))
             return await cur.fetchone() is not None
 
-    def _withdraw_params(self, key: str, token: uuid.UUID, took_over: bool) -> dict[str, Any]:
-        return {"ns": self.ns, "key": key, "token": token, "took_over": took_over}
+    def _withdraw_params(self, key: str, token: uuid.UUID, took_over: bool,
+                         shard: str | None) -> dict[str, Any]:
+        return {"ns": self.ns, "key": key, "token": token, "took_over": took_over,
+                "shard": self.shard_of(key, shard)}
 
     def expire_leases(self, conn: Conn, *, key: str | None = None) -> list[str]:
         """The test kit's clock: every live lease of this namespace (or only ``key``'s)
@@ -388,3 +434,4 @@ class Store(OutboxQueries):
                 self.q["succeeded_results"], {"ns": self.ns, "keys": list(keys)}
             ).fetchall()
         return {r[0]: (r[1], r[2]) for r in rows if r[3] == "succeeded"}
+

@@ -46,12 +46,28 @@ def identifiers(schema: str, table: str) -> dict[str, sql.Composable]:
     }
 
 
-def compile_queries(schema: str, table: str) -> dict[str, sql.SQL]:
+def compile_queries(schema: str, table: str, *, distributed: bool = False) -> dict[str, sql.SQL]:
     """Every query with its identifiers quoted, rendered once: psycopg renders a
     composed statement again at each execution (about 5 µs each, several per message
-    on the leased path), a plain one it only encodes."""
-    names = identifiers(schema, table)
-    return {
-        name: sql.SQL(sql.SQL(text).format(**names).as_string(None))
-        for name, text in raw_queries().items()
-    }
+    on the leased path), a plain one it only encodes. ``distributed``: the flavour of a
+    store distributed on Citus (``queries.sql`` says what differs)."""
+    names = {**identifiers(schema, table), **_flavour(distributed)}
+    raw = raw_queries()
+    out = {}
+    for name, text in raw.items():
+        if distributed:
+            text = raw.get(f"{name}_distributed", text).replace(
+                "coalesce(first_failure_at, clock_timestamp())",
+                "least(first_failure_at, clock_timestamp())").replace(
+                "clock_timestamp()", "statement_timestamp()")
+        out[name] = sql.SQL(sql.SQL(text).format(**names).as_string(None))
+    return out
+
+
+def _flavour(distributed: bool) -> dict[str, sql.Composable]:
+    if distributed:
+        return {"shard": sql.SQL("AND shard_key = %(shard)s"),
+                "shard_join": sql.SQL("AND n.shard_key = u.shard_key"),
+                "conflict": sql.SQL("(namespace, idempotency_key, shard_key)")}
+    return {"shard": sql.SQL(""), "shard_join": sql.SQL(""),
+            "conflict": sql.SQL("(namespace, idempotency_key)")}

@@ -4,6 +4,15 @@
 -- namespace in every runtime query; admin queries take NULL for "every namespace".
 -- Lease and retry times come from clock_timestamp(), the database's real time:
 -- now() is the transaction start and goes stale inside a long transaction.
+-- {shard} is empty on one PostgreSQL; on a distributed store (Citus) it is
+-- "AND shard_key = %(shard)s", so the statement is routed to the one shard that holds
+-- the record, and every clock_timestamp() is statement_timestamp() (Citus refuses a
+-- VOLATILE function in an UPDATE of a distributed table; the statement's start is the
+-- database's clock there), and "coalesce(first_failure_at, clock_timestamp())" is
+-- "least(first_failure_at, ...)" (nor a non-immutable one inside COALESCE or CASE: the
+-- queries keep the clock outside their CASEs). {conflict} is the records'
+-- primary key. Queries without {shard} run on every shard there (admin tools); a
+-- record joined with another record of its key joins on the shard too ({shard_join}).
 -- The batch path's arrays are sent in binary (%(name)b): psycopg writes a list in
 -- text format element by element with a quoting check, about 1.4 µs per element
 -- against 0.3 µs in binary, and a batch of 500 sends a dozen of them.
@@ -12,12 +21,13 @@
 -- Step 1 of a claim: a new key becomes ours in one statement.
 INSERT INTO {table} AS t (
     namespace, idempotency_key, request_hash, status, owner_token, lease_until, attempts,
-    handler, kafka_topic, kafka_partition, kafka_offset, created_at, updated_at)
+    handler, kafka_topic, kafka_partition, kafka_offset, created_at, updated_at, shard_key)
 VALUES (
     %(ns)s, %(key)s, %(hash)s, 'processing', %(token)s,
     clock_timestamp() + make_interval(secs => %(lease)s), 1,
-    %(handler)s, %(topic)s, %(partition)s, %(offset)s, clock_timestamp(), clock_timestamp())
-ON CONFLICT (namespace, idempotency_key) DO NOTHING
+    %(handler)s, %(topic)s, %(partition)s, %(offset)s, clock_timestamp(), clock_timestamp(),
+    %(shard)s)
+ON CONFLICT {conflict} DO NOTHING
 RETURNING attempts;
 
 -- name: claim_lock
@@ -27,7 +37,7 @@ SELECT request_hash, status, owner_token, lease_until, attempts, attempt_base, n
        result_json, error_kind, error_class, error_message,
        first_failure_at, last_failure_at, clock_timestamp() AS db_now
 FROM {table}
-WHERE namespace = %(ns)s AND idempotency_key = %(key)s
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s {shard}
 FOR UPDATE;
 
 -- name: claim_take
@@ -43,7 +53,7 @@ SET status = 'processing',
     kafka_partition = %(partition)s,
     kafka_offset = %(offset)s,
     updated_at = clock_timestamp()
-WHERE namespace = %(ns)s AND idempotency_key = %(key)s
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s {shard}
 RETURNING attempts;
 
 -- name: complete
@@ -65,7 +75,7 @@ SET status = 'succeeded',
     next_attempt_at = NULL,
     completed_at = clock_timestamp(),
     updated_at = clock_timestamp()
-WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s {shard}
   AND status = 'processing'
 RETURNING attempts
 )
@@ -80,12 +90,13 @@ SET status = %(status)s,
     error_message = %(error_message)s,
     owner_token = NULL,
     lease_until = NULL,
-    next_attempt_at = CASE WHEN %(status)s = 'retryable_failed'
-                           THEN clock_timestamp() + make_interval(secs => %(delay)s) END,
+    -- (the clock outside the CASE: Citus refuses a non-immutable function inside one)
+    next_attempt_at = clock_timestamp() + CASE WHEN %(status)s = 'retryable_failed'
+                                               THEN make_interval(secs => %(delay)s) END,
     first_failure_at = coalesce(first_failure_at, clock_timestamp()),
     last_failure_at = clock_timestamp(),
     updated_at = clock_timestamp()
-WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s {shard}
   AND status = 'processing'
 RETURNING attempts, next_attempt_at, first_failure_at, last_failure_at;
 
@@ -94,7 +105,7 @@ RETURNING attempts, next_attempt_at, first_failure_at, last_failure_at;
 UPDATE {table}
 SET lease_until = clock_timestamp() + make_interval(secs => %(lease)s),
     updated_at = clock_timestamp()
-WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s {shard}
   AND status = 'processing'
 RETURNING idempotency_key;
 
@@ -112,9 +123,10 @@ RETURNING idempotency_key;
 UPDATE {table}
 SET lease_until = clock_timestamp(),
     attempt_base = attempt_base + 1,
-    next_attempt_at = CASE WHEN %(took_over)s::boolean THEN NULL ELSE clock_timestamp() END,
+    next_attempt_at = clock_timestamp() + CASE WHEN %(took_over)s::boolean THEN NULL
+                                               ELSE interval '0' END,
     updated_at = clock_timestamp()
-WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND owner_token = %(token)s {shard}
   AND status = 'processing' AND lease_until > clock_timestamp()
 RETURNING idempotency_key;
 
@@ -195,7 +207,7 @@ SET status = 'failed',
     first_failure_at = coalesce(first_failure_at, clock_timestamp()),
     last_failure_at = clock_timestamp(),
     updated_at = clock_timestamp()
-WHERE namespace = %(ns)s AND idempotency_key = %(key)s
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s {shard}
   AND status IN ('processing', 'retryable_failed')
 RETURNING first_failure_at, last_failure_at;
 
@@ -208,7 +220,7 @@ SET last_failure_at = clock_timestamp(),
     kafka_partition = %(partition)s,
     kafka_offset = %(offset)s,
     updated_at = clock_timestamp()
-WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND status = 'failed'
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s {shard} AND status = 'failed'
 RETURNING first_failure_at, last_failure_at;
 
 -- name: audit_insert
@@ -489,7 +501,8 @@ JOIN unnest(%(topics)s::text[], %(handlers)s::text[]) AS p(topic, handler)
   ON u.kafka_topic = p.topic AND u.handler = p.handler
 WHERE u.namespace = ''
   AND NOT EXISTS (SELECT 1 FROM {table} n
-                  WHERE n.namespace = %(ns)s AND n.idempotency_key = u.idempotency_key)
+                  WHERE n.namespace = %(ns)s AND n.idempotency_key = u.idempotency_key
+                    {shard_join})
 GROUP BY 1, 2
 ORDER BY 1, 2;
 
@@ -502,7 +515,8 @@ FROM unnest(%(topics)s::text[], %(handlers)s::text[]) AS p(topic, handler)
 WHERE u.kafka_topic = p.topic AND u.handler = p.handler
   AND u.namespace = ''
   AND NOT EXISTS (SELECT 1 FROM {table} n
-                  WHERE n.namespace = %(ns)s AND n.idempotency_key = u.idempotency_key)
+                  WHERE n.namespace = %(ns)s AND n.idempotency_key = u.idempotency_key
+                    {shard_join})
 RETURNING u.kafka_topic, u.handler;
 
 -- name: outbox_lock_slots
@@ -520,6 +534,28 @@ WITH locked AS (
 SELECT (SELECT count(*) FROM locked),
        (SELECT count(pg_notify(%(channel)s, note)) FROM unnest(%(notes)b::text[]) AS note);
 
+-- name: outbox_lock_slots_distributed
+-- outbox_lock_slots on a distributed store (Citus): the same order, by an advisory lock
+-- per slot on the coordinator, held to the end of the transaction, instead of a row of
+-- a reference table (a write there would make every emitting message a transaction on
+-- every node). Every member reaches the store through the coordinator, where these
+-- locks live; the slots are taken in the caller's (sorted) order.
+SELECT (SELECT count(pg_advisory_xact_lock(hashtext(%(ns)s), s.slot))
+        FROM unnest(%(slots)b::int4[]) WITH ORDINALITY AS s(slot, n)),
+       (SELECT count(pg_notify(%(channel)s, note)) FROM unnest(%(notes)b::text[]) AS note);
+
+-- name: local_writes
+-- A distributed store (Citus) only, before a message's completion: the tables local to
+-- the coordinator this transaction wrote (or began to write: the lock a write takes).
+-- The record lives on a worker, and Citus commits a worker's part before the
+-- coordinator's own: a crash in between would keep the one without the other.
+SELECT c.oid::regclass::text
+FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+WHERE l.locktype = 'relation' AND l.pid = pg_backend_pid() AND l.mode = 'RowExclusiveLock'
+  AND c.relkind IN ('r', 'p')
+  AND NOT EXISTS (SELECT 1 FROM pg_dist_partition p WHERE p.logicalrelid = c.oid)
+ORDER BY 1;
+
 -- name: outbox_wake
 -- Wake the relays of shards whose events committed without a notification of their
 -- own (the per-message path writes a unit's messages in many transactions and wakes
@@ -529,15 +565,25 @@ SELECT count(pg_notify(%(channel)s, note)) FROM unnest(%(notes)b::text[]) AS not
 -- name: outbox_insert
 -- A transaction's events, in emit order (ids follow the array's order).
 INSERT INTO {outbox} (namespace, shard, topic, key, value, headers, idem_key,
-                      source_topic, source_partition, source_offset)
+                      source_topic, source_partition, source_offset, shard_key)
 SELECT %(ns)s, e.shard, e.topic, e.key, e.value, e.headers, e.idem_key,
-       e.source_topic, e.source_partition, e.source_offset
+       e.source_topic, e.source_partition, e.source_offset, e.shard_key
 FROM unnest(%(shards)b::int4[], %(topics)b::text[], %(keys)b::bytea[], %(values)b::bytea[],
             %(headers)b::jsonb[], %(idem_keys)b::text[], %(source_topics)b::text[],
-            %(source_partitions)b::int4[], %(source_offsets)b::int8[])
+            %(source_partitions)b::int4[], %(source_offsets)b::int8[], %(shard_keys)b::text[])
      WITH ORDINALITY AS e(shard, topic, key, value, headers, idem_key, source_topic,
-                          source_partition, source_offset, n)
+                          source_partition, source_offset, shard_key, n)
 ORDER BY e.n;
+
+-- name: outbox_insert_distributed
+-- outbox_insert on a distributed store (Citus): one event a statement, run for each in
+-- emit order (each parameter is that event's element of outbox_insert's array of the
+-- same name). A row of VALUES is routed to the message's shard; an INSERT ... SELECT
+-- from unnest would pass through the coordinator and commit on two nodes.
+INSERT INTO {outbox} (namespace, shard, topic, key, value, headers, idem_key,
+                      source_topic, source_partition, source_offset, shard_key)
+VALUES (%(ns)s, %(shards)s, %(topics)s, %(keys)s, %(values)s, %(headers)s, %(idem_keys)s,
+        %(source_topics)s, %(source_partitions)s, %(source_offsets)s, %(shard_keys)s);
 
 -- name: outbox_select
 -- What a shard's relay publishes next: the rows visible now, in id order. Never

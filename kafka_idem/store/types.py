@@ -91,6 +91,7 @@ class Event:
     slot: int
     shard: int
     source: Delivery | None = None
+    shard_key: str | None = None  # the emitting message's (a distributed store's placement)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ def race(ws: Workspace, values: list[bytes], *, mode: str) -> list[dict[str, Any
     queue = ctx.Queue()
     conf = {"dsn": ws.dsn, "bootstrap": ws.settings.bootstrap_servers, "topic": ws.topic,
             "store_schema": ws.store_schema, "biz_schema": ws.biz_schema, "table": TABLE,
+            "distributed": ws.distributed,
             "mode": mode, "hold": HOLD, "lease": LEASE, "group": ws.group}
     procs = [ctx.Process(target=race_one, args=(conf, value, i, barrier, queue), daemon=True)
              for i, value in enumerate(values)]

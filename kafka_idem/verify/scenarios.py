@@ -128,6 +128,8 @@ def run_one(settings: Settings, kafka: Kafka, run_id: str, scenario: Scenario, l
         out.error = f"{type(exc).__name__}: {str(exc).strip()}"
     finally:
         ws.stop_members()
+        if ws.distributed:  # the store this scenario proved, when it was not one server's
+            out.figures.setdefault("store", "distributed on Citus (records by shard_key)")
         if out.status == FAIL:
             for name, value in ws.snapshot().items():
                 out.figures.setdefault(name, value)

@@ -35,7 +35,8 @@ def race_one(conf: dict[str, Any], value: bytes, offset: int, barrier: Any, queu
                         table=conf["table"], lease_seconds=conf["lease"],
                         bootstrap_servers=conf["bootstrap"], group_id=conf["group"])
         proc = Processor(app, store=Store(schema=conf["store_schema"], table=conf["table"],
-                                          namespace=app.namespace),
+                                          namespace=app.namespace,
+                                          distributed=conf["distributed"]),
                          metrics=Metrics())
         msg = FakeMessage(conf["topic"], offset=offset, key=b"race", value=value)
         proc.connection()  # connected before the barrier: the race is on the claim

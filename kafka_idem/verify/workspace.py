@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from kafka_idem.admin.migrate import migrate
+from kafka_idem.admin.migrate import distribute_store, migrate
 from kafka_idem.settings import Settings
 from kafka_idem.store import Store
 from kafka_idem.verify.app import APP_NAME, ENV_PREFIX, Config, business_tables
@@ -41,12 +41,14 @@ MEMBER_SETTINGS = {
     "IDLE_IN_TRANSACTION_TIMEOUT_SECONDS": "30",
 }
 
-HISTORY = """
+HISTORY_TABLE = """
 CREATE TABLE {history} (
     id bigserial PRIMARY KEY, op text, idempotency_key text, status text, attempts integer,
     owner_token uuid, completed_token uuid, lease_until timestamptz,
     next_attempt_at timestamptz, last_failure_at timestamptz, error_kind text,
     updated_at timestamptz, at timestamptz NOT NULL DEFAULT clock_timestamp());
+"""
+HISTORY_TRIGGER = """
 CREATE FUNCTION {fn}() RETURNS trigger LANGUAGE plpgsql AS $fn$
 BEGIN
     INSERT INTO {history} (op, idempotency_key, status, attempts, owner_token,
@@ -60,6 +62,7 @@ $fn$;
 CREATE TRIGGER zz_verify_history AFTER INSERT OR UPDATE ON {table}
     FOR EACH ROW EXECUTE FUNCTION {fn}();
 """
+HISTORY = HISTORY_TABLE + HISTORY_TRIGGER
 
 
 def free_port() -> int:
@@ -123,6 +126,7 @@ class Workspace:
         self.dlq = f"{self.topic}{settings.dlq_suffix}"
         self.group = self.topic
         self.store = Store(schema=self.store_schema, table=TABLE, namespace=APP_NAME)
+        self.distributed = False  # a store distributed on Citus (setup_db finds out)
         self.logdir = logdir
         self.members: list[Member] = []
         self.schemas: list[str] = []
@@ -142,15 +146,41 @@ class Workspace:
             raise RuntimeError(f"schema(s) {row[0]} exist already; verify only uses fresh ones")
         self.schemas.append(self.store_schema)
         migrate(self.dsn, self.store_schema, TABLE)
+        # on a Citus coordinator the store is distributed, as `kafka-idem migrate` does
+        self.distributed = bool(distribute_store(self.dsn, self.store_schema, TABLE, citus=None))
+        if self.distributed:
+            self.store.distribute()
         self.schemas.append(self.biz_schema)
+        history = sql.Identifier(self.biz_schema, "record_history")
         with psycopg.connect(self.dsn) as conn:
             for stmt in business_tables(self.biz_schema):
                 conn.execute(stmt)
             conn.execute(sql.SQL(HISTORY).format(
+                history=history, fn=sql.Identifier(self.biz_schema, "record_history"),
+                table=sql.Identifier(self.store_schema, TABLE),
+            ) if not self.distributed else sql.SQL(HISTORY_TABLE).format(history=history))
+            if self.distributed:
+                self._co_locate(conn)
+
+    def _co_locate(self, conn: psycopg.Connection[Any]) -> None:
+        """A distributed store: the business tables distributed by the idempotency key
+        (the verify app's shard key), with the records; the record history's trigger on
+        the records then writes its own shard's rows."""
+        records = sql.Identifier(self.store_schema, TABLE).as_string(conn)
+        conn.execute("SET LOCAL citus.enable_unsafe_triggers = on")
+        for name in ("ledger", "calls", "record_history"):
+            table = sql.Identifier(self.biz_schema, name)
+            conn.execute(sql.SQL("ALTER TABLE {t} DROP CONSTRAINT {k}, ADD PRIMARY KEY "
+                                 "(idempotency_key, id)").format(
+                t=table, k=sql.Identifier(f"{name}_pkey")))
+            conn.execute("SELECT create_distributed_table(%s, 'idempotency_key', "
+                         "colocate_with => %s)", (table.as_string(conn), records))
+        for statement in HISTORY_TRIGGER.split("\n$fn$;\n"):  # one at a time for Citus
+            conn.execute(sql.SQL(statement if statement.lstrip().startswith("CREATE TRIGGER")
+                                 else statement + "\n$fn$").format(
                 history=sql.Identifier(self.biz_schema, "record_history"),
                 fn=sql.Identifier(self.biz_schema, "record_history"),
-                table=sql.Identifier(self.store_schema, TABLE),
-            ))
+                table=sql.Identifier(self.store_schema, TABLE)))
 
     def setup_topics(self, partitions: int) -> None:
         names = [self.topic, self.dlq]

@@ -189,7 +189,11 @@ class KeyedUnits:
             if isinstance(job, Prepared) and entry.token is None and job.key not in wanted:
                 wanted[job.key] = Wanted(job.key, job.request_hash,
                                          delivery(self.app.handlers[entry.msg.topic()], entry.msg))
-        return RoundClaim(list(wanted.values())) if len(wanted) > 1 else None
+        # a distributed store: each key claims alone, on its own shard (a round's one
+        # statement would span shards)
+        if len(wanted) < 2 or self.store.distributed:
+            return None
+        return RoundClaim(list(wanted.values()))
 
     def _admit(self, msg: Message) -> tuple[tuple[str, ...], Any]:
         """A message's lanes (its idempotency key, its ordering key) and its job: the

@@ -139,14 +139,14 @@ class AsyncLeasedPath:
             assert claim.token is not None
             if self.leases is None:
                 return await self._execute(handler, msg, prep, claim, None, gate)
-            with self.leases.hold(claim.key, claim.token) as hold:  # renewed while it waits
+            with self.leases.hold(claim.key, claim.token, prep.shard) as hold:  # renewed
                 return await self._execute(handler, msg, prep, claim, hold, gate)
         except (MessageError, FrameworkError, psycopg.Error) as exc:
             return around_failure(steps, exc, msg, prep,
                                   claim.token if claim is not None else reentrant)
         except CallNotStarted:  # its partition is leaving, or the member stopping
             if claim is not None and claim.withdrawable:
-                await self._withdraw(claim)
+                await self._withdraw(claim, prep.shard)
             raise
         except asyncio.CancelledError:
             # Abandoned by a stop or a revoke (rolled back, no longer renewed). A claim
@@ -160,16 +160,16 @@ class AsyncLeasedPath:
                              "mid-call" if gate.called else "re-entered",
                              extra={"action": "abandoned", "key": claim.key})
                 else:
-                    await self._withdraw(claim)
+                    await self._withdraw(claim, prep.shard)
             raise
 
-    async def _withdraw(self, claim: Claim) -> None:
+    async def _withdraw(self, claim: Claim, shard: str | None) -> None:
         key, token = claim.key, claim.token
         assert token is not None
         try:
             async with self._connection() as conn:
                 withdrawn = await self.store.withdraw_claim_async(
-                    conn, key=key, token=token, took_over=claim.took_over)
+                    conn, key=key, token=token, took_over=claim.took_over, shard=shard)
         except Exception as exc:
             note_withdrawal(key, failed=exc)
             return
@@ -214,7 +214,7 @@ class AsyncLeasedPath:
                 return await self.store.claim_new_async(
                     conn, key=prep.key, request_hash=prep.request_hash,
                     delivery=delivery(self.steps.handler(msg), msg),
-                    lease_seconds=self.steps.settings.lease_seconds)
+                    lease_seconds=self.steps.settings.lease_seconds, shard=prep.shard)
 
     async def _claim_existing(
         self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None
@@ -300,8 +300,11 @@ class AsyncLeasedPath:
                 completing = True  # errors from here on may be any statement's
                 with own_code(prep.key):
                     await self.steps.emitter.flush_async(conn, ctx)  # its events, in this tx
+                    if self.store.distributed:
+                        await self.store.refuse_local_writes_async(conn, ctx.handler)
                     await self.store.complete_async(
-                        conn, key=prep.key, token=claim.token, result=result, wait=False)
+                        conn, key=prep.key, token=claim.token, result=result, wait=False,
+                        shard=prep.shard)
                     if hold is not None:
                         hold.release()  # before the commit (see LeaseKeeper.hold)
             # COMMIT was queued as the block ended, and sent with the pipeline's one sync

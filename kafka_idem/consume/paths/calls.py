@@ -60,6 +60,6 @@ def context(
         offset=msg.offset(),
         timestamp=ts if ts_type else None,
         kafka_key=msg.key(),
-        headers={k: v or b"" for k, v in (msg.headers() or [])},
+        headers={k: v or b"" for k, v in (msg.headers() or [])}, shard_key=prep.shard,
         lost=hold.lost if hold is not None else None, emitter=emitter, sessions=sessions,
     )

@@ -29,7 +29,10 @@ class Decoding:
             digest = hash_payload(model, handler.hash_fields)
         except (ValueError, TypeError, ArithmeticError) as exc:  # NaN, infinity, naive datetime
             raise InvalidPayload(f"the request hash cannot be computed: {exc}") from exc
-        return Prepared(model, key, digest)
+        shard = None if handler.shard is None else check_key(
+            handler.shard.build(model), self.settings.key_max_bytes,
+            escaped=handler.shard.escapes)
+        return Prepared(model, key, digest, shard)
 
     def prepare_ahead(self, handler: Handler[Any], msg: Message) -> Prepared | MessageError | None:
         """:meth:`prepare` in the loop thread as the message is queued, so a batch worker

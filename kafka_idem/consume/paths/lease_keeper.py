@@ -37,15 +37,16 @@ class LeaseKeeper(threading.Thread):
         self.store = store
         self.dsn = dsn
         self.lease_seconds = lease_seconds
-        self._held: dict[str, tuple[uuid.UUID, threading.Event]] = {}
+        self._held: dict[str, tuple[uuid.UUID, threading.Event, str | None]] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()  # not _stop: threading.Thread has a _stop()
         self._conn: Conn | None = None
 
     @contextmanager
-    def hold(self, key: str, token: uuid.UUID) -> Iterator[Hold]:
+    def hold(self, key: str, token: uuid.UUID, shard: str | None = None) -> Iterator[Hold]:
         """Keep ``key``'s lease alive while the block runs.
 
+        ``shard``: the handler's shard key for the message (a distributed store).
         Call ``release()`` once the completion (or failure) statement has run, before
         its commit: a heartbeat that then finds the record no longer ``processing``
         is looking at our own finished work, not at a lost lease.
@@ -58,7 +59,7 @@ class LeaseKeeper(threading.Thread):
                     del self._held[key]
 
         with self._lock:
-            self._held[key] = (token, lost)
+            self._held[key] = (token, lost, shard)
         try:
             yield Hold(lost, release)
         finally:
@@ -73,14 +74,14 @@ class LeaseKeeper(threading.Thread):
         """Extend every held lease once; set the hold's ``lost`` when one is gone."""
         with self._lock:
             held = list(self._held.items())
-        for key, (token, lost) in held:
+        for key, (token, lost, shard) in held:
             try:
                 if self._conn is None or self._conn.closed:
                     self._conn = connect(self.dsn, application_name="kafka_idem:leases")
                 with self._conn.transaction():
                     alive = self.store.extend_lease(
-                        self._conn, key=key, token=token, lease_seconds=self.lease_seconds
-                    )
+                        self._conn, key=key, token=token, lease_seconds=self.lease_seconds,
+                        shard=shard)
             except (StoreError, psycopg.Error) as exc:  # the commit itself can fail too
                 log.warning("lease extension failed (%s)", describe(exc),
                             extra={"action": "heartbeat", "key": key})

@@ -59,10 +59,10 @@ class LeasedPath:
             return self.failed(exc, msg, prep, claim.token if claim is not None else reentrant)
         except CallNotStarted:  # its partition is leaving, or the member stopping
             if claim is not None:
-                self._withdraw(claim)
+                self._withdraw(claim, prep.shard)
             raise
 
-    def _withdraw(self, claim: Claim) -> None:
+    def _withdraw(self, claim: Claim, shard: str | None) -> None:
         """Withdraw a claim whose call never started (best effort: else its lease
         runs out, the attempt charged)."""
         if not claim.withdrawable:
@@ -73,7 +73,8 @@ class LeasedPath:
                 conn = self.db.connection()
                 with conn.transaction():
                     withdrawn = self.steps.store.withdraw_claim(
-                        conn, key=claim.key, token=claim.token, took_over=claim.took_over)
+                        conn, key=claim.key, token=claim.token, took_over=claim.took_over,
+                        shard=shard)
         except (FrameworkError, psycopg.Error) as exc:
             note_withdrawal(claim.key, failed=exc)
             return
@@ -147,7 +148,7 @@ class LeasedPath:
         assert claim.token is not None
         if self.leases is None:
             return steps.execute(conn, handler, msg, prep, claim, pipelined=True, gate=gate)
-        with self.leases.hold(claim.key, claim.token) as hold:  # renewed while it waits
+        with self.leases.hold(claim.key, claim.token, prep.shard) as hold:  # renewed meanwhile
             return steps.execute(conn, handler, msg, prep, claim, hold=hold, pipelined=True,
                                  gate=gate)
 

@@ -82,7 +82,9 @@ class Processor:
 
     def _run_local(self, parts: Parts, ahead: Ahead | None) -> Results:
         handlers = {self.app.handlers[tp[0]] for tp, _ in parts}
-        if self.settings.batch_path and all(h.batch for h in handlers):
+        # a distributed store: a transaction per message, each on its message's shard
+        if self.settings.batch_path and not self.store.distributed and all(
+                h.batch for h in handlers):
             try:
                 return self.batch_path.run(parts, ahead)
             except Fallback as exc:

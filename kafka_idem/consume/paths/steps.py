@@ -177,6 +177,7 @@ class Steps(Decoding):
                 return self.store.claim_new(
                     conn, key=prep.key, request_hash=prep.request_hash,
                     delivery=delivery(handler, msg), lease_seconds=self.settings.lease_seconds,
+                    shard=prep.shard,
                 )
         finally:
             if not conn.closed:
@@ -213,7 +214,8 @@ class Steps(Decoding):
         return {"key": prep.key, "request_hash": prep.request_hash,
                 "delivery": delivery(handler, msg), "lease_seconds": self.settings.lease_seconds,
                 "max_attempts": policy.max_attempts, "max_elapsed_seconds": policy.max_elapsed,
-                "reentrant_token": reentrant, "reconcile_first": handler.reconcile is not None}
+                "reentrant_token": reentrant, "reconcile_first": handler.reconcile is not None,
+                "shard": prep.shard}
 
     def _claimed(self, handler: Handler[Any], msg: Message, prep: Prepared,
                  claim: Claim) -> Claim:
@@ -329,8 +331,10 @@ class Steps(Decoding):
         with own_code(prep.key):
             with self.tracing.step(msg, "complete"):
                 self.emitter.flush(conn, ctx, wake=self.wake)  # its events, in this tx
+                if self.store.distributed:
+                    self.store.refuse_local_writes(conn, ctx.handler)
                 self.store.complete(conn, key=prep.key, token=claim.token, result=result,
-                                    wait=wait)
+                                    wait=wait, shard=prep.shard)
             if hold is not None:
                 hold.release()  # before the commit (see LeaseKeeper.hold)
 
@@ -384,7 +388,8 @@ class Steps(Decoding):
         """Record ``exc`` as the attempt's failure (retry later, or failed and
         dead-lettered), in the caller's transaction."""
         failure = self._failure(handler, claim, exc)
-        recorded = self.store.fail(conn, **failure.fail_args(prep.key, claim.token))
+        recorded = self.store.fail(conn, **failure.fail_args(prep.key, claim.token),
+                                       shard=prep.shard)
         return self._recorded(handler, msg, prep, claim, failure, recorded)
 
     async def record_failure_async(
@@ -394,7 +399,8 @@ class Steps(Decoding):
         """:meth:`record_failure` on an async connection (:meth:`Store.fail_async`, the
         same statement), in the caller's transaction: the same decision and metrics."""
         failure = self._failure(handler, claim, exc)
-        recorded = await self.store.fail_async(conn, **failure.fail_args(prep.key, claim.token))
+        recorded = await self.store.fail_async(conn, **failure.fail_args(prep.key, claim.token),
+                                       shard=prep.shard)
         return self._recorded(handler, msg, prep, claim, failure, recorded)
 
     def _failure(self, handler: Handler[Any], claim: Claim, exc: BaseException) -> Recording:

@@ -1,0 +1,213 @@
+"""The store on a Citus cluster: its tables distributed so that one message's rows live on
+one shard (docs/SCALING.md).
+
+:func:`distribute` (``kafka-idem migrate --citus``, or ``migrate`` on a database with the
+``citus`` extension) turns a migrated store into a distributed one:
+
+* the records and the outbox are *distributed* by ``shard_key``, co-located: a message's
+  record and its events share a shard, and so do the user's tables distributed by the
+  same value with ``colocate_with`` the records table. The claim, the business writes,
+  the events and the completion of one message are then one single-shard transaction,
+  which Citus routes to one worker;
+* the audit trail, the paused handlers and the outbox's slots are *reference* tables (a
+  copy on every node; admin actions and rare writes);
+* ``schema_migrations`` stays on the coordinator.
+
+Missing shard keys are filled with the idempotency key (a handler's default), the column
+becomes NOT NULL and part of the primary keys (Citus needs the distribution column in
+every unique constraint). The guard's triggers are kept (``citus.enable_unsafe_triggers``:
+they read and write only the row they fire for, on its own shard).
+
+:func:`layout` says how a store's tables are placed and :func:`check_layout` refuses a
+store half distributed, naming the table and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from kafka_idem.errors import ConfigError
+from kafka_idem.store import Store
+from kafka_idem.store.queries import identifiers
+
+log = logging.getLogger(__name__)
+
+# How each store table is placed on a distributed store.
+DISTRIBUTED = ("table", "outbox")
+REFERENCE = ("audit", "pauses", "outbox_slots")
+FIX = "run `kafka-idem migrate --citus` to finish distributing the store"
+
+
+def citus_version(conn: psycopg.Connection[Any]) -> str | None:
+    """The ``citus`` extension's version in this database, ``None`` without it."""
+    row = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'citus'").fetchone()
+    return str(row[0]) if row else None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a store's tables are: ``placement`` maps each table's role (``table``,
+    ``outbox``, ...) to ``local``, ``distributed`` or ``reference``; ``columns`` the
+    distributed ones' distribution columns."""
+
+    placement: dict[str, str]
+    columns: dict[str, str]
+    names: dict[str, str]
+
+    @property
+    def distributed(self) -> bool:
+        return any(p != "local" for p in self.placement.values())
+
+    @property
+    def complete(self) -> bool:
+        return (all(self.placement[r] == "distributed" and self.columns[r] == "shard_key"
+                    for r in DISTRIBUTED)
+                and all(self.placement[r] == "reference" for r in REFERENCE))
+
+
+def _placement(conn: psycopg.Connection[Any], qualified: str) -> tuple[str, str]:
+    row = conn.execute(
+        "SELECT CASE partmethod WHEN 'h' THEN 'distributed' WHEN 'n' THEN 'reference' "
+        "ELSE 'local' END, coalesce(column_to_column_name(logicalrelid, partkey), '') "
+        "FROM pg_dist_partition WHERE logicalrelid = %s::regclass", (qualified,)).fetchone()
+    return (str(row[0]), str(row[1])) if row else ("local", "")
+
+
+def layout(conn: psycopg.Connection[Any], schema: str, table: str) -> Layout | None:
+    """The store's placement on a Citus coordinator; ``None`` when the database has no
+    ``citus`` extension (one PostgreSQL: every table local)."""
+    if citus_version(conn) is None:
+        return None
+    names = identifiers(schema, table)
+    placement, columns, shown = {}, {}, {}
+    for role in DISTRIBUTED + REFERENCE:
+        qualified = names[role].as_string(conn)
+        shown[role] = qualified
+        placement[role], columns[role] = _placement(conn, qualified)
+    return Layout(placement, columns, shown)
+
+
+def check_layout(found: Layout | None) -> bool:
+    """``True`` for a distributed store, ``False`` for a local one; a store half
+    distributed (some tables placed, others not, or by another column) is a
+    :class:`ConfigError` naming the first such table and the fix."""
+    if found is None or not found.distributed:
+        return False
+    for role in DISTRIBUTED:
+        if found.placement[role] != "distributed":
+            raise ConfigError(f"the store is half distributed: {found.names[role]} is "
+                              f"{found.placement[role]}, not distributed by shard_key; {FIX}",
+                              setting="schema_name")
+        if found.columns[role] != "shard_key":
+            raise ConfigError(f"the store is distributed by the wrong column: "
+                              f"{found.names[role]} by {found.columns[role]!r}, not shard_key; "
+                              "undistribute it (undistribute_table) and run `kafka-idem "
+                              "migrate --citus`", setting="schema_name")
+    for role in REFERENCE:
+        if found.placement[role] != "reference":
+            raise ConfigError(f"the store is half distributed: {found.names[role]} is "
+                              f"{found.placement[role]}, not a reference table; {FIX}",
+                              setting="schema_name")
+    return True
+
+
+def distribute(conn: psycopg.Connection[Any], schema: str, table: str) -> list[str]:
+    """Distribute a migrated store on this Citus coordinator, in the caller's transaction;
+    return what it changed (``["distributed kafka_idem.task_idempotency by shard_key",
+    ...]``; nothing for a store distributed already)."""
+    if citus_version(conn) is None:
+        raise ConfigError("this database has no citus extension: distributing the store "
+                          "needs a Citus coordinator (CREATE EXTENSION citus, with the "
+                          "workers added)", setting="database_url")
+    names = identifiers(schema, table)
+    found = layout(conn, schema, table)
+    assert found is not None
+    done: list[str] = []
+    conn.execute("SET LOCAL citus.enable_unsafe_triggers = on")
+    conn.execute("SET LOCAL citus.multi_shard_modify_mode = 'sequential'")
+    if found.placement["table"] == "local":
+        _key_columns(conn, names["table"], names["pkey"], fill="idempotency_key",
+                     key=("namespace", "idempotency_key", "shard_key"), triggers=True)
+        _create(conn, "create_distributed_table(%s, 'shard_key')", found.names["table"])
+        done.append(f"distributed {found.names['table']} by shard_key")
+    if found.placement["outbox"] == "local":
+        pkey = sql.Identifier(conn.execute(
+            "SELECT conname FROM pg_constraint WHERE conrelid = %s::regclass AND contype = 'p'",
+            (found.names["outbox"],)).fetchone()[0])  # type: ignore[index]
+        _key_columns(conn, names["outbox"], pkey, fill="idem_key",
+                     key=("shard_key", "id"), triggers=False)
+        _create(conn, "create_distributed_table(%s, 'shard_key', colocate_with => %s)",
+                found.names["outbox"], found.names["table"])
+        done.append(f"distributed {found.names['outbox']} by shard_key, with the records")
+    for role in REFERENCE:
+        if found.placement[role] == "local":
+            _create(conn, "create_reference_table(%s)", found.names[role])
+            done.append(f"made {found.names[role]} a reference table")
+    for line in done:
+        log.debug("store %s", line, extra={"action": "distributed", "schema": schema})
+    return done
+
+
+def _key_columns(conn: psycopg.Connection[Any], table: sql.Composable, pkey: sql.Composable,
+                 *, fill: str, key: tuple[str, ...], triggers: bool) -> None:
+    """``shard_key`` filled where missing (with ``fill``'s value), NOT NULL, and in the
+    primary key ``key``. The guard would refuse the fill (a succeeded record changes no
+    more): its triggers are off for that one statement, in this transaction."""
+    if triggers:
+        conn.execute(sql.SQL("ALTER TABLE {} DISABLE TRIGGER USER").format(table))
+    conn.execute(sql.SQL("UPDATE {t} SET shard_key = {f} WHERE shard_key IS NULL").format(
+        t=table, f=sql.Identifier(fill)))
+    if triggers:
+        conn.execute(sql.SQL("ALTER TABLE {} ENABLE TRIGGER USER").format(table))
+    conn.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN shard_key SET NOT NULL").format(table))
+    conn.execute(sql.SQL("ALTER TABLE {t} DROP CONSTRAINT {k}, ADD CONSTRAINT {k} "
+                         "PRIMARY KEY ({cols})").format(
+        t=table, k=pkey, cols=sql.SQL(", ").join(map(sql.Identifier, key))))
+
+
+def _create(conn: psycopg.Connection[Any], call: str, *args: str) -> None:
+    conn.execute(sql.SQL("SELECT " + call), args)
+
+
+def fit(conn: psycopg.Connection[Any], store: Store) -> bool:
+    """Give ``store`` the queries of its placement (:meth:`Store.distribute` on a store
+    distributed on Citus); a store half distributed is refused (:func:`check_layout`).
+    ``True`` when it is distributed."""
+    if check_layout(layout(conn, store.schema, store.table)):
+        store.distribute()
+        return True
+    return False
+
+
+def refuse_uncolocated(conn: psycopg.Connection[Any], store: Store, tables: list[str]) -> None:
+    """Each of ``tables`` (an app's, e.g. its SQLAlchemy metadata's) that exists must be a
+    reference table or distributed with the store's records (one colocation group):
+    else a :class:`ConfigError` naming the first other one and the fix. A message's
+    writes there would commit apart from its record (a table local to the coordinator)
+    or on another shard (a two-phase commit for every message)."""
+    records = identifiers(store.schema, store.table)["table"].as_string(conn)
+    group = conn.execute("SELECT colocationid FROM pg_dist_partition WHERE logicalrelid = "
+                         "%s::regclass", (records,)).fetchone()
+    for table in tables:
+        row = conn.execute(
+            "SELECT p.partmethod::text, p.colocationid FROM (SELECT to_regclass(%s) AS r) t "
+            "LEFT JOIN pg_dist_partition p ON p.logicalrelid = t.r WHERE t.r IS NOT NULL",
+            (table,)).fetchone()
+        if row is None or row[0] == "n":
+            continue  # not created yet (migrate makes it), or a reference table
+        if row[0] is None:
+            how = "is local to the coordinator"
+        elif group is None or row[1] != group[0]:
+            how = "is distributed apart from the store's records"
+        else:
+            continue
+        raise ConfigError(
+            f"table {table} {how}: a message's writes there would not share its record's "
+            f"shard; distribute it by the shard key with create_distributed_table('{table}', "
+            f"'<column>', colocate_with => '{records}'), or make it a reference table "
+            "(docs/SCALING.md)", setting="shard_key")
