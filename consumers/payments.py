@@ -91,13 +91,15 @@ def create_tables(conn: Any) -> None:
     conn.execute(
         """
         CREATE TABLE IF NOT EXISTS payments.ledger (
-            id              bigserial PRIMARY KEY,
+            id              bigserial,
             tenant_id       text          NOT NULL,
             order_id        text          NOT NULL,
             amount          numeric(18,2) NOT NULL,
             currency        text          NOT NULL,
             idempotency_key text          NOT NULL,
-            created_at      timestamptz   NOT NULL DEFAULT now()
+            created_at      timestamptz   NOT NULL DEFAULT now(),
+            -- the tenant first: on Citus the table is distributed by it (co_locate)
+            PRIMARY KEY (tenant_id, id)
         )
         """
     )
@@ -111,6 +113,18 @@ def create_tables(conn: Any) -> None:
         )
         """
     )
+
+
+def co_locate(app: App) -> Any:
+    """The migration that, on a store distributed on Citus, distributes the tables by
+    tenant with the store's records (the handler's ``shard_key``): a charge, its ledger
+    entry, its balance and its event are then one shard's transaction. Nothing on one
+    PostgreSQL."""
+    def co_locate_tables(conn: Any) -> None:
+        for table in ("payments.ledger", "payments.balances"):
+            app.co_locate(conn, table, "tenant_id")
+
+    return co_locate_tables
 
 
 def validate(msg: ChargeRequested) -> Permanent | None:
@@ -241,6 +255,7 @@ def build_app(
     settings.setdefault("schemas_dir", SCHEMAS_DIR)
     application = App(name, **settings)
     application.migration(create_tables)
+    application.migration(co_locate(application))  # on Citus: with the records, by tenant
     emits = events_topic(topic) if events else None
     if emits is not None:
         application.event_topic(emits, format="avro", schema=EVENT_SCHEMA, model=ChargeCompleted)
@@ -248,6 +263,7 @@ def build_app(
         topic=topic,
         model=ChargeRequested,
         key="{tenant_id}:charge:{order_id}",
+        shard_key="{tenant_id}",  # where a store distributed on Citus places the record
         hash_fields=("amount", "currency"),
         format=fmt,  # type: ignore[arg-type]  # "avro": single-object encoding, reader SCHEMA
         schema=SCHEMA if fmt == "avro" else None,

@@ -41,7 +41,16 @@ import datetime as dt
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, MetaData, Numeric, Text, and_, func
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    MetaData,
+    Numeric,
+    PrimaryKeyConstraint,
+    Text,
+    and_,
+    func,
+)
 from sqlalchemy.dialects.postgresql import Insert, insert
 from sqlalchemy.orm import DeclarativeBase, Mapped, foreign, mapped_column, relationship
 
@@ -91,7 +100,10 @@ class LedgerEntry(Base):
     # the INSERT returns the id and created_at the database makes (for the event)
     __mapper_args__ = {"eager_defaults": True}
 
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # bigserial
+    # payments.py's key (tenant_id, id): on Citus the table is distributed by tenant
+    __table_args__ = (PrimaryKeyConstraint("tenant_id", "id", name="ledger_pkey"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, autoincrement=True)  # bigserial
     tenant_id: Mapped[str] = mapped_column(Text)
     order_id: Mapped[str] = mapped_column(Text)
     amount: Mapped[Decimal] = mapped_column(Numeric(18, 2))
@@ -165,6 +177,7 @@ def build_app(
     settings.setdefault("schemas_dir", SCHEMAS_DIR)
     application = App(name, **settings)
     application.sqlalchemy(metadata=Base.metadata)  # migrate --app creates its tables
+    application.migration(payments.co_locate(application))  # on Citus: by tenant
     emits = events_topic(topic) if events else None
     if emits is not None:
         application.event_topic(emits, format="avro", schema=EVENT_SCHEMA, model=ChargeCompleted)
@@ -175,6 +188,7 @@ def build_app(
         topic=topic,
         model=ChargeRequested,
         key="{tenant_id}:charge:{order_id}",
+        shard_key="{tenant_id}",
         hash_fields=("amount", "currency"),
         format=fmt,  # type: ignore[arg-type]
         schema=SCHEMA if fmt == "avro" else None,

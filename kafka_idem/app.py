@@ -349,6 +349,17 @@ class App:
             retry=None, errors=(), format=format, binder=self.bind_codec)
         return name
 
+    def co_locate(self, conn: psycopg.Connection[Any], table: str, column: str) -> bool:
+        """In an ``@app.migration``: distribute ``table`` by ``column`` (the handler's
+        ``shard_key`` values) with the store's records when the store is distributed on
+        Citus, so a message's writes there share its record's shard; nothing on one
+        PostgreSQL (the same migration serves both). ``True`` when it distributed it.
+        Every unique constraint of ``table`` must include ``column`` (docs/SCALING.md)."""
+        from kafka_idem.store.citus import co_locate
+
+        s = self.settings
+        return co_locate(conn, table, column, schema=s.schema_name, records=s.table)
+
     @property
     def outbox(self) -> Emitter:
         """The app's outbox emitter (what ``ctx.emit`` writes through)."""

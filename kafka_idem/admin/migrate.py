@@ -220,10 +220,10 @@ def _migrate(dsn: str, schema: str, table: str, *, from_scratch: bool) -> list[M
 
 def distribute_store(dsn: str, schema: str, table: str, *, citus: bool | None) -> list[str]:
     """After :func:`migrate`: distribute the store on a Citus coordinator
-    (:func:`kafka_idem.admin.citus.distribute`). ``citus=None`` does it when the database
+    (:func:`kafka_idem.store.citus.distribute`). ``citus=None`` does it when the database
     has the ``citus`` extension, ``True`` insists (a ConfigError without it), ``False``
     leaves the store's tables local. Returns what changed."""
-    from kafka_idem.admin import citus as dist
+    from kafka_idem.store import citus as dist
 
     if citus is False:
         return []

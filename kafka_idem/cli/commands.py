@@ -21,7 +21,6 @@ import click
 
 from kafka_idem._version import __version__
 from kafka_idem.admin import audit
-from kafka_idem.admin.citus import fit
 from kafka_idem.admin.migrate import distribute_store, migrate_app
 from kafka_idem.admin.migrate import migrate as run_migrations
 from kafka_idem.cli import errors as cli_errors
@@ -114,9 +113,7 @@ def migrate(obj: Ctx, app_spec: str | None, citus: bool | None) -> None:
                                             or "no migrations (@app.migration) to run")))
     conn = connect(s.dsn)
     try:
-        store = store_of(s)
-        fit(conn, store)
-        moved = namespaces.adopt(conn, store, app, actor=audit.default_actor())
+        moved = namespaces.adopt(conn, store_of(s), app, actor=audit.default_actor())
     finally:
         conn.close()
     for p in moved:

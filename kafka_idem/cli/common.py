@@ -23,13 +23,14 @@ from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import click
+import psycopg
 
 from kafka_idem import replay
 from kafka_idem.admin import operations as admin
 from kafka_idem.app import App
 from kafka_idem.cli import errors as cli_errors
 from kafka_idem.deadletters.dead_letter import ERROR_KINDS
-from kafka_idem.errors import ConfigError
+from kafka_idem.errors import ConfigError, FrameworkError
 from kafka_idem.observe import logs
 from kafka_idem.observe.text import plain, to_json
 from kafka_idem.settings import Settings, load_settings
@@ -198,9 +199,32 @@ class Ctx:
         return s
 
 
+_PLACED: dict[tuple[str, str, str], bool] = {}  # (dsn, schema, table): distributed?
+
+
 def store_of(s: Settings) -> Store:
-    """The store the settings name (every namespace)."""
-    return Store(schema=s.schema_name, table=s.table)
+    """The store the settings name (every namespace), with the queries of its placement:
+    a store distributed on Citus is asked once per command (a short connection); a store
+    half distributed is refused (exit 2), one not reachable left to the command's own
+    connection to report."""
+    from kafka_idem.store.citus import fit
+
+    store = Store(schema=s.schema_name, table=s.table)
+    where = (s.dsn, s.schema_name, s.table)
+    if where not in _PLACED:
+        try:
+            conn = connect(s.dsn)
+        except (FrameworkError, psycopg.Error):
+            return store
+        try:
+            _PLACED[where] = fit(conn, store)
+        except (FrameworkError, psycopg.Error):
+            return store  # e.g. no store here yet: the command says so
+        finally:
+            conn.close()
+    elif _PLACED[where]:
+        store.distribute()
+    return store
 
 
 def store_connection(s: Settings) -> Conn:

@@ -11,13 +11,13 @@ import logging
 from confluent_kafka.admin import AdminClient
 
 from kafka_idem.admin import topics
-from kafka_idem.admin.citus import fit, refuse_uncolocated
 from kafka_idem.admin.migrate import require_current
 from kafka_idem.admin.namespaces import refuse_unassigned
 from kafka_idem.app import App
 from kafka_idem.errors import FrameworkError
 from kafka_idem.settings import Settings
 from kafka_idem.store import Store, connect
+from kafka_idem.store.citus import fit, refuse_uncolocated
 
 log = logging.getLogger(__name__)
 

@@ -93,7 +93,7 @@ class Store(OutboxQueries):
 
     def distribute(self) -> None:
         """From now on, the queries of a store distributed on Citus (a member learns it
-        at start: :func:`kafka_idem.admin.citus.check_layout`)."""
+        at start: :func:`kafka_idem.store.citus.check_layout`)."""
         self.distributed = True
         self.q = compile_queries(self.schema, self.table, distributed=True)
 

@@ -32,7 +32,7 @@ import psycopg
 from psycopg import sql
 
 from kafka_idem.errors import ConfigError
-from kafka_idem.store import Store
+from kafka_idem.store.protocol import Store
 from kafka_idem.store.queries import identifiers
 
 log = logging.getLogger(__name__)
@@ -211,3 +211,21 @@ def refuse_uncolocated(conn: psycopg.Connection[Any], store: Store, tables: list
             f"shard; distribute it by the shard key with create_distributed_table('{table}', "
             f"'<column>', colocate_with => '{records}'), or make it a reference table "
             "(docs/SCALING.md)", setting="shard_key")
+
+
+def co_locate(conn: psycopg.Connection[Any], table: str, column: str, *, schema: str,
+              records: str) -> bool:
+    """In an app's migration: distribute ``table`` by ``column`` (its shard key's
+    values) with the store's records (``schema.records``), when the store is
+    distributed on Citus and ``table`` is not distributed yet; nothing on one
+    PostgreSQL. ``True`` when it distributed the table."""
+    found = layout(conn, schema, records)
+    if found is None or found.placement["table"] != "distributed":
+        return False
+    placed = conn.execute("SELECT 1 FROM pg_dist_partition WHERE logicalrelid = %s::regclass",
+                          (table,)).fetchone()
+    if placed is not None:
+        return False
+    conn.execute("SELECT create_distributed_table(%s, %s, colocate_with => %s)",
+                 (table, column, found.names["table"]))
+    return True
