@@ -8,9 +8,10 @@ topic's ``max.message.bytes`` set to 1 byte, restored later), ``relay_kill``
 (SIGKILL a standalone outbox relay, start a replacement), ``relay_zombie``
 (SIGSTOP a relay past its shards' session timeout, so another publisher takes its
 shards over, then SIGCONT: it must find itself fenced) and ``broker_restart``
-(``scripts/kafka.sh restart``, in a thread), ``pause`` (``kafka-idem pause`` of the
-handler for 3-12 s, then ``kafka-idem resume``: every member must stop starting its
-messages and go on after). The members run a relay too, so
+(``scripts/kafka.sh restart``, in a thread), ``worker_restart`` (on a Citus cluster:
+``scripts/citus.sh restart-worker N`` of one of its two workers, in a thread), ``pause``
+(``kafka-idem pause`` of the handler for 3-12 s, then ``kafka-idem resume``: every
+member must stop starting its messages and go on after). The members run a relay too, so
 ``kill``, ``zombie`` and ``pg_terminate`` hit publishers as well. Every chosen type
 is injected once first, in a seeded order, then weighted at random
 (:data:`WEIGHTS`); what is not possible right now is skipped. :meth:`Injector.tick`
@@ -35,12 +36,13 @@ from tools.chaos.members import (
     Pool,
 )
 from tools.chaos.output import say
-from tools.chaos.services import admin_cli, dlq_limit, kafka_sh, terminate_backends
+from tools.chaos.services import admin_cli, citus_sh, dlq_limit, kafka_sh, terminate_backends
 
 FAULTS = ("kill", "zombie", "add", "remove", "pg_terminate", "dlq_outage", "relay_kill",
-          "relay_zombie", "broker_restart", "pause")
+          "relay_zombie", "broker_restart", "pause", "worker_restart")
 WEIGHTS = {"kill": 2.0, "zombie": 2.0, "add": 1.0, "remove": 1.0, "pg_terminate": 2.0,
            "dlq_outage": 1.0, "relay_kill": 1.0, "relay_zombie": 1.0, "broker_restart": 0.6,
+           "worker_restart": 1.0,
            "pause": 1.0}
 HANDLER = "charge"  # the payments example's handler, which the pause fault pauses
 
@@ -206,6 +208,22 @@ class Injector:
         self.restart = threading.Thread(target=restart, daemon=True)
         self.restart.start()
         f.detail = "scripts/kafka.sh restart"
+
+    def _worker_restart(self, f: Fault) -> None:
+        worker = self.rng.choice(("1", "2"))
+
+        def restart() -> None:
+            t = time.monotonic()
+            out = citus_sh("restart-worker", worker)
+            took = time.monotonic() - t
+            if out.returncode:
+                self.health.append(f"worker {worker} restart failed: {out.stderr.strip()[-300:]}")
+            self.restart_result.append(f"worker {worker}: {took:.1f}s")
+            say(f"Citus worker {worker} back after {took:.1f}s (exit {out.returncode})")
+
+        self.restart = threading.Thread(target=restart, daemon=True)
+        self.restart.start()
+        f.detail = f"scripts/citus.sh restart-worker {worker}"
 
     def tick(self, *, everything: bool = False) -> None:
         """Undo what is due (everything when healing); replace crashed members."""

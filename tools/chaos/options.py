@@ -4,6 +4,7 @@ checker (which orders hold) and for replaying a run."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from tools.chaos.faults import FAULTS
@@ -45,6 +46,11 @@ def parse(argv: list[str] | None, description: str) -> argparse.Namespace:
                     help=f"comma-separated subset of {','.join(FAULTS)}")
     ap.add_argument("--allow-broker-restart", action="store_true",
                     help="allow restarting the local broker (scripts/kafka.sh restart)")
+    ap.add_argument("--citus", action="store_true",
+                    help="run on a Citus cluster (KAFKA_IDEM_TEST_CITUS_URL, else the local one "
+                    "of scripts/citus.sh, started): a database of the run's own there, the "
+                    "store distributed; with the local cluster, worker_restart faults "
+                    "(scripts/citus.sh restart-worker N) join the chosen types")
     ap.add_argument("--old-records", type=int, default=200_000,
                     help="succeeded records older than the members' retention window, "
                     "purged by them under load (0: retention off)")
@@ -57,6 +63,8 @@ def parse(argv: list[str] | None, description: str) -> argparse.Namespace:
         ap.error(f"unknown fault types {sorted(unknown)}; choose from {','.join(FAULTS)}")
     if not args.allow_broker_restart:
         types = tuple(t for t in types if t != "broker_restart")
+    if not args.citus or os.environ.get("KAFKA_IDEM_TEST_CITUS_URL"):
+        types = tuple(t for t in types if t != "worker_restart")  # the local cluster's only
     if args.relays == 0:
         types = tuple(t for t in types if not t.startswith("relay_"))
     args.types = types
@@ -105,4 +113,6 @@ def replay_args(args: argparse.Namespace, seed: int) -> str:
         parts.append(f"--format {args.format}")
     if args.orm:
         parts.append("--orm")
+    if args.citus:
+        parts.append("--citus")
     return " ".join(parts)

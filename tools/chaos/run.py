@@ -81,6 +81,7 @@ from tools.chaos.output import T0, console, print_summary, progress, say
 from tools.chaos.services import (
     QUIET,
     Offsets,
+    citus_url,
     cleanup,
     create_database,
     create_outbox_topics,
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv, __doc__ or "")
     if args.format:  # before consumers.payments is imported; the members inherit it
         os.environ["PAYMENTS_FORMAT"] = args.format
+    if args.citus:  # the run's database on the Citus cluster (its coordinator's URL)
+        os.environ["KAFKA_IDEM_DATABASE_URL"] = citus_url()
     s = load_settings()
     if "broker_restart" in args.types and not local_bootstrap(s.bootstrap_servers):
         console.print("[red]--allow-broker-restart needs the local broker (scripts/kafka.sh); "
@@ -173,7 +176,7 @@ class Run:
         """The database, the topics, the members and relays, until every partition is
         assigned."""
         args, s, admin = self.args, self.s, self.admin
-        self.dsn = create_database(s.dsn, self.dbname)
+        self.dsn = create_database(s.dsn, self.dbname, citus=args.citus)
         self.created_db = True
         migrate_database(self.dsn, s.schema_name, s.table, self.app)
         rf = min(3, len(admin.list_topics(timeout=15).brokers))
@@ -354,7 +357,7 @@ class Run:
         else:
             cleanup(s, self.dbname if self.created_db else None,
                     [self.topic, self.dlq_topic, *self.outbox_topics] if self.created_topics
-                    else [], self.group, self.logs)
+                    else [], self.group, self.logs, citus=args.citus)
 
 
 def _run_health(args: argparse.Namespace, injector: Injector, by_type: Counter[str], pool: Pool,

@@ -29,8 +29,9 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 from psycopg import sql
 
-from kafka_idem.admin.migrate import migrate, migrate_app
+from kafka_idem.admin.migrate import distribute_store, migrate, migrate_app
 from kafka_idem.settings import Settings
+from tools import citus as citus_db
 from tools.chaos.checker import ROOT
 from tools.chaos.db_state import read_outbox
 from tools.chaos.output import say
@@ -72,6 +73,23 @@ def kafka_sh(action: str, timeout: float = 240.0) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def citus_sh(*args: str, timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(ROOT / "scripts" / "citus.sh"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def citus_url() -> str:
+    """The Citus coordinator of ``--citus``: KAFKA_IDEM_TEST_CITUS_URL, else the local
+    cluster, started (its URL is the script's last line)."""
+    url = os.environ.get("KAFKA_IDEM_TEST_CITUS_URL")
+    if url:
+        return url
+    out = citus_sh("start", timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"scripts/citus.sh start failed: {out.stderr.strip()[-600:]}")
+    return out.stdout.strip().splitlines()[-1]
+
+
 def admin_cli(env: dict[str, str], *args: str,
               timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
     """``kafka-idem ARGS`` with the members' environment (e.g. ``pause APP --handler``)."""
@@ -89,7 +107,9 @@ def dlq_limit(admin: AdminClient, topic: str, value: str | None) -> None:
         f.result(timeout=15)
 
 
-def create_database(admin_dsn: str, name: str) -> str:
+def create_database(admin_dsn: str, name: str, *, citus: bool = False) -> str:
+    if citus:  # on every node of the cluster, with the extension and the workers
+        return citus_db.create_database(admin_dsn, name)
     with psycopg.connect(admin_dsn, autocommit=True, application_name="chaos-run") as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     return psycopg.conninfo.make_conninfo(admin_dsn, dbname=name)
@@ -100,6 +120,7 @@ def migrate_database(dsn: str, schema: str, table: str, app: str) -> None:
     migrate --app`` runs them: payments.py's ``create_tables``, or the ORM example's
     metadata."""
     migrate(dsn, schema, table)
+    distribute_store(dsn, schema, table, citus=None)  # on a Citus coordinator, as the CLI
     module, name = app.split(":")
     migrate_app(dsn, schema, getattr(importlib.import_module(module), name).migrations)
 
@@ -123,7 +144,10 @@ def drained(dsn: str, schema: str) -> bool:
     return left is None or left[0] == 0
 
 
-def drop_database(admin_dsn: str, name: str) -> None:
+def drop_database(admin_dsn: str, name: str, *, citus: bool = False) -> None:
+    if citus:
+        citus_db.drop_database(admin_dsn, name)
+        return
     with psycopg.connect(admin_dsn, autocommit=True, application_name="chaos-run") as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
             sql.Identifier(name)))
@@ -154,7 +178,7 @@ def wait_assigned(admin: AdminClient, group: str, partitions: int, timeout: floa
 
 
 def cleanup(s: Settings, dbname: str | None, topics: list[str], group: str,
-            logs: Path) -> None:
+            logs: Path, *, citus: bool = False) -> None:
     """Remove the run's artefacts (best effort, each step retried a few times).
 
     A fresh admin client: one that lived through broker restarts can keep timing out
@@ -182,7 +206,7 @@ def cleanup(s: Settings, dbname: str | None, topics: list[str], group: str,
                 time.sleep(3)
     if dbname:
         try:
-            drop_database(s.dsn, dbname)
+            drop_database(s.dsn, dbname, citus=citus)
         except psycopg.Error as exc:
             say(f"[yellow]cleanup of the database: {exc}[/]")
     shutil.rmtree(logs, ignore_errors=True)
