@@ -24,18 +24,19 @@ from tests.conftest import ADMIN_DSN, BOOTSTRAP, ROOT
 ALL = ["1", "2", "3", "4", "5a", "5b", "6", "7"]
 
 
-def verify(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
+def verify(*args: str, timeout: float = 300.0,
+           database: str = ADMIN_DSN) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAFKA_IDEM_")}
     env["COLUMNS"] = "200"
-    cmd = [*KAFKA_IDEM, "--bootstrap-servers", BOOTSTRAP, "--database-url", ADMIN_DSN,
+    cmd = [*KAFKA_IDEM, "--bootstrap-servers", BOOTSTRAP, "--database-url", database,
            "verify", *args]
     # From the repository root, like a user of a checkout: consumers.gateway is importable.
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
-def schemas_of(run_id: str) -> list[str]:
-    with psycopg.connect(ADMIN_DSN) as conn:
+def schemas_of(run_id: str, database: str = ADMIN_DSN) -> list[str]:
+    with psycopg.connect(database) as conn:
         rows = conn.execute("SELECT nspname FROM pg_namespace WHERE nspname LIKE %s",
                             (f"verify\\_{run_id}%",)).fetchall()
     return sorted(r[0] for r in rows)
@@ -104,6 +105,26 @@ def test_verify_passes_all_seven_scenarios_and_cleans_up(tmp_path: Path,
     assert topics_of(admin, run_id) == []
     assert groups_of(admin, run_id) == []
     assert report["logs"] is None  # member logs removed after a clean pass
+
+
+def test_verify_passes_all_seven_scenarios_on_a_citus_cluster(
+        tmp_path: Path, admin: AdminClient, citus: str) -> None:
+    """On a Citus coordinator each scenario's store is distributed (records by shard_key,
+    its business tables co-located) and every scenario passes as on one server."""
+    path = tmp_path / "report.json"
+    proc = verify("--json", str(path), database=citus, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(path.read_text())
+    s = by_id(report)
+    assert report["passed"] is True and list(s) == ALL
+    assert all(c["ok"] for o in s.values() for c in o["checks"])
+    assert {o["figures"]["store"] for o in s.values()} == {
+        "distributed on Citus (records by shard_key)"}
+    f = {i: o["figures"] for i, o in s.items()}
+    assert f["1"]["outcomes"]["succeeded"] == 1 and f["1"]["business_rows"] == 1
+    assert f["4"]["attempts"] == 2 and f["5a"]["killed_txid_status"] == "aborted"
+    assert f["7"]["events"] == 15
+    assert schemas_of(report["run_id"], citus) == []
 
 
 def test_one_scenario_with_keep_leaves_its_artefacts_named_inside_the_prefix(
