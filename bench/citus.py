@@ -78,10 +78,16 @@ def postmasters(kind: str) -> list[int]:
 
 
 def server_cpu(pids: list[int]) -> float:
-    """CPU seconds of every process of these servers: each postmaster's own and its ended
-    children's (reaped: cutime), and its live children's."""
-    total = 0.0
+    """CPU seconds of every process of these servers (:func:`node_cpu` summed)."""
+    return sum(node_cpu(pids))
+
+
+def node_cpu(pids: list[int]) -> list[float]:
+    """CPU seconds of each server: its postmaster's own and its ended children's (reaped:
+    cutime), and its live children's."""
+    out = []
     for pm in pids:
+        total = 0.0
         fields = _stat(pm)
         if fields is not None:
             total += _cpu(fields, children=True)
@@ -89,7 +95,8 @@ def server_cpu(pids: list[int]) -> float:
             fields = _stat(pid)
             if fields is not None:
                 total += _cpu(fields)
-    return total
+        out.append(total)
+    return out
 
 
 # --- one row: a member draining a backlog --------------------------------------------------
@@ -190,18 +197,19 @@ def run_row(row: str, n: int, s: Any, citus_url: str, work: Path) -> dict[str, A
         spec_file = work / f"{row}.json"
         spec_file.write_text(json.dumps(spec))
         pids = postmasters(kind)
-        pg0 = server_cpu(pids)
+        nodes0 = node_cpu(pids)
         done = subprocess.run([sys.executable, "-m", "bench.citus", "worker", str(spec_file)],
                               cwd=ROOT, capture_output=True, text=True, timeout=1000,
                               check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        pg = server_cpu(pids) - pg0
+        per_node = [b - a for a, b in zip(nodes0, node_cpu(pids), strict=True)]
+        pg = sum(per_node)
         if done.returncode:
             raise SystemExit(f"bench.citus: {row} worker failed: {done.stderr[-1500:]}")
         out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
         with psycopg.connect(dsn) as conn:
             rows, keys = conn.execute("SELECT count(*), count(DISTINCT idempotency_key) "
                                       "FROM payments.ledger").fetchone()  # type: ignore[misc]
-        out.update({"row": row, "messages": n, "postgres_cpu": pg,
+        out.update({"row": row, "messages": n, "postgres_cpu": pg, "node_cpu": per_node,
                     "exactly_once": rows == keys == n, "ledger_rows": rows})
         return out
     finally:
@@ -247,13 +255,16 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(results: dict[str, Any]) -> None:
     t = Table(title=f"kafka_idem on Citus beside one PostgreSQL ({results['messages']:,} "
               "charges a row)")
-    for col in ("row", "msgs/s", "consumer µs/msg", "PostgreSQL µs/msg", "exactly once"):
+    for col in ("row", "msgs/s", "consumer µs/msg", "PostgreSQL µs/msg",
+                "of which coordinator", "exactly once"):
         t.add_column(col)
     rows = results["rows"]
     for name, r in rows.items():
         n, timed = r["messages"], r["messages_timed"]
+        coordinator = (f"{r['node_cpu'][0] / n * 1e6:,.0f}" if len(r["node_cpu"]) > 1
+                       else "-")
         t.add_row(name, f"{timed / r['seconds']:,.0f}", f"{r['consumer_cpu'] / timed * 1e6:,.0f}",
-                  f"{r['postgres_cpu'] / n * 1e6:,.0f}", str(r["exactly_once"]))
+                  f"{r['postgres_cpu'] / n * 1e6:,.0f}", coordinator, str(r["exactly_once"]))
     Console().print(t)
     for single, dist in (("single_local", "citus_local"), ("single_leased", "citus_leased")):
         if single in rows and dist in rows:
@@ -264,7 +275,8 @@ def print_table(results: dict[str, Any]) -> None:
                   "µs of wall time per message")
     for name, r in results.get("sql", {}).items():
         print(f"sql {name}: {r['rate']:,.0f} msgs/s, {r['postgres_us']:,.0f} µs of PostgreSQL "
-              f"CPU per message, {r['prepared']} prepared transactions")
+              f"CPU per message ({r['coordinator_us']:,.0f} on the coordinator), "
+              f"{r['commits']} commits, two-phase: {r['prepared']}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from typing import Any
 
 import psycopg
 
-from bench.citus import TENANTS, postmasters, server_cpu
+from bench.citus import TENANTS, node_cpu, postmasters
 from kafka_idem.admin.migrate import distribute_store, migrate
 from kafka_idem.store import Delivery, Store
 from tools import citus as citus_db
@@ -88,7 +88,7 @@ def measure(dsn: str, how: str, workers: dict[str, int]) -> dict[str, Any]:
     pids = postmasters("citus")
     commits = 0
     with psycopg.connect(dsn) as conn:
-        pg0, t0 = server_cpu(pids), time.monotonic()
+        nodes0, t0 = node_cpu(pids), time.monotonic()
         for txn in groups(how, workers):
             with conn.pipeline(), conn.transaction():
                 for tenant, order in txn:
@@ -102,7 +102,9 @@ def measure(dsn: str, how: str, workers: dict[str, int]) -> dict[str, Any]:
                     store.complete(conn, key=key, token=claim.token, result=None,
                                    wait=False, shard=tenant)
             commits += 1
-        seconds, pg = time.monotonic() - t0, server_cpu(pids) - pg0
+        seconds = time.monotonic() - t0
+        per_node = [b - a for a, b in zip(nodes0, node_cpu(pids), strict=True)]
     return {"messages": MESSAGES, "seconds": seconds, "rate": MESSAGES / seconds,
-            "postgres_us": pg / MESSAGES * 1e6, "commits": commits,
+            "postgres_us": sum(per_node) / MESSAGES * 1e6,
+            "coordinator_us": per_node[0] / MESSAGES * 1e6, "commits": commits,
             "prepared": "yes" if how == "batch_2pc" else "no"}
