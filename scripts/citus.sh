@@ -17,6 +17,8 @@
 #   KAFKA_IDEM_CITUS_PORT       the coordinator's port (default 55532); the workers take the next two
 #   KAFKA_IDEM_LOCAL_DIR        where .local lives (default <repo>/.local): the nodes live in
 #                               .local/citus/{coordinator,worker1,worker2}
+#   KAFKA_IDEM_CITUS_DIR        the nodes' folder instead of .local/citus (a second cluster
+#                               beside the first: another folder and another port)
 #   KAFKA_IDEM_CITUS_INSTALLER  an install script for the extension (run when `citus` is not
 #                               installed). Without it, a `citus/install.sh` in a folder beside the
 #                               checkout (or beside its parent) is used: that is where the machines
@@ -29,6 +31,7 @@ set -euo pipefail
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_ROOT="$(cd "$SCRIPT_DIR/.." && pwd)"
 LOCAL_DIR="${KAFKA_IDEM_LOCAL_DIR:-$REPO_ROOT/.local}"
+CITUS_DIR="${KAFKA_IDEM_CITUS_DIR:-$LOCAL_DIR/citus}"
 BASE="${KAFKA_IDEM_CITUS_PORT:-55532}"
 HOST=127.0.0.1
 NODES=(coordinator worker1 worker2)
@@ -74,7 +77,7 @@ or point the tests at a cluster of your own with KAFKA_IDEM_TEST_CITUS_URL"
 node() {
   # node INDEX ACTION: scripts/postgres.sh for one node, its own port and folder
   local i="$1" action="$2"
-  KAFKA_IDEM_PG_PORT="$(port_of "$i")" KAFKA_IDEM_LOCAL_DIR="$LOCAL_DIR/citus/${NODES[$i]}" \
+  KAFKA_IDEM_PG_PORT="$(port_of "$i")" KAFKA_IDEM_LOCAL_DIR="$CITUS_DIR/${NODES[$i]}" \
     KAFKA_IDEM_PG_EXTRA_CONF="$EXTRA_CONF" bash "$SCRIPT_DIR/postgres.sh" "$action"
 }
 

@@ -89,6 +89,7 @@ from tools.chaos.services import (
     drained,
     local_bootstrap,
     migrate_database,
+    prepared_left,
     wait_assigned,
 )
 from tools.chaos.traffic import Feed
@@ -305,6 +306,8 @@ class Run:
             self.health.append(("retention purged every old record", kept == 0,
                                 f"{old - kept} of {old} removed under load"))
         self.health.append(_traffic_health(feed))
+        if args.citus:
+            self.health.append(prepared_left(self.dsn))
         self.result.update({
             "seconds": round(time.monotonic() - T0, 1),
             "faults": [asdict(f) for f in injector.log],

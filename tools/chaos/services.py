@@ -210,3 +210,23 @@ def cleanup(s: Settings, dbname: str | None, topics: list[str], group: str,
         except psycopg.Error as exc:
             say(f"[yellow]cleanup of the database: {exc}[/]")
     shutil.rmtree(logs, ignore_errors=True)
+
+
+def prepared_left(dsn: str) -> tuple[str, bool, str]:
+    """On a Citus cluster, after healing: Citus's recovery (run now, as its daemon does
+    every minute) leaves no transaction prepared on any node for the run's database:
+    every two-phase commit a fault cut short (a relay's multi-shard delete, a worker
+    restarted mid-commit) was committed or rolled back."""
+    with psycopg.connect(dsn, autocommit=True, application_name="chaos-run") as conn:
+        recovered = conn.execute("SELECT recover_prepared_transactions()").fetchone()
+    coordinator, workers = citus_db.nodes(dsn)
+    left = []
+    for host, port in [coordinator, *workers]:
+        node = psycopg.conninfo.make_conninfo(dsn, host=host, port=str(port))
+        with psycopg.connect(node, application_name="chaos-run") as conn:
+            row = conn.execute("SELECT count(*) FROM pg_prepared_xacts WHERE database = "
+                               "current_database()").fetchone()
+        if row and row[0]:
+            left.append(f"{host}:{port} {row[0]}")
+    return ("no transaction left prepared on the Citus nodes", not left,
+            "; ".join(left) or f"none (recovery found {recovered[0] if recovered else 0})")
