@@ -11,10 +11,11 @@
 #   scripts/citus.sh restart-worker N   stop and start worker N (1 or 2): the chaos run's fault
 #
 # After start this URL (the coordinator's; printed last) works:
-#   postgresql://kafka_idem@127.0.0.1:55532/kafka_idem
+#   postgresql://kafka_idem@127.0.0.1:23532/kafka_idem
 #
 # Environment:
-#   KAFKA_IDEM_CITUS_PORT       the coordinator's port (default 55532); the workers take the next two
+#   KAFKA_IDEM_CITUS_PORT       the coordinator's port (default 23532, below Linux's ephemeral
+#                               ports); the workers take the next two
 #   KAFKA_IDEM_LOCAL_DIR        where .local lives (default <repo>/.local): the nodes live in
 #                               .local/citus/{coordinator,worker1,worker2}
 #   KAFKA_IDEM_CITUS_DIR        the nodes' folder instead of .local/citus (a second cluster
@@ -32,7 +33,7 @@ SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_ROOT="$(cd "$SCRIPT_DIR/.." && pwd)"
 LOCAL_DIR="${KAFKA_IDEM_LOCAL_DIR:-$REPO_ROOT/.local}"
 CITUS_DIR="${KAFKA_IDEM_CITUS_DIR:-$LOCAL_DIR/citus}"
-BASE="${KAFKA_IDEM_CITUS_PORT:-55532}"
+BASE="${KAFKA_IDEM_CITUS_PORT:-23532}"
 HOST=127.0.0.1
 NODES=(coordinator worker1 worker2)
 
