@@ -65,7 +65,7 @@ def adopt(conn: Conn, store: Store, app: App, *, actor: str) -> list[Pending]:
     """Move ``app``'s unassigned records into its namespace, with one audit row, in
     one transaction; return what moved, per (topic, handler)."""
     with translate_errors(), conn.transaction():
-        conn.execute("SELECT set_config('kafka_idem.admin_action', 'adopt', true)")
+        store.admin_action(conn, "adopt")
         rows = store.scoped(app.namespace).adopt(conn, _pairs(app))
         counts: dict[tuple[str, str], int] = {}
         for r in rows:

@@ -29,8 +29,10 @@ class Refused(KafkaIdemError):
     """The admin action was refused."""
 
 
-def set_admin_action(conn: Conn, action: str) -> None:
-    conn.execute("SELECT set_config('kafka_idem.admin_action', %s, true)", (action,))
+def set_admin_action(conn: Conn, store: Store, action: str) -> None:
+    """Let the guard through for ``action`` until the transaction ends (on every node of a
+    distributed store: :meth:`~kafka_idem.store.Store.admin_action`)."""
+    store.admin_action(conn, action)
 
 
 @dataclass
@@ -303,8 +305,8 @@ def rerun_if_failed(
 def _rerun_locked(conn: Conn, store: Store, rec: dict[str, Any], *, actor: str, reason: str,
                   selection: dict[str, Any] | None) -> int:
     key = rec["idempotency_key"]
-    set_admin_action(conn, "rerun")
-    store.rerun(conn, key)
+    set_admin_action(conn, store, "rerun")
+    store.rerun(conn, key, rec.get("shard_key"))
     previous_error = f"{rec['error_kind']}: {rec['error_class']}: {rec['error_message']}"
     return audit.record(
         conn, store, actor=actor, action="rerun", key=key, reason=reason,

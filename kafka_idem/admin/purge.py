@@ -158,7 +158,7 @@ def purge(
     while True:
         started = time.monotonic()
         with translate_errors(), conn.transaction():
-            set_admin_action(conn, "purge")
+            set_admin_action(conn, store, "purge")
             deleted = store.purge_batch(conn, statuses=statuses, older_than=older_than,
                                         batch_size=batch_size)
             if deleted:

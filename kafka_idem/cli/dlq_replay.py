@@ -27,6 +27,7 @@ from kafka_idem.cli.common import (
     selection,
     selection_options,
     store_connection,
+    store_of,
     topic_options,
     typed_option,
 )
@@ -125,7 +126,7 @@ def replay_(obj: Ctx, /, dlq_topic: str | None, source_topic: str | None, to_top
                       namespace=typed_option("--namespace", opts["namespace"]))
     with typed:
         summary = replay.replay(  # a refusal (no --reason...): one line, exit 1 (cli_errors)
-            s, None, topic, chosen, to_topic=to_topic, dry_run=dry_run, rate=rate,
+            s, store_of(s), topic, chosen, to_topic=to_topic, dry_run=dry_run, rate=rate,
             limit=limit, actor=actor or audit.default_actor(), progress=not no_progress,
             group=group, on_action=on_action if dry_run else None,
             include_permanent=include_permanent, reason=reason, app=app,

@@ -28,6 +28,7 @@ from kafka_idem.observe.text import plain
 from kafka_idem.replay.reading import Reader
 from kafka_idem.settings import Settings
 from kafka_idem.store import Store
+from kafka_idem.store.citus import fit
 from kafka_idem.store.connection import configure
 from kafka_idem.store.errors import translate_errors
 
@@ -110,6 +111,7 @@ class Console:
     def start(self) -> None:
         self.pool.open(wait=True, timeout=30)
         with self.conn() as conn:
+            fit(conn, self.store)  # a store distributed on Citus: its queries
             self.ranged = self.store.collation_is_bytewise(conn)
         self.index.start()
         self.sampler.start()

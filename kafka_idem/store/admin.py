@@ -57,6 +57,22 @@ class AdminQueries:
             cur = conn.cursor(row_factory=dict_row)
             return cur.execute(self.q[name], params).fetchall()
 
+    def admin_action(self, conn: Conn, action: str) -> None:
+        """Set ``kafka_idem.admin_action`` for the rest of the transaction: the guard
+        lets the audited admin transitions through only with it. On a distributed
+        store the guard runs on the workers, so the setting is a ``SET LOCAL`` that
+        Citus sends to each node the transaction reaches
+        (``citus.propagate_set_commands = 'local'``, for this transaction only);
+        ``set_config`` is not propagated."""
+        with translate_errors():
+            if not self.distributed:
+                conn.execute("SELECT set_config('kafka_idem.admin_action', %s, true)",
+                             (action,))
+                return
+            conn.execute("SET LOCAL citus.propagate_set_commands = 'local'")
+            conn.execute(sql.SQL("SET LOCAL kafka_idem.admin_action = {}").format(
+                sql.Literal(action)))
+
     # --- status and the records ------------------------------------------------
 
     def status_rows(self, conn: Conn, *, namespace: str | None,
@@ -80,15 +96,25 @@ class AdminQueries:
                 self._rows(conn, "keys_among", {"nss": list(namespaces), "keys": list(keys)})]
 
     def lock_record(self, conn: Conn, key: str) -> dict[str, Any] | None:
-        """Lock ``key``'s record in this namespace (``FOR UPDATE``) and read it."""
-        rows = self._rows(conn, "lock_record", {"ns": self.ns, "key": key})
+        """Lock ``key``'s record in this namespace (``FOR UPDATE``) and read it, its
+        ``shard_key`` included. On a distributed store the shard key is first read from
+        the record itself, so the lock is routed to its one shard."""
+        params: dict[str, Any] = {"ns": self.ns, "key": key, "shard": None}
+        if self.distributed:
+            shards = self._rows(conn, "record_shard", params)
+            if not shards:
+                return None
+            params["shard"] = shards[0]["shard_key"]
+        rows = self._rows(conn, "lock_record", params)
         return rows[0] if rows else None
 
-    def rerun(self, conn: Conn, key: str) -> None:
+    def rerun(self, conn: Conn, key: str, shard: str | None = None) -> None:
         """``failed -> retryable_failed``, due now, a fresh budget (the caller has set
-        the admin action and writes the audit row in the same transaction)."""
+        the admin action and writes the audit row in the same transaction). ``shard``:
+        the record's ``shard_key`` (from :meth:`lock_record`), which a distributed store
+        needs to route the update to the record's shard."""
         with translate_errors(key=key):
-            conn.execute(self.q["rerun"], {"ns": self.ns, "key": key})
+            conn.execute(self.q["rerun"], {"ns": self.ns, "key": key, "shard": shard})
 
     def topics_seen(self, conn: Conn) -> list[str]:
         """The source topics of this namespace's records (every namespace's if none)."""
@@ -184,6 +210,15 @@ class AdminQueries:
             params.update(a_ns=after[0], a_key=after[1])
             where.append(sql.SQL("(namespace, idempotency_key) > (%(a_ns)s, %(a_key)s)"))
         columns = sql.SQL(", ").join(map(sql.Identifier, BROWSE_COLUMNS))
+        if self.distributed:
+            # Citus does not push a LIMIT down into a LATERAL subquery joined with
+            # unnest: the namespaces are one condition, the same rows in the same order
+            # (each shard reads its first rows, the coordinator merges them)
+            where[0] = sql.SQL("namespace = ANY(%(nss)s::text[])")
+            query = sql.SQL("SELECT {c} FROM {t} WHERE {w} ORDER BY namespace, "
+                            "idempotency_key LIMIT %(limit)s").format(
+                c=columns, t=self._table(), w=sql.SQL(" AND ").join(where))
+            return self._composed(conn, query, params)
         query = sql.SQL(
             "SELECT r.* FROM unnest(%(nss)s::text[]) AS n(ns) CROSS JOIN LATERAL ("
             "SELECT {c} FROM {t} WHERE {w} ORDER BY idempotency_key LIMIT %(limit)s) AS r "

@@ -317,11 +317,26 @@ WITH RECURSIVE ns AS (
 )
 SELECT namespace FROM ns WHERE namespace IS NOT NULL;
 
+-- name: namespaces_distributed
+-- namespaces on a distributed store (Citus refuses a recursive CTE without a filter on
+-- the distribution column): a read of every shard (each worker groups its shards'
+-- primary-key entries by namespace), acceptable for the admin lookups that need it.
+SELECT DISTINCT namespace FROM {table} ORDER BY namespace;
+
+-- name: record_shard
+-- The shard key a record is stored with, read from the record (an admin tool knows the
+-- key, not the handler's shard key): the lock and the re-run then name it ({shard}), so
+-- each is routed to the record's one shard. On a distributed store a read of every
+-- shard, once per key an admin tool acts on; not run on one PostgreSQL.
+SELECT shard_key FROM {table}
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s
+ORDER BY shard_key;
+
 -- name: lock_record
 SELECT idempotency_key, status, lease_until, error_kind, error_class, error_message,
-       kafka_topic, handler, namespace, clock_timestamp() AS db_now
+       kafka_topic, handler, namespace, shard_key, clock_timestamp() AS db_now
 FROM {table}
-WHERE namespace = %(ns)s AND idempotency_key = %(key)s
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s {shard}
 FOR UPDATE;
 
 -- name: rerun
@@ -333,7 +348,7 @@ SET status = 'retryable_failed',
     attempt_base = attempts,
     first_failure_at = NULL,
     updated_at = clock_timestamp()
-WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND status = 'failed';
+WHERE namespace = %(ns)s AND idempotency_key = %(key)s {shard} AND status = 'failed';
 
 -- name: purge_batch
 -- Retention: one batch of old terminal records (never processing or retryable_failed).
@@ -349,6 +364,26 @@ WHERE ctid IN (
       AND updated_at < now() - make_interval(secs => %(older_than)s)
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
+);
+
+-- name: purge_batch_distributed
+-- purge_batch on a distributed store (Citus): a ctid names a row only within its shard,
+-- and Citus refuses FOR UPDATE in a statement on several shards. The batch is chosen by
+-- primary key (a read of every shard, its LIMIT applied on the coordinator) and deleted
+-- where it still matches: the conditions are checked again on each row as it is
+-- deleted, so a record re-run or dead-lettered again since it was chosen stays (where
+-- purge_batch skipped a locked row, this waits for its lock). An audited delete on every
+-- shard, acceptable for the admin tools and the background retention that run it.
+DELETE FROM {table}
+WHERE status = ANY(%(statuses)s)
+  AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text)
+  AND updated_at < now() - make_interval(secs => %(older_than)s)
+  AND (namespace, idempotency_key, shard_key) IN (
+    SELECT namespace, idempotency_key, shard_key FROM {table}
+    WHERE status = ANY(%(statuses)s)
+      AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text)
+      AND updated_at < now() - make_interval(secs => %(older_than)s)
+    LIMIT %(batch)s
 );
 
 -- name: purge_count
