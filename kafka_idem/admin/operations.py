@@ -287,14 +287,16 @@ def rerun_if_failed(
     actor: str,
     reason: str,
     selection: dict[str, Any] | None = None,
+    shard: str | None = None,
 ) -> dict[str, Any] | None:
     """Like :func:`rerun` for bulk re-runs: lock the record and re-run it if it is
     still ``failed``; otherwise (gone, succeeded or back in the consumer's hands
-    since it was selected) return ``None`` and change nothing."""
+    since it was selected) return ``None`` and change nothing. ``shard``: the record's
+    ``shard_key`` when the caller's selection read it (else it is looked up)."""
     if not reason.strip():
         raise Refused("a reason is required for a re-run", key=key)
     with translate_errors(key=key):
-        rec = store.lock_record(conn, key)
+        rec = store.lock_record(conn, key, shard)
         if rec is None or rec["status"] != "failed":
             return None
         audit_id = _rerun_locked(conn, store, rec, actor=actor, reason=reason,

@@ -167,6 +167,7 @@ def bulk_rerun(
     summary.keys = [(r["namespace"], r["idempotency_key"]) for r in rows]
     topics: dict[str, set[RecordId]] = {}
     source: dict[RecordId, str] = {}
+    shards = {(r["namespace"], r["idempotency_key"]): r["shard_key"] for r in rows}
     for row in rows:
         topic = dlq_topic or dlq_topic_for(settings, row["kafka_topic"], app)
         rid = (row["namespace"], row["idempotency_key"])
@@ -202,14 +203,15 @@ def bulk_rerun(
             chunk = ready[start:start + batch_size]
             _batch(conn, store, producer, chunk, summary, actor=actor, reason=reason,
                    selection={"via": via, "filter": flt.to_json(),
-                              "dlq_topic": dlq_topic}, wait=wait)
+                              "dlq_topic": dlq_topic}, wait=wait, shards=shards)
             advance(len(chunk))
     return summary
 
 
 def _batch(conn: Conn, store: Store, producer: Producer,
            chunk: Sequence[tuple[str, DlqRecord]], summary: BulkSummary, *, actor: str,
-           reason: str, selection: dict[str, Any], wait: float) -> None:
+           reason: str, selection: dict[str, Any], wait: float,
+           shards: dict[RecordId, str | None]) -> None:
     deliveries = Deliveries()
     sent: list[DlqRecord] = []
     with conn.transaction():
@@ -219,6 +221,7 @@ def _batch(conn: Conn, store: Store, producer: Producer,
                 conn, store.scoped(ns), key=rec.idempotency_key, actor=actor, reason=reason,
                 selection={**selection, "partition": rec.partition, "offset": rec.offset,
                            "letter_topic": rec.dlq_topic},
+                shard=shards.get((ns, rec.idempotency_key)),
             )
             if done is not None:
                 sent.append(rec)

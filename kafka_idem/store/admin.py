@@ -95,12 +95,14 @@ class AdminQueries:
         return [r["idempotency_key"] for r in
                 self._rows(conn, "keys_among", {"nss": list(namespaces), "keys": list(keys)})]
 
-    def lock_record(self, conn: Conn, key: str) -> dict[str, Any] | None:
+    def lock_record(self, conn: Conn, key: str,
+                    shard: str | None = None) -> dict[str, Any] | None:
         """Lock ``key``'s record in this namespace (``FOR UPDATE``) and read it, its
-        ``shard_key`` included. On a distributed store the shard key is first read from
-        the record itself, so the lock is routed to its one shard."""
-        params: dict[str, Any] = {"ns": self.ns, "key": key, "shard": None}
-        if self.distributed:
+        ``shard_key`` included. On a distributed store the lock is routed to the record's
+        one shard: ``shard`` (its ``shard_key``, read with the record by the caller's
+        selection), else the shard key is first read from the record itself."""
+        params: dict[str, Any] = {"ns": self.ns, "key": key, "shard": shard}
+        if self.distributed and shard is None:
             shards = self._rows(conn, "record_shard", params)
             if not shards:
                 return None

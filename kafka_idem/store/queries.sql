@@ -513,9 +513,10 @@ LEFT JOIN latest l USING (namespace, idempotency_key);
 
 -- name: failed_selection
 -- Bulk re-run: the failed records a filter selects (NULL parameters select all),
--- oldest failure first.
+-- oldest failure first, with the shard key each re-run then names (a read of every shard
+-- on a distributed store, acceptable for an admin tool).
 SELECT namespace, idempotency_key, error_kind, error_class, error_message, handler,
-       kafka_topic, last_failure_at
+       kafka_topic, last_failure_at, shard_key
 FROM {table}
 WHERE status = 'failed'
   AND (%(ns)s::text IS NULL OR namespace = %(ns)s::text)
