@@ -19,7 +19,6 @@ import pytest
 
 from tests.apps.citus_ledger import encode
 from tests.citus import CitusStore
-from tests.integration.outbox_support import read_committed
 from tests.conftest import (
     BOOTSTRAP,
     ROOT,
@@ -31,6 +30,7 @@ from tests.conftest import (
     produce,
     wait_for,
 )
+from tests.integration.outbox_support import read_committed
 
 APP = "tests.apps.citus_ledger:app"
 
@@ -40,9 +40,11 @@ MODES = ["local", "leased", "async"]
 
 def env_of(store: CitusStore, topic: str = "unused", events: str = "",
            mode: str = "local") -> dict[str, str]:
-    return {**os.environ, "CITUS_LEDGER_EVENTS": events, "CITUS_LEDGER_MODE": mode, "KAFKA_IDEM_DATABASE_URL": store.url,
+    return {**os.environ, "CITUS_LEDGER_EVENTS": events, "CITUS_LEDGER_MODE": mode,
+            "KAFKA_IDEM_DATABASE_URL": store.url,
             "KAFKA_IDEM_SCHEMA_NAME": store.schema, "KAFKA_IDEM_BOOTSTRAP_SERVERS": BOOTSTRAP,
-            "KAFKA_IDEM_SESSION_TIMEOUT_MS": "6000", "KAFKA_IDEM_BATCH_MAX_WAIT_SECONDS": "0.05",
+            "KAFKA_IDEM_SESSION_TIMEOUT_MS": "6000",
+            "KAFKA_IDEM_BATCH_MAX_WAIT_SECONDS": "0.05",
             "CITUS_LEDGER_SCHEMA": store.app_schema, "CITUS_LEDGER_TOPIC": topic,
             "PYTHONPATH": str(ROOT)}
 

@@ -183,5 +183,6 @@ def test_the_batch_paths_dead_again_is_the_claims() -> None:
     dead = STORE.dead(SyncConn(script), rec, DELIVERY)  # type: ignore[arg-type]
     assert dead.outcome is Outcome.DEAD and dead.error_class == "Boom"
     assert (dead.first_failure_at, dead.last_failure_at) == FAILED_AT
-    assert script.sent == [("dead_again", {"ns": "ns", "key": KEY, "shard": None, "topic": "payments",
-                                           "partition": 0, "offset": 7}, False)]
+    assert script.sent == [("dead_again", {"ns": "ns", "key": KEY, "shard": None,
+                                           "topic": "payments", "partition": 0, "offset": 7},
+                            False)]

@@ -181,19 +181,16 @@ class KeyedUnits:
         return 2 * calls if handler.is_async and calls > 1 else calls
 
     def _round(self, entries: list[Entry]) -> RoundClaim | None:
-        """One claim for the new keys started together (two or more): the decoded
-        messages with no claim of ours yet, one per key."""
+        """One claim for the new keys started together (two or more) not yet ours, one
+        per key; none on a distributed store (each claims alone there, on its shard)."""
         wanted: dict[str, Wanted] = {}
         for entry in entries:
             job = entry.job
             if isinstance(job, Prepared) and entry.token is None and job.key not in wanted:
                 wanted[job.key] = Wanted(job.key, job.request_hash,
                                          delivery(self.app.handlers[entry.msg.topic()], entry.msg))
-        # a distributed store: each key claims alone, on its own shard (a round's one
-        # statement would span shards)
-        if len(wanted) < 2 or self.store.distributed:
-            return None
-        return RoundClaim(list(wanted.values()))
+        distributed = self.store.distributed
+        return RoundClaim(list(wanted.values())) if len(wanted) > 1 and not distributed else None
 
     def _admit(self, msg: Message) -> tuple[tuple[str, ...], Any]:
         """A message's lanes (its idempotency key, its ordering key) and its job: the
