@@ -22,7 +22,7 @@ key). Then ``sql``: the statements of one message (claim, ledger row, balance up
 completion) on the Citus cluster, 4,000 messages over 64 tenants, committed three
 ways: a transaction per message (single shard, what the member does), one transaction
 per 500 across shards (two-phase commit), and one transaction per worker of each 500
-(its messages' shards only: one-phase). Prints a table, writes bench/citus-results.json.
+(its messages' shards only: one-phase). Prints a table, writes bench/results-citus.json.
 No assertions on timing; the exactly-once checks fail the run.
 """
 
@@ -53,7 +53,7 @@ from tools import citus as citus_db
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-RESULTS = HERE / "citus-results.json"
+RESULTS = HERE / "results-citus.json"
 TENANTS = 64
 PARTITIONS = 4
 ROWS = {  # row -> (database kind, mode, batch path)
