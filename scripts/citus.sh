@@ -90,6 +90,12 @@ psql_node() {
 join_cluster() {
   local i port
   for i in 0 1 2; do psql_node "$i" "CREATE EXTENSION IF NOT EXISTS citus" >/dev/null; done
+  # workers registered on other ports (KAFKA_IDEM_CITUS_PORT changed since): its metadata
+  # names nodes that no longer answer; the cluster holds test data only
+  stale="$(psql_node 0 "SELECT string_agg(nodeport::text, ', ') FROM pg_dist_node WHERE
+    groupid <> 0 AND nodeport NOT IN ($(port_of 1), $(port_of 2))")"
+  [[ -z "$stale" ]] || die "the cluster in $CITUS_DIR has workers registered on ports $stale, \
+not $(port_of 1) and $(port_of 2): stop it and delete $CITUS_DIR for a new one (test data only)"
   psql_node 0 "CREATE EXTENSION IF NOT EXISTS pg_stat_statements" >/dev/null
   psql_node 0 "SELECT citus_set_coordinator_host('$HOST', $(port_of 0))" >/dev/null
   for i in 1 2; do

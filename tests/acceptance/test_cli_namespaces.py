@@ -259,9 +259,10 @@ def test_a_store_from_before_namespaces_is_carried_over_without_rerunning_a_key(
     assert "0005_namespaces" in up.out
     after = db.rows(sql.SQL("SELECT * FROM {} ORDER BY idempotency_key")
                     .format(sql.Identifier(schema, TABLE)).as_string())
-    # every record kept, unchanged, and unassigned
-    assert [{k: v for k, v in r.items() if k != "namespace"} for r in after] == before
-    assert {r["namespace"] for r in after} == {""}
+    # every record kept, unchanged, and unassigned (with no shard key: migration 0009)
+    new = ("namespace", "shard_key")
+    assert [{k: v for k, v in r.items() if k not in new} for r in after] == before
+    assert {(r["namespace"], r["shard_key"]) for r in after} == {("", None)}
 
     env = twin_env(db, topic, "twin-a", KAFKA_IDEM_SCHEMA_NAME=schema)
     refused = members.start(TWIN, env, group=group)
