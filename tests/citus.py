@@ -13,14 +13,14 @@ import os
 import subprocess
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.rows import dict_row
+
+from tests.conftest import DB
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,25 +38,16 @@ def citus() -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-@dataclass
-class CitusStore:
+class CitusStore(DB):
     """A test's store on the cluster: ``schema`` (the store's) and ``app_schema`` (its
-    app's tables), both dropped after the test."""
+    app's tables), both dropped after the test; ``rows`` and ``value`` read there."""
 
-    url: str
-    schema: str
-    app_schema: str
+    def __init__(self, url: str, schema: str, app_schema: str) -> None:
+        super().__init__(psycopg.conninfo.conninfo_to_dict(url).get("dbname", "kafka_idem"))
+        self.url = self.dsn = url
+        self.schema, self.app_schema = schema, app_schema
 
-    def rows(self, query: str, params: Any = None) -> list[dict[str, Any]]:
-        with psycopg.connect(self.url, row_factory=dict_row) as conn:
-            return conn.execute(query, params).fetchall()  # type: ignore[arg-type]
-
-    def value(self, query: str, params: Any = None) -> Any:
-        with psycopg.connect(self.url) as conn:
-            row = conn.execute(query, params).fetchone()  # type: ignore[arg-type]
-            return row[0] if row else None
-
-    def records(self) -> list[dict[str, Any]]:
+    def records(self) -> list[dict[str, Any]]:  # the test's store, not kafka_idem's
         return self.rows(sql.SQL("SELECT * FROM {} ORDER BY idempotency_key").format(
             sql.Identifier(self.schema, "task_idempotency")).as_string(None))
 

@@ -21,8 +21,10 @@ undoes what is due and replaces members that exited on their own.
 from __future__ import annotations
 
 import random
+import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from confluent_kafka.admin import AdminClient
@@ -196,34 +198,30 @@ class Injector:
         f.detail = f"kafka-idem pause --handler {HANDLER} for {seconds:.1f}s"
 
     def _broker_restart(self, f: Fault) -> None:
-        def restart() -> None:
-            t = time.monotonic()
-            out = kafka_sh("restart")
-            took = time.monotonic() - t
-            if out.returncode:
-                self.health.append(f"broker restart failed: {out.stderr.strip()[-300:]}")
-            self.restart_result.append(f"{took:.1f}s")
-            say(f"broker back after {took:.1f}s (exit {out.returncode})")
-
-        self.restart = threading.Thread(target=restart, daemon=True)
-        self.restart.start()
+        self._restart_in_thread("broker", "", lambda: kafka_sh("restart"))
         f.detail = "scripts/kafka.sh restart"
 
     def _worker_restart(self, f: Fault) -> None:
         worker = self.rng.choice(("1", "2"))
+        self._restart_in_thread(f"Citus worker {worker}", f"worker {worker}: ",
+                                lambda: citus_sh("restart-worker", worker))
+        f.detail = f"scripts/citus.sh restart-worker {worker}"
 
+    def _restart_in_thread(self, what: str, label: str,
+                           run: Callable[[], subprocess.CompletedProcess[str]]) -> None:
+        """Restart a service in a thread (:meth:`busy` until it is back); how long it
+        took goes to ``restart_result`` (``label`` first), a failure to the health."""
         def restart() -> None:
             t = time.monotonic()
-            out = citus_sh("restart-worker", worker)
+            out = run()
             took = time.monotonic() - t
             if out.returncode:
-                self.health.append(f"worker {worker} restart failed: {out.stderr.strip()[-300:]}")
-            self.restart_result.append(f"worker {worker}: {took:.1f}s")
-            say(f"Citus worker {worker} back after {took:.1f}s (exit {out.returncode})")
+                self.health.append(f"{what} restart failed: {out.stderr.strip()[-300:]}")
+            self.restart_result.append(f"{label}{took:.1f}s")
+            say(f"{what} back after {took:.1f}s (exit {out.returncode})")
 
         self.restart = threading.Thread(target=restart, daemon=True)
         self.restart.start()
-        f.detail = f"scripts/citus.sh restart-worker {worker}"
 
     def tick(self, *, everything: bool = False) -> None:
         """Undo what is due (everything when healing); replace crashed members."""
