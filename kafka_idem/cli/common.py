@@ -218,6 +218,8 @@ def store_of(s: Settings) -> Store:
             return store
         try:
             _PLACED[where] = fit(conn, store)
+        except ConfigError:
+            raise  # a store half distributed: refused, naming the table (exit 2)
         except (FrameworkError, psycopg.Error):
             return store  # e.g. no store here yet: the command says so
         finally:

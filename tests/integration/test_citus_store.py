@@ -101,12 +101,13 @@ def test_a_store_half_distributed_is_refused_at_start(citus_store: CitusStore) -
     outbox = f"{citus_store.schema}.outbox"
     with psycopg.connect(citus_store.url, autocommit=True) as conn:
         conn.execute("SELECT undistribute_table(%s)", (outbox,))
-    done = cli(env, "run", APP, "--max-seconds", "5")
-    assert done.returncode == 2, done.stderr
-    lines = [ln for ln in done.stderr.splitlines() if "half distributed" in ln]
-    assert len(lines) == 1, done.stderr
-    assert f'"{citus_store.schema}"."outbox" is local' in lines[0]
-    assert "kafka-idem migrate --citus" in lines[0]
+    for command in (("run", APP, "--max-seconds", "5"), ("status",)):  # a member, a tool
+        done = cli(env, *command)
+        assert done.returncode == 2, done.stderr
+        lines = [ln for ln in done.stderr.splitlines() if "half distributed" in ln]
+        assert len(lines) == 1, done.stderr
+        assert f'"{citus_store.schema}"."outbox" is local' in lines[0]
+        assert "kafka-idem migrate --citus" in lines[0]
     fixed = cli(env, "migrate", "--citus")
     assert fixed.returncode == 0, fixed.stderr
     assert citus_store.placement(outbox) == ("h", "shard_key")
