@@ -89,6 +89,7 @@ PER_MESSAGE_VARS = {
     "handler": "'charge'",
     "topic": "'bench.pgbench'", "partition": f"({_CL} % 4)", "offset": _K,
     "result": _RESULT,
+    "shard": _TENANT,  # the payments handler's shard key (shard_key="{tenant_id}")
 }
 
 # --- batched: arrays built once per transaction, then sent as parameters -------------
@@ -146,7 +147,7 @@ SELECT array_agg(owner_token ORDER BY idempotency_key)::text AS tokens FROM c
 BATCH_VARS = {name: f"(:{name}::{cast})" for name, cast in (
     ("keys", "text[]"), ("hashes", "text[]"), ("tokens", "uuid[]"), ("handlers", "text[]"),
     ("topics", "text[]"), ("parts", "int[]"), ("offs", "bigint[]"), ("results", "jsonb"),
-    ("lease", "float8"))} | {"ns": _NS}
+    ("lease", "float8"))} | {"ns": _NS, "shards": "(:l_tenants::text[])"}  # shard: tenant
 
 
 # --- capturing the payments handler's statements ---------------------------------------

@@ -368,20 +368,24 @@ class Store(OutboxQueries):
     def claim_batch(
         self, conn: Conn, *, lease_seconds: float, keys: Sequence[str],
         hashes: Sequence[str], deliveries: Sequence[Delivery],
+        shards: Sequence[str | None] | None = None,
     ) -> dict[str, uuid.UUID]:
         """Claim every new key of ``keys`` (sorted: a stable lock order) in one
-        statement; ``{key: owner token}`` for the keys that were new."""
+        statement; ``{key: owner token}`` for the keys that were new. ``shards``: each
+        key's handler's shard key (stored as the per-message claim stores it)."""
         rows = conn.execute(
             self.q["batch_claim_insert"],
-            self._batch_claim_params(lease_seconds, keys, hashes, deliveries),
+            self._batch_claim_params(lease_seconds, keys, hashes, deliveries, shards),
         ).fetchall()
         return {key: token for key, token in rows}
 
     def _batch_claim_params(
         self, lease_seconds: float, keys: Sequence[str], hashes: Sequence[str],
-        deliveries: Sequence[Delivery],
+        deliveries: Sequence[Delivery], shards: Sequence[str | None] | None,
     ) -> dict[str, Any]:
         return {
+            "shards": [self.shard_of(k, s)
+                       for k, s in zip(keys, shards or [None] * len(keys), strict=True)],
             "ns": self.ns,
             "lease": lease_seconds,
             "keys": list(keys),
@@ -395,11 +399,12 @@ class Store(OutboxQueries):
     async def claim_batch_async(
         self, conn: AsyncConn, *, lease_seconds: float, keys: Sequence[str],
         hashes: Sequence[str], deliveries: Sequence[Delivery],
+        shards: Sequence[str | None] | None = None,
     ) -> dict[str, uuid.UUID]:
         """:meth:`claim_batch` on an autocommit async connection: the same statement."""
         cur = await conn.execute(
             self.q["batch_claim_insert"],
-            self._batch_claim_params(lease_seconds, keys, hashes, deliveries))
+            self._batch_claim_params(lease_seconds, keys, hashes, deliveries, shards))
         return {key: token for key, token in await cur.fetchall()}
 
     def lock_batch(self, conn: Conn, keys: Sequence[str]) -> list[dict[str, Any]]:

@@ -420,13 +420,13 @@ WHERE kafka_topic IS NOT NULL AND (%(ns)s::text IS NULL OR namespace = %(ns)s::t
 -- the keys that were inserted; a key that already existed returns no row.
 INSERT INTO {table} AS t (
     namespace, idempotency_key, request_hash, status, owner_token, lease_until, attempts,
-    handler, kafka_topic, kafka_partition, kafka_offset, created_at, updated_at)
+    handler, kafka_topic, kafka_partition, kafka_offset, created_at, updated_at, shard_key)
 SELECT %(ns)s, i.key, i.hash, 'processing', gen_random_uuid(),
        clock_timestamp() + make_interval(secs => %(lease)s), 1,
-       i.handler, i.topic, i.part, i.off, clock_timestamp(), clock_timestamp()
+       i.handler, i.topic, i.part, i.off, clock_timestamp(), clock_timestamp(), i.shard
 FROM unnest(%(keys)b::text[], %(hashes)b::text[], %(handlers)b::text[],
-            %(topics)b::text[], %(parts)b::int[], %(offs)b::bigint[])
-     AS i(key, hash, handler, topic, part, off)
+            %(topics)b::text[], %(parts)b::int[], %(offs)b::bigint[], %(shards)b::text[])
+     AS i(key, hash, handler, topic, part, off, shard)
 ORDER BY i.key
 ON CONFLICT (namespace, idempotency_key) DO NOTHING
 RETURNING idempotency_key, owner_token;

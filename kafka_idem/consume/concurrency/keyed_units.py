@@ -187,8 +187,8 @@ class KeyedUnits:
         for entry in entries:
             job = entry.job
             if isinstance(job, Prepared) and entry.token is None and job.key not in wanted:
-                wanted[job.key] = Wanted(job.key, job.request_hash,
-                                         delivery(self.app.handlers[entry.msg.topic()], entry.msg))
+                wanted[job.key] = Wanted(job.key, job.request_hash, delivery(
+                    self.app.handlers[entry.msg.topic()], entry.msg), job.shard)
         distributed = self.store.distributed
         return RoundClaim(list(wanted.values())) if len(wanted) > 1 and not distributed else None
 

@@ -207,6 +207,7 @@ class BatchPath:
                 keys=ordered,
                 hashes=[_prep(item).request_hash for item in first],
                 deliveries=[delivery(item.handler, item.msg) for item in first],
+                shards=[_prep(item).shard for item in first],
             )
             claims = {key: Claim.new_key(key, token) for key, token in tokens.items()}
             existing = [k for k in ordered if k not in claims]

@@ -43,6 +43,7 @@ class Wanted:
     key: str
     request_hash: str
     delivery: Delivery
+    shard: str | None = None  # the handler's shard key (stored with the record)
 
 
 class RoundClaim:
@@ -125,7 +126,7 @@ def claim_round(store: Store, conn: Conn, wanted: Sequence[Wanted],
             return store.claim_batch(
                 conn, lease_seconds=lease_seconds, keys=[w.key for w in wanted],
                 hashes=[w.request_hash for w in wanted],
-                deliveries=[w.delivery for w in wanted])
+                deliveries=[w.delivery for w in wanted], shards=[w.shard for w in wanted])
     finally:
         if not conn.closed:
             conn.autocommit = False
@@ -139,4 +140,4 @@ async def claim_round_async(store: Store, conn: AsyncConn, wanted: Sequence[Want
         return await store.claim_batch_async(
             conn, lease_seconds=lease_seconds, keys=[w.key for w in wanted],
             hashes=[w.request_hash for w in wanted],
-            deliveries=[w.delivery for w in wanted])
+            deliveries=[w.delivery for w in wanted], shards=[w.shard for w in wanted])
