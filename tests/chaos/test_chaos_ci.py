@@ -53,7 +53,8 @@ def test_chaos_run_has_no_anomaly(tmp_path: Path) -> None:
           f"{result.get('checker', {}).get('anomalies')} anomalies, "
           f"tracebacks {result.get('member_log_tracebacks')}")
     assert sum(by_type.values()) >= 20, context
-    assert set(by_type) == set(FAULTS), context  # every type, the broker restart included
+    # every type, the broker restart included (a worker restart needs --citus)
+    assert set(by_type) == set(FAULTS) - {"worker_restart"}, context
     assert result["checker"]["anomalies"] == 0, context
     assert all(h["ok"] for h in result["health"]), context
     assert result["heal"]["healed_in"] is not None, context
