@@ -10,10 +10,12 @@ partitions) and one member draining it in a process of its own (``worker``):
   (``batch_path=false``), the payments example (``consumers/payments.py``);
 * ``single_batch``: the same on the batch path (the default on one PostgreSQL);
 * ``single_leased``: leased mode (claim, then call and completion);
-* ``citus_local`` / ``citus_leased``: the same example on the local Citus cluster (a
-  coordinator and two workers, ``scripts/citus.sh``), the store distributed, the tables
-  co-located by tenant (``shard_key="{tenant_id}"``): each message one single-shard
-  transaction (on Citus local mode always runs a transaction per message).
+* ``citus_local`` / ``citus_groups`` / ``citus_leased``: the same example on the local
+  Citus cluster (a coordinator and two workers, ``scripts/citus.sh``), the store
+  distributed, the tables co-located by tenant (``shard_key="{tenant_id}"``): local mode
+  with a transaction per message (``batch_path=false``: each message one single-shard
+  transaction), local mode with its default on Citus (a unit's messages in one
+  transaction per worker: ``kafka_idem.consume.paths.worker_groups``), leased mode.
 
 For each: messages/s (wall time from the member's start to the last offset committed),
 CPU per message of the consumer process and of PostgreSQL (every process of the
@@ -61,6 +63,7 @@ ROWS = {  # row -> (database kind, mode, batch path)
     "single_batch": ("single", "local", True),
     "single_leased": ("single", "leased", False),
     "citus_local": ("citus", "local", False),
+    "citus_groups": ("citus", "local", True),
     "citus_leased": ("citus", "leased", False),
 }
 console = Console(stderr=True)
@@ -266,7 +269,8 @@ def print_table(results: dict[str, Any]) -> None:
         t.add_row(name, f"{timed / r['seconds']:,.0f}", f"{r['consumer_cpu'] / timed * 1e6:,.0f}",
                   f"{r['postgres_cpu'] / n * 1e6:,.0f}", coordinator, str(r["exactly_once"]))
     Console().print(t)
-    for single, dist in (("single_local", "citus_local"), ("single_leased", "citus_leased")):
+    for single, dist in (("single_local", "citus_local"), ("single_batch", "citus_groups"),
+                         ("single_leased", "citus_leased"), ("citus_local", "citus_groups")):
         if single in rows and dist in rows:
             a, b = rows[single], rows[dist]
             extra = (b["postgres_cpu"] / b["messages"] - a["postgres_cpu"] / a["messages"]) * 1e6

@@ -229,3 +229,18 @@ def co_locate(conn: psycopg.Connection[Any], table: str, column: str, *, schema:
     conn.execute("SELECT create_distributed_table(%s, %s, colocate_with => %s)",
                  (table, column, found.names["table"]))
     return True
+
+
+def workers_of(conn: psycopg.Connection[Any], store: Store, shards: list[str]) -> dict[str, int]:
+    """``{shard key: the Citus node group (a worker) holding its shard of the records}``,
+    in one statement run on the coordinator alone (its metadata): how local mode groups
+    a unit's messages per worker (:mod:`~kafka_idem.consume.paths.worker_groups`). A
+    placement only: an answer gone stale (a shard moved since) makes a group span two
+    workers, which Citus then commits with two-phase commit; no guarantee rests on it."""
+    records = sql.Identifier(store.schema, store.table).as_string(None)
+    rows = conn.execute(
+        "SELECT s.shard, min(p.groupid) FROM unnest(%s::text[]) AS s(shard) "
+        "JOIN pg_dist_placement p ON p.shardid = "
+        "get_shard_id_for_distribution_column(%s::regclass, s.shard) GROUP BY s.shard",
+        (shards, records)).fetchall()
+    return {str(shard): int(group) for shard, group in rows}

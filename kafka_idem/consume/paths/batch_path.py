@@ -99,7 +99,7 @@ class ClaimOrder:
 
 
 @dataclass
-class _Item:
+class Item:
     tp: TP
     msg: Message
     handler: Handler[Any]
@@ -125,7 +125,7 @@ class BatchPath:
         conn = self.db.connection()
         order = self.order
         try:
-            items = self._prepare(parts, ahead)
+            items = prepare_items(self.steps, parts, ahead)
             answered = self._replays(conn, items) if order.read_first else 0
             claimed, later = self._claim(conn, items, read_existing=not order.read_first)
             order.observe(answered + later, sum(1 for i in items if i.prep is not None))
@@ -138,27 +138,13 @@ class BatchPath:
         out: Results = {tp: [] for tp, _ in parts}
         for item in items:
             assert item.result is not None
-            note = item.note or _committed(item.handler, item.msg, item.result)
+            note = item.note or committed_note(item.handler, item.msg, item.result)
             if note is not None:
                 note.write(log)
             out[item.tp].append(item.result)
         return out
 
-    def _prepare(self, parts: Parts, ahead: Ahead | None) -> list[_Item]:
-        steps = self.steps
-        items = []
-        for tp, msgs in parts:
-            for msg in msgs:
-                handler = steps.handler(msg)
-                try:
-                    items.append(_Item(tp, msg, handler, steps.prepared(handler, msg, ahead)))
-                except MessageError as exc:
-                    verdict = steps.undecodable(handler, msg, exc)  # logged after commit
-                    items.append(_Item(tp, msg, handler, None, verdict.result,
-                                       note=verdict.note))
-        return items
-
-    def _replays(self, conn: Conn, items: list[_Item]) -> int:
+    def _replays(self, conn: Conn, items: list[Item]) -> int:
         """Read first: duplicates of succeeded keys, answered by one read of every key.
         Returns how many messages it answered."""
         occurrences = _undecided(items)
@@ -167,7 +153,7 @@ class BatchPath:
         return self._answer(occurrences, self.steps.store.succeeded(conn, sorted(occurrences)))
 
     def _answer(
-        self, occurrences: dict[str, list[_Item]], done: dict[str, tuple[str, Any]]
+        self, occurrences: dict[str, list[Item]], done: dict[str, tuple[str, Any]]
     ) -> int:
         """Every occurrence of a succeeded key replays its result (or conflicts)."""
         answered = 0
@@ -177,15 +163,11 @@ class BatchPath:
                 answered += 1
         return answered
 
-    def _replay_or_conflict(self, item: _Item, stored_hash: str, result: Any) -> Result:
-        assert item.prep is not None
-        outcome = Outcome.REPLAY if stored_hash == item.prep.request_hash else Outcome.CONFLICT
-        claim = Claim(outcome, item.prep.key, attempts=1, result=result)
-        # The verdict's note is dropped: the batch logs its results after its commit.
-        return self.steps.not_claimed(item.handler, item.msg, item.prep, claim).result
+    def _replay_or_conflict(self, item: Item, stored_hash: str, result: Any) -> Result:
+        return replay_or_conflict(self.steps, item, stored_hash, result)
 
     def _claim(
-        self, conn: Conn, items: list[_Item], *, read_existing: bool
+        self, conn: Conn, items: list[Item], *, read_existing: bool
     ) -> tuple[dict[str, Claim], int]:
         """Claim the first occurrence of every undecided key; a key that already existed
         is decided for *every* occurrence here (or the batch falls back).
@@ -222,7 +204,7 @@ class BatchPath:
         return claims, answered
 
     def _lock_existing(
-        self, conn: Conn, occurrences: dict[str, list[_Item]], existing: list[str]
+        self, conn: Conn, occurrences: dict[str, list[Item]], existing: list[str]
     ) -> int:
         """Lock the keys that existed and were not found succeeded: a conflicting hash,
         a success since the read, or a ``failed`` record met again (dead-lettered again,
@@ -254,11 +236,11 @@ class BatchPath:
                     answered += 1
         return answered
 
-    def _run_handlers(self, conn: Conn, items: list[_Item], claims: dict[str, Claim]) -> None:
+    def _run_handlers(self, conn: Conn, items: list[Item], claims: dict[str, Claim]) -> None:
         """Step 4: handlers (pipelined, or one bulk call per handler); then one fenced
         completion. A key's second occurrence replays its first's result."""
-        first: dict[str, _Item] = {}
-        again: list[_Item] = []
+        first: dict[str, Item] = {}
+        again: list[Item] = []
         for item in items:
             if item.result is None and item.prep is not None:
                 if item.prep.key not in claims:
@@ -280,13 +262,13 @@ class BatchPath:
                 item, _prep(first[_prep(item).key]).request_hash, value)
 
     def _complete(
-        self, conn: Conn, first: dict[str, _Item], claims: dict[str, Claim]
+        self, conn: Conn, first: dict[str, Item], claims: dict[str, Claim]
     ) -> dict[str, Any]:
         """Run the handlers of the first occurrences and mark every success in one
         fenced statement: ``{key: result}``, or a :class:`Finished` dead letter."""
         outcomes: dict[str, Any] = {}
         with translate_errors(), conn.pipeline():
-            by_handler: dict[str, list[_Item]] = {}
+            by_handler: dict[str, list[Item]] = {}
             for item in first.values():
                 by_handler.setdefault(item.handler.name, []).append(item)
             with HandlerBlock(conn):  # a savepoint: a handler's ctx.tx.commit() raises
@@ -314,7 +296,7 @@ class BatchPath:
         return outcomes
 
     def _run_group(
-        self, conn: Conn, group: list[_Item], claims: dict[str, Claim]
+        self, conn: Conn, group: list[Item], claims: dict[str, Claim]
     ) -> dict[str, Any]:
         """One handler's messages: ``{key: result}``, or a :class:`Finished` dead letter
         for an item a bulk handler rejected as permanent (nothing of it was written)."""
@@ -352,7 +334,7 @@ class BatchPath:
                 results[prep.key] = value
         return results
 
-    def _call(self, conn: Conn, item: _Item, claim: Claim) -> Any:
+    def _call(self, conn: Conn, item: Item, claim: Claim) -> Any:
         prep = _prep(item)
         assert claim.token is not None
         ctx = item.ctx = self.steps.context(conn, item.handler, item.msg, prep, claim)
@@ -368,27 +350,52 @@ class BatchPath:
             return result
 
 
-def _prep(item: _Item) -> Prepared:
+def prepare_items(steps: Steps, parts: Parts, ahead: Ahead | None) -> list[Item]:
+    """Every message of ``parts`` decoded (what ``ahead`` holds is taken as it is); an
+    undecodable one has its dead-letter result and note already (logged after commit)."""
+    items = []
+    for tp, msgs in parts:
+        for msg in msgs:
+            handler = steps.handler(msg)
+            try:
+                items.append(Item(tp, msg, handler, steps.prepared(handler, msg, ahead)))
+            except MessageError as exc:
+                verdict = steps.undecodable(handler, msg, exc)
+                items.append(Item(tp, msg, handler, None, verdict.result, note=verdict.note))
+    return items
+
+
+def replay_or_conflict(steps: Steps, item: Item, stored_hash: str, result: Any) -> Result:
+    """``item`` met a succeeded record of its key (stored with ``stored_hash``): its
+    result replayed, or a conflict when its own hash differs."""
+    assert item.prep is not None
+    outcome = Outcome.REPLAY if stored_hash == item.prep.request_hash else Outcome.CONFLICT
+    claim = Claim(outcome, item.prep.key, attempts=1, result=result)
+    # The verdict's note is dropped: the caller logs its results after its commit.
+    return steps.not_claimed(item.handler, item.msg, item.prep, claim).result
+
+
+def _prep(item: Item) -> Prepared:
     """The item's decoded message (only decoded items get this far)."""
     assert item.prep is not None
     return item.prep
 
 
-def _contexts(items: Iterable[_Item]) -> list[Context]:
+def _contexts(items: Iterable[Item]) -> list[Context]:
     """The handler contexts of ``items`` (their emitted events)."""
     return [item.ctx for item in items if item.ctx is not None]
 
 
-def _undecided(items: list[_Item]) -> dict[str, list[_Item]]:
+def _undecided(items: list[Item]) -> dict[str, list[Item]]:
     """``{key: its undecided items, in batch order}``."""
-    occurrences: dict[str, list[_Item]] = {}
+    occurrences: dict[str, list[Item]] = {}
     for item in items:
         if item.prep is not None and item.result is None:
             occurrences.setdefault(item.prep.key, []).append(item)
     return occurrences
 
 
-def _committed(handler: Handler[Any], msg: Message, result: Result) -> Note | None:
+def committed_note(handler: Handler[Any], msg: Message, result: Result) -> Note | None:
     """The log line of a decision the batch made without a verdict of its own (a
     replay, a conflict), once its commit made it stand; the others write their
     verdict's line, the one the per-message path writes for the same decision. A

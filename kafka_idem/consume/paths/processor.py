@@ -29,6 +29,7 @@ from kafka_idem.consume.paths.local_path import LocalPath
 from kafka_idem.consume.paths.round_claim import RoundClaim
 from kafka_idem.consume.paths.slots import Gate
 from kafka_idem.consume.paths.steps import Steps, log
+from kafka_idem.consume.paths.worker_groups import WorkerGroups
 from kafka_idem.consume.tracing import Tracing
 from kafka_idem.errors import FrameworkError, MessageError, StoreUnavailable
 from kafka_idem.observe.metrics import Metrics
@@ -61,6 +62,7 @@ class Processor:
         self.local_path = LocalPath(self.steps, self.db)
         self.leased_path = LeasedPath(self.steps, self.db, leases)
         self.batch_path = BatchPath(self.steps, self.db)
+        self.worker_groups = WorkerGroups(self.steps, self.db, self.local_path)
 
     def connection(self) -> Conn:
         return self.db.connection()
@@ -82,23 +84,24 @@ class Processor:
 
     def _run_local(self, parts: Parts, ahead: Ahead | None) -> Results:
         handlers = {self.app.handlers[tp[0]] for tp, _ in parts}
-        # a distributed store: a transaction per message, each on its message's shard
-        if self.settings.batch_path and not self.store.distributed and all(
-                h.batch for h in handlers):
-            try:
-                return self.batch_path.run(parts, ahead)
-            except Fallback as exc:
-                log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
-            except (FrameworkError, MessageError, psycopg.Error) as exc:
-                # A message's data refused by the database (DataRejected) falls back too:
-                # the per-message path isolates the one message it belongs to.
-                if isinstance(exc, StoreUnavailable) or classify_db_error(exc) is StoreUnavailable:
-                    return self.steps.defer_all(parts, exc)
-                log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
-            except Exception:
-                # A defect of the optimisation must not take the member down: the
-                # per-message path is the reference and decides the batch.
-                log.exception("batch path failed; falling back", extra={"action": "batch_fallback"})
+        if not (self.settings.batch_path and all(h.batch for h in handlers)):
+            return self.run_local_safe(parts)
+        if self.store.distributed:  # a transaction per Citus worker (worker_groups)
+            return self.worker_groups.run(parts, ahead)
+        try:
+            return self.batch_path.run(parts, ahead)
+        except Fallback as exc:
+            log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
+        except (FrameworkError, MessageError, psycopg.Error) as exc:
+            # A message's data refused by the database (DataRejected) falls back too:
+            # the per-message path isolates the one message it belongs to.
+            if isinstance(exc, StoreUnavailable) or classify_db_error(exc) is StoreUnavailable:
+                return self.steps.defer_all(parts, exc)
+            log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
+        except Exception:
+            # A defect of the optimisation must not take the member down: the
+            # per-message path is the reference and decides the batch.
+            log.exception("batch path failed; falling back", extra={"action": "batch_fallback"})
         return self.run_local_safe(parts)
 
     def run_local_safe(self, parts: Parts) -> Results:

@@ -276,7 +276,7 @@ class Steps(Decoding):
         raises, and ``psycopg.Rollback`` is the handler's error (not swallowed)."""
         with HandlerBlock(conn):
             try:
-                result, how = self._handler_step(handler, msg, prep, claim, ctx)
+                result, how = self.handler_step(handler, msg, prep, claim, ctx)
             finally:
                 gate.leave()
             self._complete_step(conn, msg, prep, claim, ctx, result, hold)
@@ -301,7 +301,7 @@ class Steps(Decoding):
         try:
             with conn.pipeline(), AttemptTransaction(conn):  # BEGIN, queued
                 try:
-                    result, how = self._handler_step(handler, msg, prep, claim, ctx)
+                    result, how = self.handler_step(handler, msg, prep, claim, ctx)
                 finally:
                     gate.leave()  # the call's slot: what follows is ours, not the handler's
                 completing = True  # errors from here on may be any statement's
@@ -316,9 +316,11 @@ class Steps(Decoding):
                 conn.autocommit = False
         return how
 
-    def _handler_step(
+    def handler_step(
         self, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim, ctx: Context,
     ) -> tuple[Any, str]:
+        """The handler (or its reconciler, when the claim asks it first) called on
+        ``ctx``, traced: ``(result, "succeeded" or "reconciled")``."""
         self.tracing.note(msg, handler=handler.name, key=prep.key, attempts=claim.attempts)
         with self.tracing.step(msg, "handler"):
             return self._call(handler, prep, ctx, claim)

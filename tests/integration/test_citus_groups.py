@@ -1,0 +1,187 @@
+"""Local mode on a store distributed on Citus (``kafka_idem.consume.paths.worker_groups``):
+a unit's messages run in one transaction per Citus worker, each one-phase on its worker;
+whatever a group cannot decide at once it hands to the per-message path, and the other
+groups commit regardless.
+
+A real :class:`Processor` on the payments example (records and tables by tenant) runs
+units built in the test; what each worker committed in one transaction is read from the
+workers' own row versions (every row a transaction writes carries its id, ``xmin``)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+import pytest
+
+from consumers import payments
+from consumers.payments import encode_charge
+from kafka_idem.admin.migrate import distribute_store, migrate
+from kafka_idem.consume.outcome import Deferred, Ended, Finished, Result
+from kafka_idem.consume.paths.processor import Processor
+from kafka_idem.observe.metrics import Metrics
+from kafka_idem.store import Delivery, Store
+from kafka_idem.testing import FakeMessage
+from tools import citus as citus_db
+
+TOPIC = "groups.charge-requested"
+TENANTS = [f"t{i}" for i in range(8)]
+
+
+@pytest.fixture
+def citus_db_dsn(citus: str) -> Iterator[str]:
+    name = f"kafka_idem_groups_{uuid.uuid4().hex[:10]}"
+    dsn = citus_db.create_database(citus, name)
+    migrate(dsn, "kafka_idem", "task_idempotency")
+    assert distribute_store(dsn, "kafka_idem", "task_idempotency", citus=None)
+    app = payments.build_app(topic=TOPIC, database_url=dsn, events=False)
+    with psycopg.connect(dsn) as conn:
+        for fn in app.migrations:  # the tables, then co-located by tenant
+            fn(conn)
+    yield dsn
+    citus_db.drop_database(citus, name)
+
+
+class Units:
+    """Units of charges at increasing offsets of partitions 0 and 1, through one
+    Processor on the distributed store."""
+
+    def __init__(self, dsn: str, **settings: Any) -> None:
+        self.app = payments.build_app(topic=TOPIC, database_url=dsn, events=False, **settings)
+        self.proc = Processor(self.app, store=Store(
+            schema="kafka_idem", table="task_idempotency", namespace=self.app.namespace,
+            distributed=True), metrics=Metrics())
+        self.offsets = [0, 0]
+
+    def run(self, *charges: tuple[int, str, str, str]) -> dict[int, list[Result]]:
+        """``(partition, tenant, order, amount)`` each; the results by partition."""
+        parts: dict[int, list[FakeMessage]] = {}
+        for partition, tenant, order, amount in charges:
+            parts.setdefault(partition, []).append(FakeMessage(
+                TOPIC, partition=partition, offset=self.offsets[partition],
+                key=order.encode(), value=encode_charge(tenant, order, amount)))
+            self.offsets[partition] += 1
+        results = self.proc.run_local([((TOPIC, p), msgs) for p, msgs in parts.items()])
+        return {tp[1]: r for tp, r in results.items()}
+
+
+@pytest.fixture
+def units(citus_db_dsn: str) -> Iterator[Units]:
+    u = Units(citus_db_dsn)
+    yield u
+    u.proc.close()
+
+
+def ended(results: list[Result]) -> list[Ended | str]:
+    return [r.outcome if isinstance(r, Finished) else "deferred" for r in results]
+
+
+def transactions(dsn: str, table: str) -> dict[int, set[str]]:
+    """``{worker port: the ids of the transactions that wrote table's rows there}``."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            f"SELECT nodeport, result FROM run_command_on_placements('{table}', "  # noqa: S608
+            "$$SELECT coalesce(string_agg(DISTINCT xmin::text, ','), '') FROM %s$$)").fetchall()
+    out: dict[int, set[str]] = {}
+    for port, result in rows:
+        out.setdefault(int(port), set()).update(x for x in result.split(",") if x)
+    return {port: xids for port, xids in out.items() if xids}
+
+
+def balances(dsn: str) -> dict[str, Decimal]:
+    with psycopg.connect(dsn) as conn:
+        return dict(conn.execute("SELECT tenant_id, balance FROM payments.balances").fetchall())
+
+
+def test_a_unit_commits_once_per_worker_each_message_once(units: Units,
+                                                           citus_db_dsn: str) -> None:
+    charges = [(i % 2, TENANTS[i % 8], f"o{i}", "2.00") for i in range(40)]
+    results = units.run(*charges)
+    assert {p: ended(r) for p, r in results.items()} == {
+        0: [Ended.SUCCEEDED] * 20, 1: [Ended.SUCCEEDED] * 20}
+    assert balances(citus_db_dsn) == {t: Decimal("10.00") for t in TENANTS}
+    records = transactions(citus_db_dsn, "kafka_idem.task_idempotency")
+    ledger = transactions(citus_db_dsn, "payments.ledger")
+    # the tenants on both workers; each worker's records and ledger rows: one transaction
+    assert len(records) == 2 and all(len(x) == 1 for x in records.values()), records
+    assert ledger == records
+    # a redelivery of the whole unit: every message replays its record, nothing is written
+    again = Units(citus_db_dsn)
+    try:
+        assert {p: ended(r) for p, r in again.run(*charges).items()} == {
+            0: [Ended.REPLAYED] * 20, 1: [Ended.REPLAYED] * 20}
+    finally:
+        again.proc.close()
+    assert balances(citus_db_dsn) == {t: Decimal("10.00") for t in TENANTS}
+    assert transactions(citus_db_dsn, "kafka_idem.task_idempotency") == records
+
+
+def test_a_key_twice_in_a_unit_replays_and_a_changed_payload_conflicts(
+        units: Units, citus_db_dsn: str) -> None:
+    results = units.run((0, "t1", "o1", "3.00"), (0, "t1", "o1", "3.00"),
+                        (0, "t1", "o1", "4.00"), (1, "t2", "o2", "1.00"))
+    assert ended(results[0]) == [Ended.SUCCEEDED, Ended.REPLAYED, Ended.CONFLICT]
+    conflict = results[0][2]
+    assert isinstance(conflict, Finished) and conflict.letter is not None
+    assert ended(results[1]) == [Ended.SUCCEEDED]
+    assert balances(citus_db_dsn) == {"t1": Decimal("3.00"), "t2": Decimal("1.00")}
+
+
+def test_a_failing_message_sends_its_group_to_the_per_message_path_alone(
+        units: Units, citus_db_dsn: str) -> None:
+    """A permanent failure (a negative amount) in one worker's group: that group runs
+    message by message (the failure recorded, dead-lettered; its neighbours applied), the
+    other worker's group commits in its one transaction."""
+    placement = workers_of_tenants(citus_db_dsn)
+    bad = TENANTS[0]
+    other = next(t for t in TENANTS if placement[t] != placement[bad])
+    near = next(t for t in TENANTS if t != bad and placement[t] == placement[bad])
+    results = units.run((0, bad, "o1", "1.00"), (0, bad, "o2", "-1.00"),
+                        (0, near, "o3", "2.00"), (1, other, "o4", "5.00"),
+                        (1, other, "o5", "5.00"))
+    assert ended(results[0]) == [Ended.SUCCEEDED, Ended.DEAD_LETTERED, Ended.SUCCEEDED]
+    assert ended(results[1]) == [Ended.SUCCEEDED, Ended.SUCCEEDED]
+    assert balances(citus_db_dsn) == {bad: Decimal("1.00"), near: Decimal("2.00"),
+                                      other: Decimal("10.00")}
+    with psycopg.connect(citus_db_dsn) as conn:
+        status = dict(conn.execute("SELECT idempotency_key, status FROM "
+                                   "kafka_idem.task_idempotency").fetchall())
+    assert status == {f"{bad}:charge:o1": "succeeded", f"{bad}:charge:o2": "failed",
+                      f"{near}:charge:o3": "succeeded", f"{other}:charge:o4": "succeeded",
+                      f"{other}:charge:o5": "succeeded"}
+    xids = transactions(citus_db_dsn, "kafka_idem.task_idempotency")
+    assert len(xids[placement[other]]) == 1  # the healthy group: one transaction
+    assert len(xids[placement[bad]]) == 3  # message by message
+
+
+def test_a_busy_key_stops_its_partition_there_and_the_rest_comes_again(
+        units: Units, citus_db_dsn: str) -> None:
+    """A key claimed by someone else (a live lease): its message waits, its partition's
+    results stop there; a later message of that partition on another worker may have
+    committed already, and replays when it comes again."""
+    placement = workers_of_tenants(citus_db_dsn)
+    busy = TENANTS[0]
+    other = next(t for t in TENANTS if placement[t] != placement[busy])
+    first = FakeMessage(TOPIC, key=b"o1", value=encode_charge(busy, "o1", "1.00"))
+    prep = units.proc.prepare(units.app.handlers[TOPIC], first)
+    with psycopg.connect(citus_db_dsn) as conn:  # another member's claim, its lease live
+        claim = units.proc.store.claim_new(
+            conn, key=prep.key, request_hash=prep.request_hash,
+            delivery=Delivery(TOPIC, 0, 0, "charge"), lease_seconds=60, shard=busy)
+        assert claim is not None
+    results = units.run((0, busy, "o1", "1.00"), (0, other, "o2", "2.00"),
+                        (1, other, "o3", "3.00"))
+    assert isinstance(results[0][0], Deferred) and len(results[0]) == 1
+    assert ended(results[1]) == [Ended.SUCCEEDED]
+    assert balances(citus_db_dsn).get(busy) is None
+
+
+def workers_of_tenants(dsn: str) -> dict[str, int]:
+    with psycopg.connect(dsn) as conn:
+        return {t: int(conn.execute(  # type: ignore[index]
+            "SELECT nodeport FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid) "
+            "WHERE p.shardid = get_shard_id_for_distribution_column("
+            "'kafka_idem.task_idempotency', %s::text)", (t,)).fetchone()[0]) for t in TENANTS}
