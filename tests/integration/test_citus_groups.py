@@ -19,6 +19,7 @@ import pytest
 
 from consumers import payments
 from consumers.payments import encode_charge
+from kafka_idem import Retryable
 from kafka_idem.admin.migrate import distribute_store, migrate
 from kafka_idem.consume.outcome import Deferred, Ended, Finished, Result
 from kafka_idem.consume.paths.processor import Processor
@@ -55,6 +56,15 @@ class Units:
             schema="kafka_idem", table="task_idempotency", namespace=self.app.namespace,
             distributed=True), metrics=Metrics())
         self.offsets = [0, 0]
+        self.per_message: list[int] = []  # the messages each per-message run was given
+        local = self.proc.local_path
+        run = local.run
+
+        def counted(parts: Any) -> Any:
+            self.per_message.append(sum(len(msgs) for _tp, msgs in parts))
+            return run(parts)
+
+        local.run = counted  # type: ignore[method-assign]
 
     def run(self, *charges: tuple[int, str, str, str]) -> dict[int, list[Result]]:
         """``(partition, tenant, order, amount)`` each; the results by partition."""
@@ -83,7 +93,7 @@ def transactions(dsn: str, table: str) -> dict[int, set[str]]:
     """``{worker port: the ids of the transactions that wrote table's rows there}``."""
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(
-            f"SELECT nodeport, result FROM run_command_on_placements('{table}', "  # noqa: S608
+            f"SELECT nodeport, result FROM run_command_on_placements('{table}', "
             "$$SELECT coalesce(string_agg(DISTINCT xmin::text, ','), '') FROM %s$$)").fetchall()
     out: dict[int, set[str]] = {}
     for port, result in rows:
@@ -128,13 +138,16 @@ def test_a_key_twice_in_a_unit_replays_and_a_changed_payload_conflicts(
     assert isinstance(conflict, Finished) and conflict.letter is not None
     assert ended(results[1]) == [Ended.SUCCEEDED]
     assert balances(citus_db_dsn) == {"t1": Decimal("3.00"), "t2": Decimal("1.00")}
+    assert units.per_message == []
 
 
-def test_a_failing_message_sends_its_group_to_the_per_message_path_alone(
+def test_a_failing_message_is_recorded_in_its_group_which_stays_careful(
         units: Units, citus_db_dsn: str) -> None:
-    """A permanent failure (a negative amount) in one worker's group: that group runs
-    message by message (the failure recorded, dead-lettered; its neighbours applied), the
-    other worker's group commits in its one transaction."""
+    """A permanent failure (a negative amount) in one worker's group: the group runs
+    again with a savepoint per handler, the failure recorded and dead-lettered in it, its
+    neighbours applied; the other worker's group commits too. The processor stays
+    careful while groups fail, and drops it after a clean one. (Rows written in a
+    savepoint carry its subtransaction's id: no one-id-per-worker count here.)"""
     placement = workers_of_tenants(citus_db_dsn)
     bad = TENANTS[0]
     other = next(t for t in TENANTS if placement[t] != placement[bad])
@@ -143,18 +156,60 @@ def test_a_failing_message_sends_its_group_to_the_per_message_path_alone(
                         (0, near, "o3", "2.00"), (1, other, "o4", "5.00"),
                         (1, other, "o5", "5.00"))
     assert ended(results[0]) == [Ended.SUCCEEDED, Ended.DEAD_LETTERED, Ended.SUCCEEDED]
+    letter = results[0][1]
+    assert isinstance(letter, Finished) and letter.letter is not None
     assert ended(results[1]) == [Ended.SUCCEEDED, Ended.SUCCEEDED]
     assert balances(citus_db_dsn) == {bad: Decimal("1.00"), near: Decimal("2.00"),
                                       other: Decimal("10.00")}
+    assert statuses(citus_db_dsn) == {
+        f"{bad}:charge:o1": "succeeded", f"{bad}:charge:o2": "failed",
+        f"{near}:charge:o3": "succeeded", f"{other}:charge:o4": "succeeded",
+        f"{other}:charge:o5": "succeeded"}
+    assert units.proc.worker_groups.careful  # the last group met an error
+    assert units.per_message == []  # every group decided in its transaction
+    assert ended(units.run((0, near, "o6", "1.00"))[0]) == [Ended.SUCCEEDED]
+    assert not units.proc.worker_groups.careful
+
+
+def test_a_retry_stops_its_partition_in_the_group_and_a_rejected_write_rolls_back_alone(
+        units: Units, citus_db_dsn: str) -> None:
+    """Careful from the start: a handler's retryable error waits (its partition's later
+    message in the group is not run), and a handler whose statement the database refuses
+    (a balance past numeric(18,2)) is dead-lettered with nothing of it written, its
+    savepoint rolled back; the rest of the group commits."""
+    placement = workers_of_tenants(citus_db_dsn)
+    a = TENANTS[0]
+    b = next(t for t in TENANTS if t != a and placement[t] == placement[a])
+    handler = units.app.handlers[TOPIC]
+    charge = handler.fn
+
+    def flaky(msg: Any, ctx: Any) -> Any:
+        if msg.order_id == "o2":
+            raise Retryable("o2 fails once")
+        return charge(msg, ctx)
+
+    handler.fn = flaky
+    units.proc.worker_groups.careful = True
+    most = "9999999999999999.00"
+    results = units.run((0, a, "o1", "1.00"), (0, a, "o2", "1.00"), (0, a, "o3", "1.00"),
+                        (1, b, "o4", most), (1, b, "o5", "5.00"))
+    assert ended(results[0])[:1] == [Ended.SUCCEEDED]
+    assert isinstance(results[0][1], Deferred) and len(results[0]) == 2
+    assert ended(results[1]) == [Ended.SUCCEEDED, Ended.DEAD_LETTERED]
+    assert balances(citus_db_dsn) == {a: Decimal("1.00"), b: Decimal(most)}
     with psycopg.connect(citus_db_dsn) as conn:
-        status = dict(conn.execute("SELECT idempotency_key, status FROM "
-                                   "kafka_idem.task_idempotency").fetchall())
-    assert status == {f"{bad}:charge:o1": "succeeded", f"{bad}:charge:o2": "failed",
-                      f"{near}:charge:o3": "succeeded", f"{other}:charge:o4": "succeeded",
-                      f"{other}:charge:o5": "succeeded"}
-    xids = transactions(citus_db_dsn, "kafka_idem.task_idempotency")
-    assert len(xids[placement[other]]) == 1  # the healthy group: one transaction
-    assert len(xids[placement[bad]]) == 3  # message by message
+        ledger = conn.execute("SELECT order_id FROM payments.ledger ORDER BY 1").fetchall()
+    assert ledger == [("o1",), ("o4",)]  # o5's ledger row went with its savepoint
+    assert statuses(citus_db_dsn) == {
+        f"{a}:charge:o1": "succeeded", f"{a}:charge:o2": "retryable_failed",
+        f"{b}:charge:o4": "succeeded", f"{b}:charge:o5": "failed"}  # o3: not run
+    assert units.per_message == []
+
+
+def statuses(dsn: str) -> dict[str, str]:
+    with psycopg.connect(dsn) as conn:
+        return dict(conn.execute("SELECT idempotency_key, status FROM "
+                                 "kafka_idem.task_idempotency").fetchall())
 
 
 def test_a_busy_key_stops_its_partition_there_and_the_rest_comes_again(
@@ -177,6 +232,7 @@ def test_a_busy_key_stops_its_partition_there_and_the_rest_comes_again(
     assert isinstance(results[0][0], Deferred) and len(results[0]) == 1
     assert ended(results[1]) == [Ended.SUCCEEDED]
     assert balances(citus_db_dsn).get(busy) is None
+    assert units.per_message == []
 
 
 def workers_of_tenants(dsn: str) -> dict[str, int]:

@@ -12,13 +12,18 @@ Every statement about a message is routed to its shard, as on the per-message pa
 Measured (docs/SCALING.md): 1.75x the rate of a transaction per message, 0.66x its
 PostgreSQL CPU.
 
-Optimistic, as the batch path is. A claim that is not the key's at once decides the
-message as the per-message claim does (a replay, a conflict, a dead letter again, a busy
-key waiting), written with the group; a handler error, a lost fence, a write to a
-table local to the coordinator, a key met twice that did not succeed the first time:
-the group's transaction rolls back and its messages run on the per-message path
+A claim that is not the key's at once decides the message as the per-message claim
+does (a replay, a conflict, a dead letter again, a busy key waiting), written with the
+group. Handlers run without a savepoint (each costs a round trip to the worker on
+Citus): a handler's error rolls the group back and runs it again *careful*, each
+handler in a savepoint of its own, its failure recorded in the group as the per-message
+path records it; a processor stays careful while its groups keep meeting errors. What
+neither attempt decides (a lost fence, a write to a table local to the coordinator, a
+deadlock, a key met twice that did not succeed the first time) rolls the group back and
+its messages run on the per-message path
 (:mod:`~kafka_idem.consume.paths.local_path`), which handles every case. A lost
-connection defers what was not committed.
+connection defers what was not committed. A partition stops, within its group too, at
+its first message that waits.
 
 Groups commit one after another: a partition's messages on two workers commit in two
 transactions, so a later message's effect may be visible before an earlier one's of the
@@ -55,11 +60,28 @@ from kafka_idem.consume.paths.batch_path import (
 from kafka_idem.consume.paths.database import Database
 from kafka_idem.consume.paths.local_path import LocalPath
 from kafka_idem.consume.paths.steps import Steps, log
-from kafka_idem.errors import ConfigError, FrameworkError, StoreUnavailable
-from kafka_idem.store import AttemptTransaction, Claim, Conn, Outcome, classify_db_error
+from kafka_idem.errors import (
+    ConfigError,
+    FrameworkError,
+    StaleOwner,
+    StoreUnavailable,
+    TransientStoreError,
+)
+from kafka_idem.store import (
+    AttemptTransaction,
+    Claim,
+    Conn,
+    HandlerBlock,
+    Outcome,
+    classify_db_error,
+)
 from kafka_idem.store.citus import workers_of
 
 Done = tuple[Item, Claim, Any]  # a message whose handler succeeded: its claim, its result
+
+
+class HandlerFailed(Fallback):
+    """A handler raised on a group's attempt without savepoints: run it again, careful."""
 
 
 class WorkerGroups:
@@ -69,6 +91,7 @@ class WorkerGroups:
         self.steps = steps
         self.db = db
         self.local = local
+        self.careful = False  # a savepoint per handler (the last group met an error)
 
     def run(self, parts: Parts, ahead: Ahead | None = None) -> Results:
         try:
@@ -85,7 +108,7 @@ class WorkerGroups:
         for group in groups:
             todo = [i for i in group if i.msg.offset() < stops.get(i.tp, 1 << 62)]
             try:
-                self._commit_group(todo)
+                self._attempt(todo)
             except StoreUnavailable as exc:
                 lost = exc
                 break
@@ -123,18 +146,33 @@ class WorkerGroups:
                 groups.setdefault(worker.get(shard[id(item)], -1), []).append(item)
         return [groups[w] for w in sorted(groups)]
 
-    def _commit_group(self, group: list[Item]) -> None:
+    def _attempt(self, group: list[Item]) -> None:
+        """Commit ``group``: without savepoints unless the last group needed them; a
+        handler's error there runs it again, careful."""
+        if not self.careful:
+            try:
+                self._commit_group(group, careful=False)
+                return
+            except HandlerFailed as exc:
+                log.debug("group runs again, careful: %s", exc,
+                          extra={"action": "batch_fallback"})
+                _cleared(group)
+        self.careful = self._commit_group(group, careful=True)
+
+    def _commit_group(self, group: list[Item], *, careful: bool) -> bool:
         """One worker's messages in one transaction, committed; their notes logged after.
-        Raises :class:`Fallback` (rolled back) for a case left to the per-message path,
+        Returns whether a handler failed (recorded: ``careful``). Raises
+        :class:`Fallback` (rolled back) for a case left to the per-message path,
         :class:`StoreUnavailable` when the connection is gone (the commit's outcome then
         unknown: the messages come again and replay what committed)."""
         if not group:
-            return
+            return False
         conn = self.db.connection()
         conn.autocommit = True  # BEGIN and COMMIT travel in the pipeline
+        failed: list[Item] = []
         try:
             with conn.pipeline(), AttemptTransaction(conn):
-                done = self._run_group(conn, group)
+                done = self._run_group(conn, group, failed if careful else None)
         except Exception as exc:
             with contextlib.suppress(psycopg.Error):
                 conn.rollback()  # an aborted or open transaction (no-op when none is)
@@ -150,21 +188,27 @@ class WorkerGroups:
             assert item.prep is not None
             item.result = Finished(Ended.SUCCEEDED, key=item.prep.key)
         for item in group:
-            assert item.result is not None
-            note = item.note or committed_note(item.handler, item.msg, item.result)
-            if note is not None:
-                note.write(log)
+            if item.result is not None:  # (None: after its partition stopped)
+                note = item.note or committed_note(item.handler, item.msg, item.result)
+                if note is not None:
+                    note.write(log)
+        return bool(failed)
 
-    def _run_group(self, conn: Conn, group: list[Item]) -> list[Done]:
-        """Claims and handlers in order; a key's later occurrences; the events; the
-        fenced completions (queued: a stale token fails the ``COMMIT`` after them)."""
+    def _run_group(self, conn: Conn, group: list[Item], failed: list[Item] | None
+                   ) -> list[Done]:
+        """Claims and handlers in order (``failed``: careful, the messages whose handler
+        failed go there); a key's later occurrences; the events; the fenced completions
+        (queued: a stale token fails the ``COMMIT`` after them)."""
         steps = self.steps
         done: list[Done] = []
         first: dict[str, Item] = {}
         again: list[Item] = []
+        stopped: set[TP] = set()  # partitions at a message that waits
         for item in group:
             prep = item.prep
             assert prep is not None
+            if item.tp in stopped:
+                continue
             if prep.key in first:
                 again.append(item)
                 continue
@@ -173,12 +217,20 @@ class WorkerGroups:
             if claim.outcome is not Outcome.CLAIMED:
                 verdict = steps.not_claimed(item.handler, item.msg, prep, claim)
                 item.result, item.note = verdict.result, verdict.note
-                continue
-            done.append((item, claim, self._call(conn, item, claim)))
+            elif failed is None:
+                done.append((item, claim, self._call(conn, item, claim)))
+            elif (called := self._call_careful(conn, item, claim)) is not None:
+                done.append((item, claim, called[0]))
+            else:
+                failed.append(item)
+            if isinstance(item.result, Deferred):
+                stopped.add(item.tp)
         succeeded = {item.prep.key: result for item, _c, result in done if item.prep}
         for item in again:  # exactly like a redelivery after the first occurrence
             prep = item.prep
             assert prep is not None
+            if item.tp in stopped:
+                continue
             if prep.key not in succeeded:
                 raise Fallback("a key met twice did not succeed the first time")
             stored = first[prep.key].prep
@@ -207,8 +259,40 @@ class WorkerGroups:
             try:
                 result, _how = steps.handler_step(item.handler, item.msg, prep, claim, ctx)
             except Exception as exc:
-                raise Fallback(f"handler raised {type(exc).__name__}") from exc
+                raise HandlerFailed(f"handler raised {type(exc).__name__}") from exc
         return result
+
+    def _call_careful(self, conn: Conn, item: Item, claim: Claim) -> tuple[Any] | None:
+        """The handler in a savepoint: ``(result,)``; or, when it raised, its writes (and
+        its events) rolled back, its failure recorded in the group as the per-message path
+        records it (``item.result``: a retry waits, a dead letter), and ``None``. A
+        deadlock, a lost connection or the framework's own error leaves the group."""
+        prep = item.prep
+        assert prep is not None
+        steps = self.steps
+        ctx = item.ctx = steps.context(conn, item.handler, item.msg, prep, claim)
+        try:
+            # A savepoint. psycopg decides savepoint or BEGIN from the transaction state
+            # the server last reported, which comes with a sync only: the pipeline is
+            # synced first (the group's queued BEGIN and claims then reported).
+            # Synced again before the savepoint is released: an error of the handler's
+            # statements is met inside it, as the handler's.
+            with conn.pipeline() as pipeline:
+                pipeline.sync()
+                with steps.handler_time(item.handler), HandlerBlock(conn):
+                    result, _how = steps.handler_step(item.handler, item.msg, prep, claim,
+                                                      ctx)
+                    pipeline.sync()
+            return (result,)
+        except (FrameworkError, StaleOwner):
+            raise
+        except Exception as exc:
+            if self.db.gone(exc) or classify_db_error(exc) is TransientStoreError:
+                raise  # the connection, or contention (a deadlock): not the message's
+            item.ctx = None  # its events went with its savepoint
+            verdict = steps.record_failure(conn, item.handler, item.msg, prep, claim, exc)
+            item.result, item.note = verdict.result, verdict.note
+            return None
 
     def _per_message(self, items: list[Item]) -> None:
         """The per-message path for ``items`` (decoded afresh); their results set."""
