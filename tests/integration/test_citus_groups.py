@@ -206,6 +206,26 @@ def test_a_retry_stops_its_partition_in_the_group_and_a_rejected_write_rolls_bac
     assert units.per_message == []
 
 
+def test_a_handler_savepoint_of_its_own_runs_in_the_group(units: Units,
+                                                           citus_db_dsn: str) -> None:
+    """``ctx.tx.transaction()`` in a handler is a savepoint of the group's transaction
+    (not a BEGIN of its own): the group commits without falling back."""
+    handler = units.app.handlers[TOPIC]
+    charge = handler.fn
+
+    def nested(msg: Any, ctx: Any) -> Any:
+        ctx.tx.execute("SELECT 1").fetchone()
+        with ctx.tx.transaction():
+            return charge(msg, ctx)
+
+    handler.fn = nested
+    results = units.run(*[(i % 2, TENANTS[i % 8], f"o{i}", "1.00") for i in range(16)])
+    assert {p: ended(r) for p, r in results.items()} == {
+        0: [Ended.SUCCEEDED] * 8, 1: [Ended.SUCCEEDED] * 8}
+    assert balances(citus_db_dsn) == {t: Decimal("2.00") for t in TENANTS}
+    assert units.per_message == [] and not units.proc.worker_groups.careful
+
+
 def statuses(dsn: str) -> dict[str, str]:
     with psycopg.connect(dsn) as conn:
         return dict(conn.execute("SELECT idempotency_key, status FROM "

@@ -171,7 +171,11 @@ class WorkerGroups:
         conn.autocommit = True  # BEGIN and COMMIT travel in the pipeline
         failed: list[Item] = []
         try:
-            with conn.pipeline(), AttemptTransaction(conn):
+            with conn.pipeline() as pipeline, AttemptTransaction(conn):
+                # The queued BEGIN sent and its state reported: psycopg decides savepoint
+                # or BEGIN for a block (a handler's ctx.tx.transaction(), the careful
+                # call's) from the state the server last reported, which a sync brings.
+                pipeline.sync()
                 done = self._run_group(conn, group, failed if careful else None)
         except Exception as exc:
             with contextlib.suppress(psycopg.Error):
@@ -272,17 +276,13 @@ class WorkerGroups:
         steps = self.steps
         ctx = item.ctx = steps.context(conn, item.handler, item.msg, prep, claim)
         try:
-            # A savepoint. psycopg decides savepoint or BEGIN from the transaction state
-            # the server last reported, which comes with a sync only: the pipeline is
-            # synced first (the group's queued BEGIN and claims then reported).
-            # Synced again before the savepoint is released: an error of the handler's
-            # statements is met inside it, as the handler's.
-            with conn.pipeline() as pipeline:
+            # A savepoint (the group's transaction was reported at its start), synced
+            # before it is released: an error of the handler's statements is met inside
+            # it, as the handler's.
+            with conn.pipeline() as pipeline, steps.handler_time(item.handler), \
+                    HandlerBlock(conn):
+                result, _how = steps.handler_step(item.handler, item.msg, prep, claim, ctx)
                 pipeline.sync()
-                with steps.handler_time(item.handler), HandlerBlock(conn):
-                    result, _how = steps.handler_step(item.handler, item.msg, prep, claim,
-                                                      ctx)
-                    pipeline.sync()
             return (result,)
         except (FrameworkError, StaleOwner):
             raise
