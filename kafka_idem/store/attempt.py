@@ -65,6 +65,18 @@ class AttemptTransaction(HandlerBlock):
         _check_idle(conn)
         super().__init__(conn)
 
+    def __enter__(self) -> AttemptTransaction:
+        super().__enter__()
+        _mark(self._conn, True)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> Literal[False]:
+        _mark(self._conn, False)
+        return super().__exit__(exc_type, exc_val, exc_tb)
+
 
 class AsyncAttemptTransaction(psycopg.AsyncTransaction):
     """:class:`AttemptTransaction` on an async connection."""
@@ -73,12 +85,25 @@ class AsyncAttemptTransaction(psycopg.AsyncTransaction):
         _check_idle(conn)
         super().__init__(conn)
 
+    async def __aenter__(self) -> AsyncAttemptTransaction:
+        await super().__aenter__()
+        _mark(self._conn, True)
+        return self
+
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc_val: BaseException | None,
         exc_tb: TracebackType | None,
     ) -> Literal[False]:
+        _mark(self._conn, False)
         await super().__aexit__(exc_type, exc_val, exc_tb)
         return False
+
+
+def _mark(conn: Any, open_: bool) -> None:
+    """Tell a kafka_idem connection (:class:`~kafka_idem.store.connection.Connection`)
+    that an attempt's ``BEGIN`` is queued in it: its ``transaction()`` then syncs first."""
+    if hasattr(conn, "attempt_open"):
+        conn.attempt_open = open_
 
 
 def unmasked(exc: BaseException) -> BaseException:

@@ -4,12 +4,54 @@ for ``async def`` handlers) alike."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 
 from kafka_idem.store.errors import translate_errors
 from kafka_idem.store.types import AsyncConn, Conn
+
+
+class Connection(psycopg.Connection[Any]):
+    """psycopg's connection, whose ``transaction()`` is a savepoint inside a leased
+    attempt (:class:`~kafka_idem.store.attempt.AttemptTransaction`) at any point.
+
+    The attempt's ``BEGIN`` is only queued in the pipeline, and psycopg decides between
+    ``BEGIN`` and ``SAVEPOINT`` for a block from the transaction state the server last
+    reported, which only a sync brings. A handler's ``with ctx.tx.transaction():`` after
+    a statement whose result it read would otherwise take itself for the outer
+    transaction: an ``AssertionError`` in psycopg, or with ``python -O`` a ``COMMIT`` of
+    the attempt's writes before their fenced completion. Here it syncs first (one round
+    trip, only then)."""
+
+    attempt_open = False  # an attempt's BEGIN is queued in this connection's pipeline
+
+    @contextmanager
+    def transaction(self, savepoint_name: str | None = None,
+                    force_rollback: bool = False) -> Iterator[psycopg.Transaction]:
+        if self.attempt_open and self.info.transaction_status == TransactionStatus.IDLE:
+            with self.pipeline() as pipeline:
+                pipeline.sync()
+        with super().transaction(savepoint_name, force_rollback) as tx:
+            yield tx
+
+
+class AsyncConnection(psycopg.AsyncConnection[Any]):
+    """:class:`Connection` for ``async def`` handlers."""
+
+    attempt_open = False
+
+    @asynccontextmanager
+    async def transaction(self, savepoint_name: str | None = None,
+                          force_rollback: bool = False) -> AsyncIterator[psycopg.AsyncTransaction]:
+        if self.attempt_open and self.info.transaction_status == TransactionStatus.IDLE:
+            async with self.pipeline() as pipeline:
+                await pipeline.sync()
+        async with super().transaction(savepoint_name, force_rollback) as tx:
+            yield tx
 
 
 def connect(
@@ -27,7 +69,7 @@ def connect(
     waiting past its poll interval.
     """
     with translate_errors():
-        conn = psycopg.connect(dsn, autocommit=False, application_name=application_name)
+        conn = Connection.connect(dsn, autocommit=False, application_name=application_name)
         for sql, params in _session(idle_in_transaction_timeout, lock_timeout):
             conn.execute(sql, params)
         conn.commit()
@@ -40,7 +82,7 @@ async def connect_async(
 ) -> AsyncConn:
     """:func:`connect` for ``async def`` handlers: the same session settings."""
     with translate_errors():
-        conn = await psycopg.AsyncConnection.connect(
+        conn = await AsyncConnection.connect(
             dsn, autocommit=False, application_name=application_name
         )
         for sql, params in _session(idle_in_transaction_timeout, lock_timeout):
