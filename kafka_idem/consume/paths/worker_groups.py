@@ -25,6 +25,13 @@ its messages run on the per-message path
 connection defers what was not committed. A partition stops, within its group too, at
 its first message that waits.
 
+A group holds its rows' locks until its commit, so members whose groups share rows (a
+tenant's balance) wait for each other, and may deadlock (detected after a second or
+two). A group that meets a deadlock, a lock timeout or a serialization failure rolls
+back, and the processor then runs its units message by message for
+:data:`CONTENDED_SECONDS` (a transaction per message holds its locks only for that
+message) before it tries groups again.
+
 Groups commit one after another: a partition's messages on two workers commit in two
 transactions, so a later message's effect may be visible before an earlier one's of the
 same partition. A key's messages are always on one shard, so in one group: per-key order
@@ -35,6 +42,7 @@ messages, committed or not, come again (and replay).
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import psycopg
@@ -84,6 +92,14 @@ class HandlerFailed(Fallback):
     """A handler raised on a group's attempt without savepoints: run it again, careful."""
 
 
+class Contended(Fallback):
+    """A group met other transactions' locks (a deadlock, a lock timeout)."""
+
+
+CONTENDED_SECONDS = 30.0
+"""After a group met contention, how long a processor runs its units message by message."""
+
+
 class WorkerGroups:
     """The local-mode path of one processor on a distributed store."""
 
@@ -92,8 +108,11 @@ class WorkerGroups:
         self.db = db
         self.local = local
         self.careful = False  # a savepoint per handler (the last group met an error)
+        self.contended_until = 0.0  # monotonic time: message by message until then
 
     def run(self, parts: Parts, ahead: Ahead | None = None) -> Results:
+        if time.monotonic() < self.contended_until:
+            return self.local.run(parts)
         try:
             items = prepare_items(self.steps, parts, ahead)
             with self.db.unavailable():
@@ -113,6 +132,8 @@ class WorkerGroups:
                 lost = exc
                 break
             except Fallback as exc:
+                if isinstance(exc, Contended):
+                    self._contended(exc)
                 log.debug("group falls back: %s", exc, extra={"action": "batch_fallback"})
                 fallback.extend(_cleared(todo))
                 continue
@@ -125,6 +146,12 @@ class WorkerGroups:
             if item.prep is None and item.note is not None:  # undecodable: no transaction
                 item.note.write(log)
         return self._results(parts, items, lost)
+
+    def _contended(self, exc: Contended) -> None:
+        if time.monotonic() >= self.contended_until:
+            log.info("a group met other members' locks (%s): message by message for %.0f s",
+                     exc, CONTENDED_SECONDS, extra={"action": "groups_contended"})
+        self.contended_until = time.monotonic() + CONTENDED_SECONDS
 
     def _groups(self, conn: Conn, items: list[Item]) -> list[list[Item]]:
         """The decoded messages grouped by the worker of their shard, each group in the
@@ -180,10 +207,14 @@ class WorkerGroups:
         except Exception as exc:
             with contextlib.suppress(psycopg.Error):
                 conn.rollback()  # an aborted or open transaction (no-op when none is)
+            cause = exc.__cause__ if isinstance(exc, HandlerFailed) else exc
+            kind = classify_db_error(cause) if cause is not None else None
+            if self.db.gone(exc) or kind is StoreUnavailable:
+                raise StoreUnavailable(str(exc)) from exc
+            if kind is TransientStoreError or isinstance(cause, TransientStoreError):
+                raise Contended(f"{type(cause).__name__}: {cause}") from exc
             if isinstance(exc, Fallback):
                 raise
-            if self.db.gone(exc) or classify_db_error(exc) is StoreUnavailable:
-                raise StoreUnavailable(str(exc)) from exc
             raise Fallback(f"{type(exc).__name__}: {exc}") from exc
         finally:
             if not conn.closed:
