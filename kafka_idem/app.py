@@ -196,8 +196,8 @@ class App:
         an :class:`AsyncContext` (``ctx.tx`` a ``psycopg.AsyncConnection``; the how-to
         on concurrency has an example).
 
-        ``shard_key`` (like ``key``, e.g. ``"{tenant_id}"``; default the key): where a
-        store distributed on Citus places the message's rows (docs/SCALING.md).
+        ``shard_key`` (default the key): where Citus places the message's rows: a
+        template of ``key``'s fields or a function of the key (docs/CITUS.md).
         """
         check_handler_options(topic, dlq_topic=dlq_topic, mode=mode, concurrency=concurrency,
                               ordering_key=ordering_key, taken=self.handlers, max_rate=max_rate)

@@ -24,6 +24,7 @@ from kafka_idem.context import EventSink as EventSink
 from kafka_idem.errors import (
     ConfigError,
     MessageError,
+    MissingKeyField,
     PayloadTooLarge,
     Permanent,
     Retryable,
@@ -165,8 +166,7 @@ class Handler(Generic[M]):
         # string, or 7 and "7" would share a key (docs/BAD_INPUT.md).
         self.key = KeyTemplate(key, strings_only=model is None)
         # the shard a distributed store keeps this message's rows on (None: the key's own)
-        self.shard = (shard_template(name, shard_key, self.key)
-                      if shard_key is not None else None)
+        self.shard = ShardKey(name, shard_key, self.key) if shard_key is not None else None
         self.hash_fields = hash_fields
         self.mode: Mode = mode
         self.batch = batch
@@ -333,20 +333,62 @@ class Handler(Generic[M]):
         return None
 
 
-def shard_template(name: str, spec: KeySpec, key: KeyTemplate) -> KeyTemplate:
-    """``shard_key=``'s template; refused when it names a field ``key=`` does not (two
-    messages with one idempotency key could then be placed on two shards, and the
-    second would not find the first's record)."""
-    shard = KeyTemplate(spec, setting="shard_key", strings_only=key.strings_only)
-    if isinstance(spec, str) and isinstance(key.spec, str):
-        extra = [f for f in shard.fields if f not in key.fields]
+class ShardKey:
+    """A handler's ``shard_key=``: a template of payload fields that ``key=`` names too,
+    or a function of the idempotency key (``lambda key: key.split(":")[0]``). Either
+    way one idempotency key always has one shard: two messages with one key placed on
+    two shards would each find no record of the other, and both take effect."""
+
+    def __init__(self, name: str, spec: KeySpec, key: KeyTemplate) -> None:
+        self.template: KeyTemplate | None = None
+        self.of_key: Callable[[str], Any] | None = None
+        if callable(spec):
+            _takes_one(name, spec)
+            self.of_key = spec
+            return
+        template = KeyTemplate(spec, setting="shard_key", strings_only=key.strings_only)
+        if not isinstance(key.spec, str):
+            raise ConfigError(
+                f"handler {name!r}: with key= a function, shard_key= cannot be a template "
+                "(its fields could differ between two messages of one key); give a "
+                "function of the idempotency key, e.g. shard_key=lambda key: "
+                "key.split(':')[0]", setting="shard_key")
+        extra = [f for f in template.fields if f not in key.fields]
         if extra:
             raise ConfigError(
                 f"handler {name!r}: shard_key= names {', '.join(map(repr, extra))}, which "
                 f"key= ({key.spec!r}) does not: one idempotency key must always have one "
                 "shard; add the field to key= or leave it out of shard_key=",
                 setting="shard_key")
-    return shard
+        self.template = template
+
+    @property
+    def escapes(self) -> bool:
+        """Whether :meth:`build` escapes (a template) or not (a function)."""
+        return self.template is not None and self.template.escapes
+
+    def build(self, payload: Any, key: str) -> str:
+        """The shard key of a message with ``payload`` and idempotency key ``key``."""
+        if self.template is not None:
+            return self.template.build(payload)
+        assert self.of_key is not None
+        shard = self.of_key(key)
+        if not isinstance(shard, str) or not shard or shard.isspace():
+            raise MissingKeyField(f"the shard_key function returned {shard!r} for key "
+                                  f"{key!r}, not a non-empty string")
+        return shard
+
+
+def _takes_one(name: str, fn: Callable[..., Any]) -> None:
+    try:
+        inspect.signature(fn).bind("key")
+    except TypeError:
+        raise ConfigError(
+            f"handler {name!r}: a shard_key= function takes one argument, the idempotency "
+            "key (a function of the payload could place two messages of one key apart)",
+            setting="shard_key") from None
+    except ValueError:  # no signature to read (a builtin): called as documented
+        pass
 
 
 def _check_fields(name: str, topic: str, model: Any, known: tuple[str, ...],

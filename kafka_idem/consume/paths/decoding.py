@@ -30,7 +30,7 @@ class Decoding:
         except (ValueError, TypeError, ArithmeticError) as exc:  # NaN, infinity, naive datetime
             raise InvalidPayload(f"the request hash cannot be computed: {exc}") from exc
         shard = None if handler.shard is None else check_key(
-            handler.shard.build(model), self.settings.key_max_bytes,
+            handler.shard.build(model, key), self.settings.key_max_bytes,
             escaped=handler.shard.escapes)
         return Prepared(model, key, digest, shard)
 
