@@ -9,6 +9,8 @@ workers are read from the coordinator's ``pg_dist_node`` and reached as it lists
 
 from __future__ import annotations
 
+import time
+
 import psycopg
 from psycopg import sql
 
@@ -44,8 +46,17 @@ def create_database(url: str, name: str) -> str:
 
 
 def drop_database(url: str, name: str) -> None:
-    """Drop ``name`` on every node, whoever is still connected."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("SET citus.enable_create_database_propagation = on")
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(name)))
+    """Drop ``name`` on every node, whoever is still connected. A worker can still hold
+    a session for a moment after the coordinator's sessions are ended (the coordinator's
+    connection to it closing): tried again a few times then."""
+    for attempt in range(10):
+        try:
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.execute("SET citus.enable_create_database_propagation = on")
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    sql.Identifier(name)))
+            return
+        except psycopg.errors.ObjectInUse:
+            if attempt == 9:
+                raise
+            time.sleep(0.5)

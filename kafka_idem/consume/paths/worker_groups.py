@@ -142,10 +142,7 @@ class WorkerGroups:
                     stops[item.tp] = min(stops.get(item.tp, 1 << 62), item.msg.offset())
         if fallback and lost is None:
             self._per_message(fallback)
-        for item in items:
-            if item.prep is None and item.note is not None:  # undecodable: no transaction
-                item.note.write(log)
-        return self._results(parts, items, lost)
+        return self._results(parts, items, lost, logged={id(i) for i in fallback})
 
     def _contended(self, exc: Contended) -> None:
         if time.monotonic() >= self.contended_until:
@@ -187,7 +184,8 @@ class WorkerGroups:
         self.careful = self._commit_group(group, careful=True)
 
     def _commit_group(self, group: list[Item], *, careful: bool) -> bool:
-        """One worker's messages in one transaction, committed; their notes logged after.
+        """One worker's messages in one transaction, committed (their notes logged with
+        the unit's results, :meth:`_results`).
         Returns whether a handler failed (recorded: ``careful``). Raises
         :class:`Fallback` (rolled back) for a case left to the per-message path,
         :class:`StoreUnavailable` when the connection is gone (the commit's outcome then
@@ -222,11 +220,6 @@ class WorkerGroups:
         for item, _claim, _result in done:
             assert item.prep is not None
             item.result = Finished(Ended.SUCCEEDED, key=item.prep.key)
-        for item in group:
-            if item.result is not None:  # (None: after its partition stopped)
-                note = item.note or committed_note(item.handler, item.msg, item.result)
-                if note is not None:
-                    note.write(log)
         return bool(failed)
 
     def _run_group(self, conn: Conn, group: list[Item], failed: list[Item] | None
@@ -335,9 +328,13 @@ class WorkerGroups:
             for item, result in zip(its, results.get(tp, []), strict=False):
                 item.result = result
 
-    def _results(self, parts: Parts, items: list[Item], lost: BaseException | None) -> Results:
+    def _results(self, parts: Parts, items: list[Item], lost: BaseException | None,
+                 logged: set[int]) -> Results:
         """Each partition's results in offset order, up to its first message that did
-        not finish (deferred, or not reached: the connection was lost)."""
+        not finish (deferred, or not reached: the connection was lost). Each result
+        given is logged now (the per-message path's, ``logged``, were already): a later
+        message of a partition whose group committed after the partition stopped comes
+        again, and what becomes of it is logged then (a dead letter is only sent then)."""
         by_tp: dict[TP, list[Item]] = {}
         for item in items:
             by_tp.setdefault(item.tp, []).append(item)
@@ -351,6 +348,10 @@ class WorkerGroups:
                     waiting.append((tp, [item.msg]))
                     break
                 out[tp].append(item.result)
+                if id(item) not in logged:
+                    note = item.note or committed_note(item.handler, item.msg, item.result)
+                    if note is not None:
+                        note.write(log)
                 if isinstance(item.result, Deferred):
                     break
         if lost is not None and waiting:
