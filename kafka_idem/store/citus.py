@@ -16,7 +16,9 @@ one shard (docs/SCALING.md).
 Missing shard keys are filled with the idempotency key (a handler's default), the column
 becomes NOT NULL and part of the primary keys (Citus needs the distribution column in
 every unique constraint). The guard's triggers are kept (``citus.enable_unsafe_triggers``:
-they read and write only the row they fire for, on its own shard).
+they read and write only the row they fire for, on its own shard); they are off while the
+records are filled and copied into the shards (the copy inserts every record, whatever its
+status, which the guard refuses of a new row) and on again, on every shard, after.
 
 :func:`layout` says how a store's tables are placed and :func:`check_layout` refuses a
 store half distributed, naming the table and the fix.
@@ -41,6 +43,10 @@ log = logging.getLogger(__name__)
 DISTRIBUTED = ("table", "outbox")
 REFERENCE = ("audit", "pauses", "outbox_slots")
 FIX = "run `kafka-idem migrate --citus` to finish distributing the store"
+# What distributing says of the records written without a shard key (docs/CITUS.md).
+FILLED = ("placed {n} record(s) written without a shard key by their idempotency key: if "
+          "their handler sets `shard_key=`, it looks for them on another shard and runs "
+          "their messages again when redelivered (docs/CITUS.md, Move an existing store)")
 
 
 def citus_version(conn: psycopg.Connection[Any]) -> str | None:
@@ -131,16 +137,21 @@ def distribute(conn: psycopg.Connection[Any], schema: str, table: str) -> list[s
     conn.execute("SET LOCAL citus.enable_unsafe_triggers = on")
     conn.execute("SET LOCAL citus.multi_shard_modify_mode = 'sequential'")
     if found.placement["table"] == "local":
-        _key_columns(conn, names["table"], names["pkey"], fill="idempotency_key",
-                     key=("namespace", "idempotency_key", "shard_key"), triggers=True)
+        # the guard off until the rows are in their shards: Citus copies them with INSERTs
+        # its INSERT trigger refuses (a record not new); on again, on every shard, after
+        conn.execute(sql.SQL("ALTER TABLE {} DISABLE TRIGGER USER").format(names["table"]))
+        filled = _key_columns(conn, names["table"], names["pkey"], fill="idempotency_key",
+                              key=("namespace", "idempotency_key", "shard_key"))
         _create(conn, "create_distributed_table(%s, 'shard_key')", found.names["table"])
+        conn.execute(sql.SQL("ALTER TABLE {} ENABLE TRIGGER USER").format(names["table"]))
         done.append(f"distributed {found.names['table']} by shard_key")
+        if filled:
+            done.append(FILLED.format(n=filled))
     if found.placement["outbox"] == "local":
         pkey = sql.Identifier(conn.execute(
             "SELECT conname FROM pg_constraint WHERE conrelid = %s::regclass AND contype = 'p'",
             (found.names["outbox"],)).fetchone()[0])  # type: ignore[index]
-        _key_columns(conn, names["outbox"], pkey, fill="idem_key",
-                     key=("shard_key", "id"), triggers=False)
+        _key_columns(conn, names["outbox"], pkey, fill="idem_key", key=("shard_key", "id"))
         _create(conn, "create_distributed_table(%s, 'shard_key', colocate_with => %s)",
                 found.names["outbox"], found.names["table"])
         done.append(f"distributed {found.names['outbox']} by shard_key, with the records")
@@ -154,20 +165,17 @@ def distribute(conn: psycopg.Connection[Any], schema: str, table: str) -> list[s
 
 
 def _key_columns(conn: psycopg.Connection[Any], table: sql.Composable, pkey: sql.Composable,
-                 *, fill: str, key: tuple[str, ...], triggers: bool) -> None:
+                 *, fill: str, key: tuple[str, ...]) -> int:
     """``shard_key`` filled where missing (with ``fill``'s value), NOT NULL, and in the
-    primary key ``key``. The guard would refuse the fill (a succeeded record changes no
-    more): its triggers are off for that one statement, in this transaction."""
-    if triggers:
-        conn.execute(sql.SQL("ALTER TABLE {} DISABLE TRIGGER USER").format(table))
-    conn.execute(sql.SQL("UPDATE {t} SET shard_key = {f} WHERE shard_key IS NULL").format(
-        t=table, f=sql.Identifier(fill)))
-    if triggers:
-        conn.execute(sql.SQL("ALTER TABLE {} ENABLE TRIGGER USER").format(table))
+    primary key ``key``; the number of rows filled. (The guard would refuse the fill of
+    a succeeded record: the caller turned its triggers off.)"""
+    filled = conn.execute(sql.SQL("UPDATE {t} SET shard_key = {f} WHERE shard_key IS NULL")
+                          .format(t=table, f=sql.Identifier(fill))).rowcount
     conn.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN shard_key SET NOT NULL").format(table))
     conn.execute(sql.SQL("ALTER TABLE {t} DROP CONSTRAINT {k}, ADD CONSTRAINT {k} "
                          "PRIMARY KEY ({cols})").format(
         t=table, k=pkey, cols=sql.SQL(", ").join(map(sql.Identifier, key))))
+    return max(filled, 0)
 
 
 def _create(conn: psycopg.Connection[Any], call: str, *args: str) -> None:

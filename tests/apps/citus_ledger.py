@@ -24,7 +24,6 @@ from kafka_idem import App, Context
 
 SCHEMA = os.environ.get("CITUS_LEDGER_SCHEMA", "citus_ledger")
 TOPIC = os.environ.get("CITUS_LEDGER_TOPIC", "citus-deposits")
-STORE = os.environ.get("KAFKA_IDEM_SCHEMA_NAME", "kafka_idem")
 EVENTS = os.environ.get("CITUS_LEDGER_EVENTS")
 
 app = App("citus-ledger")
@@ -62,15 +61,9 @@ def ledger_tables(conn: psycopg.Connection[Any]) -> None:
     conn.execute(sql.SQL(
         "CREATE TABLE IF NOT EXISTS {balance} (tenant text PRIMARY KEY, "
         "balance numeric NOT NULL, updates integer NOT NULL)").format(**names))
-    records = f"{STORE}.task_idempotency"
     local = {"balance"} if os.environ.get("CITUS_LEDGER_LOCAL_BALANCE") else set()
-    for table in {"entry", "balance"} - local:
-        qualified = f"{SCHEMA}.{table}"
-        placed = conn.execute("SELECT 1 FROM pg_dist_partition WHERE logicalrelid = %s::regclass",
-                              (qualified,)).fetchone()
-        if placed is None:
-            conn.execute("SELECT create_distributed_table(%s, 'tenant', colocate_with => %s)",
-                         (qualified, records))
+    for table in sorted({"entry", "balance"} - local):
+        app.co_locate(conn, f"{SCHEMA}.{table}", "tenant")  # nothing while the store is local
 
 
 MODE = os.environ.get("CITUS_LEDGER_MODE", "local")  # local, leased (concurrency 4), async
