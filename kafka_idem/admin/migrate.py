@@ -66,21 +66,23 @@ def applied_versions(conn: psycopg.Connection[Any], schema: str) -> list[int]:
     return [int(r[0]) for r in rows]
 
 
-def require_current(conn: psycopg.Connection[Any], schema: str) -> None:
+def require_current(conn: psycopg.Connection[Any], schema: str, *,
+                    command: str = "kafka-idem migrate") -> None:
     """Raise :class:`ConfigError` when the store lacks migrations this code needs
-    (a deploy before its migrate): run `kafka-idem migrate` first."""
+    (a deploy before its migrate): run ``command`` first (an app's member names its
+    ``kafka-idem migrate --app MODULE:APP``, which also creates the app's tables)."""
     have = set(applied_versions(conn, schema))
     if not have:
         raise ConfigError(
-            f"this database has no kafka_idem store in schema {schema!r}: run `kafka-idem "
-            "migrate` to create it (or give the store's --database-url / --schema)",
+            f"this database has no kafka_idem store in schema {schema!r}: run `{command}` "
+            "to create it (or give the store's --database-url / --schema)",
             setting="schema_name",
         )
     missing = [m for m in migrations() if m.version not in have]
     if missing:
         names = ", ".join(f"{m.version:04d}_{m.name}" for m in missing)
         raise ConfigError(
-            f"store schema {schema!r} lacks migrations {names}: run `kafka-idem migrate`",
+            f"store schema {schema!r} lacks migrations {names}: run `{command}`",
             setting="schema_name",
         )
 

@@ -155,7 +155,7 @@ def run(
     where = obj.overrides.get("bootstrap_servers")
     option = f" --bootstrap-servers {where}" if where else ""
     command = f"kafka-idem{option} topics create {app_spec}"
-    runner = Runner(app, topics_command=command)
+    runner = Runner(app, topics_command=command, migrate_command=_migrate_command(obj, app_spec))
     if s.metrics_port is not None:
         try:
             runner.metrics.serve(s.metrics_port, addr=s.metrics_addr)
@@ -172,6 +172,14 @@ def run(
         sys.exit(0)
     code = runner.run(max_seconds=max_seconds)
     sys.exit(code)
+
+
+def _migrate_command(obj: Ctx, app_spec: str) -> str:
+    """What a member or relay started before `migrate` says to run: the store's
+    migrations and the app's own, with the store's options given here."""
+    given = {"--schema": obj.overrides.get("schema_name"), "--table": obj.overrides.get("table")}
+    options = "".join(f" {name} {value}" for name, value in given.items() if value)
+    return f"kafka-idem{options} migrate --app {app_spec}"
 
 
 def _stop_requests() -> list[int]:
@@ -208,7 +216,8 @@ def relay(obj: Ctx, app_spec: str, metrics_port: int | None, metrics_addr: str |
     obj.overrides.update({k: v for k, v in {"metrics_port": metrics_port,
                                              "metrics_addr": metrics_addr}.items()
                           if v is not None})
-    sys.exit(run_relay(app, obj.settings(app), max_seconds=max_seconds))
+    sys.exit(run_relay(app, obj.settings(app), max_seconds=max_seconds,
+                       migrate_command=_migrate_command(obj, app_spec)))
 
 
 # --- operations ------------------------------------------------------------------

@@ -8,6 +8,7 @@ from kafka_idem.admin.migrate import require_current
 from kafka_idem.app import App
 from kafka_idem.cli.errors import ServiceError
 from kafka_idem.consume.shutdown import GRACE, Shutdown
+from kafka_idem.consume.startup import MIGRATE_COMMAND
 from kafka_idem.errors import ConfigError
 from kafka_idem.observe.health import Health
 from kafka_idem.observe.metrics import Metrics
@@ -16,14 +17,16 @@ from kafka_idem.settings import Settings
 from kafka_idem.store import connect
 
 
-def run_relay(app: App, settings: Settings, *, max_seconds: float | None = None) -> int:
-    """Run ``app``'s relay until SIGTERM/SIGINT (or ``max_seconds``); the exit code."""
+def run_relay(app: App, settings: Settings, *, max_seconds: float | None = None,
+              migrate_command: str = MIGRATE_COMMAND) -> int:
+    """Run ``app``'s relay until SIGTERM/SIGINT (or ``max_seconds``); the exit code.
+    A store not migrated is refused, naming ``migrate_command``."""
     if not app.event_topics:
         raise ConfigError(f"app {app.name!r} declares no event topics (app.event_topic): it "
                           "has no outbox to relay", setting="event_topic")
     conn = connect(settings.dsn, application_name="kafka_idem-relay")
     try:
-        require_current(conn, settings.schema_name)
+        require_current(conn, settings.schema_name, command=migrate_command)
     finally:
         conn.close()
     metrics = Metrics()

@@ -79,10 +79,12 @@ class Runner:
     """One consumer group member running ``app``'s handlers until stopped."""
 
     def __init__(self, app: App, *, metrics: Metrics | None = None,
-                 topics_command: str | None = None) -> None:
+                 topics_command: str | None = None, migrate_command: str | None = None,
+                 ) -> None:
         self.app = app
-        # what the missing-topics warning tells the operator to run
+        # what the missing-topics warning, and a start before `migrate`, tell to run
         self.topics_command = topics_command or "kafka-idem topics create MODULE:APP"
+        self.migrate_command = migrate_command  # None: "kafka-idem migrate --app MODULE:APP"
         self.settings = s = app.settings
         self.metrics = metrics or Metrics()
         self.store = Store(schema=s.schema_name, table=s.table, namespace=app.namespace)
@@ -139,7 +141,7 @@ class Runner:
         """Check topics and store, subscribe, start the helper threads (:meth:`run` does)."""
         s = self.settings
         self.app.check_topics()
-        check_schema(self.settings, self.store, self.app)
+        check_schema(self.settings, self.store, self.app, migrate_command=self.migrate_command)
         self.retention.start()  # refuses a window shorter than the topics' retention
         conf = s.consumer_config(self.app.group_id)
         conf["error_cb"] = self._on_error

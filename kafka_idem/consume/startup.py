@@ -21,13 +21,19 @@ from kafka_idem.store.citus import fit, refuse_uncolocated
 
 log = logging.getLogger(__name__)
 
+# What a member (or a relay) started before `migrate` says to run: the store's
+# migrations and the app's own (its tables), with the app (`kafka-idem run` names it).
+MIGRATE_COMMAND = "kafka-idem migrate --app MODULE:APP"
 
-def check_schema(settings: Settings, store: Store, app: App) -> None:
-    """Refuse to run on a store older than this code (deploy-before-migrate), or
-    while records of this app's handlers from before namespaces wait to be adopted."""
+
+def check_schema(settings: Settings, store: Store, app: App, *,
+                 migrate_command: str | None = None) -> None:
+    """Refuse to run on a store older than this code (deploy-before-migrate), naming
+    ``migrate_command``, or while records of this app's handlers from before namespaces
+    wait to be adopted."""
     conn = connect(settings.dsn, application_name=f"kafka_idem:{app.name}")
     try:
-        require_current(conn, settings.schema_name)
+        require_current(conn, settings.schema_name, command=migrate_command or MIGRATE_COMMAND)
         if fit(conn, store):
             app.outbox.store.distribute()  # ctx.emit's statements: the same flavour
             refuse_uncolocated(conn, store, app.sessions.table_names())

@@ -175,6 +175,22 @@ def test_status_on_a_database_never_migrated_says_to_run_migrate(empty_db: DB) -
         assert "does not exist" not in line
 
 
+def test_a_member_or_relay_before_migrate_names_the_migrate_of_its_app(empty_db: DB) -> None:
+    """The app's tables need `migrate --app`: the hint names the app (and the store's
+    options given), for a member and for a relay."""
+    for args, command in (
+            (("run", "consumers.payments:app", "--max-seconds", "5"),
+             "kafka-idem migrate --app consumers.payments:app"),
+            (("relay", "consumers.payments:app", "--max-seconds", "5"),
+             "kafka-idem migrate --app consumers.payments:app"),
+            (("--schema", "pay", "run", "consumers.payments:app", "--max-seconds", "5"),
+             "kafka-idem --schema pay migrate --app consumers.payments:app")):
+        r = kafka_idem(*args, db=empty_db)
+        assert r.code == 2, (args, r.err)
+        (line,) = r.err.strip().splitlines()
+        assert f"run `{command}` to create it" in line, line
+
+
 def test_migrate_app_reports_what_it_created_and_then_that_nothing_was_new(
     empty_db: DB,
 ) -> None:
