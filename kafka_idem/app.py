@@ -354,7 +354,10 @@ class App:
         ``shard_key`` values) with the store's records when the store is distributed on
         Citus, so a message's writes there share its record's shard; nothing on one
         PostgreSQL (the same migration serves both). ``True`` when it distributed it.
-        Every unique constraint of ``table`` must include ``column`` (docs/SCALING.md)."""
+        ``column`` must have the shard key's type (``text``) and every unique constraint
+        of ``table`` must include it; a table that cannot be placed so, or is distributed
+        otherwise already (by another column, apart from the records, a reference table),
+        is a :class:`ConfigError` naming the table and the fix (docs/CITUS.md)."""
         from kafka_idem.store.citus import co_locate
 
         s = self.settings

@@ -226,17 +226,101 @@ def co_locate(conn: psycopg.Connection[Any], table: str, column: str, *, schema:
     """In an app's migration: distribute ``table`` by ``column`` (its shard key's
     values) with the store's records (``schema.records``), when the store is
     distributed on Citus and ``table`` is not distributed yet; nothing on one
-    PostgreSQL. ``True`` when it distributed the table."""
+    PostgreSQL. ``True`` when it distributed the table. A table that cannot be (no such
+    table or column, a column of another type than ``shard_key``, a unique constraint
+    without the column) or that is placed otherwise already (by another column, apart
+    from the records, a reference table) is a :class:`ConfigError` naming the fix."""
     found = layout(conn, schema, records)
     if found is None or found.placement["table"] != "distributed":
         return False
-    placed = conn.execute("SELECT 1 FROM pg_dist_partition WHERE logicalrelid = %s::regclass",
-                          (table,)).fetchone()
+    row = conn.execute("SELECT to_regclass(%s)::oid", (table,)).fetchone()
+    if row is None or row[0] is None:
+        raise _misfit(table, "does not exist: create it before app.co_locate distributes it")
+    relid, ours = int(row[0]), found.names["table"]
+    placed = conn.execute(
+        "SELECT p.partmethod::text, coalesce(column_to_column_name(p.logicalrelid, "
+        "p.partkey), ''), p.colocationid = r.colocationid FROM pg_dist_partition p, "
+        "pg_dist_partition r WHERE p.logicalrelid = %s AND r.logicalrelid = %s::regclass",
+        (relid, ours)).fetchone()
     if placed is not None:
+        _check_placed(table, column, ours, str(placed[0]), str(placed[1]), bool(placed[2]))
         return False
+    _check_column(conn, relid, table, column, ours)
+    _check_unique(conn, relid, table, column)
     conn.execute("SELECT create_distributed_table(%s, %s, colocate_with => %s)",
-                 (table, column, found.names["table"]))
+                 (table, column, ours))
     return True
+
+
+def _misfit(table: str, what: str) -> ConfigError:
+    return ConfigError(f"app.co_locate: table {table} {what} (docs/CITUS.md)",
+                       setting="shard_key")
+
+
+def _check_placed(table: str, column: str, records: str, method: str, by: str,
+                  together: bool) -> None:
+    """A table distributed already is fine by ``column`` with the records, else refused."""
+    again = (f"undistribute it (SELECT undistribute_table('{table}')) and run `kafka-idem "
+             "migrate --app MODULE:APP` again, so that app.co_locate distributes it by "
+             f"{column} with the records")
+    if method != "h":
+        raise _misfit(table, f"has no distribution column (a reference or single-shard "
+                             f"table), not distributed by {column}: {again}")
+    if by != column:
+        raise _misfit(table, f"is distributed by {by}, not {column}: a message's rows there "
+                             f"would not share its record's shard; {again}")
+    if not together:
+        raise _misfit(table, f"is distributed by {column} apart from the store's records: "
+                             f"co-locate it with SELECT update_distributed_table_colocation("
+                             f"'{table}', colocate_with => '{records}')")
+
+
+def _check_column(conn: psycopg.Connection[Any], relid: int, table: str, column: str,
+                  records: str) -> None:
+    """``column`` exists and has the records' ``shard_key``'s type and collation (Citus
+    co-locates only those)."""
+    row = conn.execute(
+        "SELECT format_type(a.atttypid, a.atttypmod), format_type(r.atttypid, r.atttypmod), "
+        "a.atttypid = r.atttypid, a.attcollation = r.attcollation FROM pg_attribute a, "
+        "pg_attribute r WHERE a.attrelid = %s AND a.attname = %s AND NOT a.attisdropped "
+        "AND r.attrelid = %s::regclass AND r.attname = 'shard_key'",
+        (relid, column, records)).fetchone()
+    if row is None:
+        raise _misfit(table, f"has no column {column}: name the column that holds the "
+                             "handler's shard_key values")
+    mine, theirs, same_type, same_collation = row
+    if not same_type:
+        raise _misfit(table, f"column {column} is {mine}, not {theirs} like the records' "
+                             f"shard_key: Citus co-locates only columns of one type; make it "
+                             f"{theirs} (ALTER TABLE {table} ALTER COLUMN {column} TYPE "
+                             f"{theirs}) or name a {theirs} column")
+    if not same_collation:
+        raise _misfit(table, f"column {column} has another collation than the records' "
+                             f"shard_key: give it the database's default collation")
+
+
+def _check_unique(conn: psycopg.Connection[Any], relid: int, table: str, column: str) -> None:
+    """Every primary key, unique or exclusion constraint (or unique index) of the table
+    holds ``column``, as Citus needs of a distributed table."""
+    row = conn.execute(
+        "SELECT coalesce(c.contype::text, ''), coalesce(c.conname, i.relname), "
+        "coalesce(pg_get_constraintdef(c.oid), pg_get_indexdef(x.indexrelid)) "
+        "FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
+        "LEFT JOIN pg_constraint c ON c.conindid = x.indexrelid AND c.conrelid = x.indrelid "
+        "WHERE x.indrelid = %s AND (x.indisunique OR x.indisexclusion) AND NOT ("
+        "SELECT attnum FROM pg_attribute WHERE attrelid = %s AND attname = %s) "
+        "= ANY (x.indkey::int2[]) ORDER BY x.indisprimary DESC, 2 LIMIT 1",
+        (relid, relid, column)).fetchone()
+    if row is None:
+        return
+    kind, name, definition = str(row[0]), str(row[1]), str(row[2])
+    what = {"p": "primary key", "u": "unique constraint",
+            "x": "exclusion constraint"}.get(kind, "unique index")
+    example = (f", e.g. {definition.replace('(', f'({column}, ', 1)}"
+               if kind in ("p", "u") else "")
+    raise _misfit(table, f"has a {what} without {column}, {name} ({definition}): Citus "
+                         f"needs the distribution column in every unique key; add {column} "
+                         f"to it{example}")
 
 
 def workers_of(conn: psycopg.Connection[Any], store: Store, shards: list[str]) -> dict[str, int]:

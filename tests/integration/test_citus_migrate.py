@@ -14,7 +14,7 @@ from psycopg import sql
 
 from tests.apps.citus_ledger import encode
 from tests.citus import CitusStore
-from tests.conftest import Members, Topics, caught_up, produce, wait_for
+from tests.conftest import ROOT, Members, Topics, caught_up, produce, wait_for
 from tests.integration.test_citus_store import APP, cli, deposits, env_of, worker
 
 NAMESPACE = "citus-ledger"  # the app's (its name)
@@ -133,3 +133,87 @@ def test_a_store_with_records_in_every_status_is_distributed_later(
             "gen_random_uuid(), %s, %s)", f"{t}:forged", NAMESPACE, t)
     assert len({worker(citus_store, f"{s}.task_idempotency", t) for t in tenants}) == 2
     assert snapshot(citus_store) >= before
+
+
+COLOCATE_APP = """
+import os
+from kafka_idem import App
+
+app = App("citus-colocate")
+
+
+@app.migration
+def tables(conn):
+    for statement in os.environ["CASE_SQL"].split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    app.co_locate(conn, os.environ["CASE_TABLE"], os.environ["CASE_COLUMN"])
+"""
+
+# case: (the migration's statements, the table and column given to co_locate, what the
+# one line of a refusal says after "app.co_locate: table SCHEMA.TABLE ")
+CASES: dict[str, tuple[str, str, str, str]] = {
+    "pk": ("CREATE TABLE {s}.t (id bigserial PRIMARY KEY, tenant text NOT NULL)", "t", "tenant",
+           "has a primary key without tenant, t_pkey (PRIMARY KEY (id)): Citus needs the "
+           "distribution column in every unique key; add tenant to it, e.g. PRIMARY KEY "
+           "(tenant, id)"),
+    "unique": ("CREATE TABLE {s}.t (tenant text, id text, code text, PRIMARY KEY (tenant, id), "
+               "UNIQUE (code))", "t", "tenant", "has a unique constraint without tenant, "
+               "t_code_key (UNIQUE (code))"),
+    "int": ("CREATE TABLE {s}.t (tenant_no int, id bigserial, PRIMARY KEY (tenant_no, id))",
+            "t", "tenant_no", "column tenant_no is integer, not text like the records' "
+            "shard_key: Citus co-locates only columns of one type; make it text (ALTER TABLE "
+            "{s}.t ALTER COLUMN tenant_no TYPE text) or name a text column"),
+    "no column": ("CREATE TABLE {s}.t (id text PRIMARY KEY)", "t", "tenant",
+                  "has no column tenant"),
+    "no table": ("", "t", "tenant", "does not exist"),
+    "by another column": (
+        "CREATE TABLE {s}.t (tenant text, sku text, PRIMARY KEY (tenant, sku));"
+        "SELECT create_distributed_table('{s}.t', 'sku')", "t", "tenant",
+        "is distributed by sku, not tenant: a message's rows there would not share its "
+        "record's shard; undistribute it (SELECT undistribute_table('{s}.t')) and run "
+        "`kafka-idem migrate --app MODULE:APP` again"),
+    "apart": ("CREATE TABLE {s}.t (tenant text PRIMARY KEY);"
+              "SELECT create_distributed_table('{s}.t', 'tenant', colocate_with => 'none')",
+              "t", "tenant", "is distributed by tenant apart from the store's records: "
+              "co-locate it with SELECT update_distributed_table_colocation('{s}.t', "
+              "colocate_with => '\"{store}\".\"task_idempotency\"')"),
+    "reference": ("CREATE TABLE {s}.t (tenant text PRIMARY KEY);"
+                  "SELECT create_reference_table('{s}.t')", "t", "tenant",
+                  "has no distribution column (a reference or single-shard table)"),
+}
+
+
+def test_co_locate_refuses_a_table_it_cannot_place_with_the_records(
+    citus_store: CitusStore, tmp_path: Any,
+) -> None:
+    """Each mistake: exit 2, one line naming the table, what is wrong and the fix; the
+    migration rolled back (its table not created). A table that fits is distributed
+    with the records, and a second run leaves it so."""
+    (tmp_path / "colocate_app.py").write_text(COLOCATE_APP)
+    s, store = citus_store.app_schema, citus_store.schema
+    env = env_of(citus_store) | {"PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    done = cli(env, "migrate", "--citus")
+    assert done.returncode == 0, done.stderr
+    with psycopg.connect(citus_store.url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(s)))
+    for case, (statements, table, column, said) in CASES.items():
+        run = cli(env | {"CASE_SQL": statements.format(s=s), "CASE_TABLE": f"{s}.{table}",
+                         "CASE_COLUMN": column}, "migrate", "--app", "colocate_app:app")
+        assert run.returncode == 2, (case, run.stdout, run.stderr)
+        (line,) = run.stderr.strip().splitlines()
+        assert line.startswith(f"error: app.co_locate: table {s}.{table} "
+                               f"{said.format(s=s, store=store)}"), (case, line)
+        assert "(docs/CITUS.md)" in line, (case, line)
+        assert citus_store.value("SELECT to_regclass(%s) IS NULL", (f"{s}.t",)), case
+    good = {"CASE_SQL": f"CREATE TABLE IF NOT EXISTS {s}.t (tenant text, id bigserial, "
+            "note text, PRIMARY KEY (tenant, id), UNIQUE (tenant, note))",
+            "CASE_TABLE": f"{s}.t", "CASE_COLUMN": "tenant"}
+    for _ in range(2):
+        run = cli(env | good, "migrate", "--app", "colocate_app:app")
+        assert run.returncode == 0, run.stderr
+        assert citus_store.placement(f"{s}.t") == ("h", "tenant")
+    groups = citus_store.rows("SELECT DISTINCT colocationid FROM pg_dist_partition WHERE "
+                              "logicalrelid IN (%s::regclass, %s::regclass)",
+                              (f"{s}.t", f"{store}.task_idempotency"))
+    assert len(groups) == 1
