@@ -268,7 +268,8 @@ class App:
             return self._avro if self._avro is not None else AvroCodec()
 
     def migration(self, fn: Callable[[psycopg.Connection[Any]], None]) -> Callable[..., None]:
-        """Register the app's own schema set-up, run by ``kafka-idem migrate`` (idempotent SQL)."""
+        """Register the app's own schema set-up (idempotent SQL), run by ``kafka-idem migrate
+        --app MODULE:APP`` (``kafka-idem migrate`` alone runs only the store's)."""
         self.migrations.append(fn)
         return fn
 

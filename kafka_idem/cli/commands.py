@@ -95,7 +95,7 @@ def migrate(obj: Ctx, app_spec: str | None, citus: bool | None) -> None:
     (same topic and handler name) move to the app's namespace, with an audit row.
     An app with such records is refused at start until this ran.
 
-    On a Citus coordinator the store is then distributed (docs/SCALING.md): records
+    On a Citus coordinator the store is then distributed (docs/CITUS.md): records
     and outbox by shard_key, the rest as reference tables."""
     from kafka_idem.admin import namespaces
 

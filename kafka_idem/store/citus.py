@@ -1,5 +1,5 @@
 """The store on a Citus cluster: its tables distributed so that one message's rows live on
-one shard (docs/SCALING.md).
+one shard (docs/CITUS.md).
 
 :func:`distribute` (``kafka-idem migrate --citus``, or ``migrate`` on a database with the
 ``citus`` extension) turns a migrated store into a distributed one:
@@ -218,7 +218,7 @@ def refuse_uncolocated(conn: psycopg.Connection[Any], store: Store, tables: list
             f"table {table} {how}: a message's writes there would not share its record's "
             f"shard; distribute it by the shard key with create_distributed_table('{table}', "
             f"'<column>', colocate_with => '{records}'), or make it a reference table "
-            "(docs/SCALING.md)", setting="shard_key")
+            "(docs/CITUS.md)", setting="shard_key")
 
 
 def co_locate(conn: psycopg.Connection[Any], table: str, column: str, *, schema: str,

@@ -174,4 +174,4 @@ def local_write_error(handler: str, tables: list[str], records: str) -> ConfigEr
         "those writes would not commit atomically with the message's record (on a worker). "
         f"Distribute {'them' if len(tables) > 1 else 'it'} by the shard key with "
         f"create_distributed_table(..., colocate_with => '{records}'), or "
-        "make it a reference table (docs/SCALING.md)", setting="shard_key")
+        "make it a reference table (docs/CITUS.md)", setting="shard_key")
