@@ -97,67 +97,114 @@ def _lock(conn: psycopg.Connection[Any], schema: str) -> None:
 
 
 _KINDS = {"r": "table", "p": "table", "v": "view", "m": "materialized view"}
-# What an app's migration can create that a reader of its report cares about.
+# What an app's migration can create that a reader of its report cares about, each with
+# the xmin of its catalog row (who created it: this run, or another one meanwhile).
 _CATALOG = """
-SELECT 'schema', nspname, '' FROM pg_namespace
+SELECT 'schema', nspname, '', xmin::text FROM pg_namespace
 UNION ALL
-SELECT c.relkind::text, n.nspname, c.relname FROM pg_class c
+SELECT c.relkind::text, n.nspname, c.relname, c.xmin::text FROM pg_class c
   JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind IN ('r','p','v','m')
 UNION ALL
-SELECT 'column', n.nspname, c.relname || '.' || a.attname FROM pg_attribute a
+SELECT 'column', n.nspname, c.relname || '.' || a.attname, a.xmin::text FROM pg_attribute a
   JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace
   WHERE c.relkind IN ('r','p') AND a.attnum > 0 AND NOT a.attisdropped
 """
+# On a Citus coordinator: the tables distributed (by their column) or made reference tables.
+_PLACED = """
+SELECT CASE p.partmethod WHEN 'h' THEN 'distributed' ELSE 'reference' END, n.nspname,
+  c.relname || coalesce(' by ' || column_to_column_name(p.logicalrelid, p.partkey), ''),
+  p.xmin::text FROM pg_dist_partition p JOIN pg_class c ON c.oid = p.logicalrelid
+  JOIN pg_namespace n ON n.oid = c.relnamespace
+"""
+Catalog = dict[tuple[str, str, str], str]  # (kind, schema, name) -> its catalog row's xmin
 
 
 @dataclass(frozen=True)
 class AppStep:
-    """What one of an app's migrations (``@app.migration``) did: its name and the
-    objects that exist now and did not before it ran (``kind name``)."""
+    """What one of an app's migrations (``@app.migration``) did: its name, the objects
+    it created (``kind name``) and the tables it distributed on Citus (``name by
+    column``) or made reference tables (``name``)."""
 
     name: str
     created: tuple[str, ...]
+    distributed: tuple[str, ...] = ()
+    referenced: tuple[str, ...] = ()
 
     def describe(self) -> str:
-        return f"{self.name}: " + (f"created {', '.join(self.created)}" if self.created
-                                   else "nothing new (what it creates exists already)")
+        did = [f"created {', '.join(self.created)}"] if self.created else []
+        did += [f"distributed {', '.join(self.distributed)}"] if self.distributed else []
+        did += ([f"made {', '.join(self.referenced)} reference table(s)"]
+                if self.referenced else [])
+        return f"{self.name}: " + ("; ".join(did) or
+                                   "nothing new (what it creates exists already)")
 
 
-def _catalog(conn: psycopg.Connection[Any]) -> set[tuple[str, str, str]]:
+def _catalog(conn: psycopg.Connection[Any], *, citus: bool) -> Catalog:
     skip = ("pg_catalog", "information_schema")
-    return {(kind, ns, name) for kind, ns, name in conn.execute(_CATALOG).fetchall()
+    rows = conn.execute(_CATALOG + ("UNION ALL" + _PLACED if citus else "")).fetchall()
+    return {(kind, ns, name): xmin for kind, ns, name, xmin in rows
             if ns not in skip and not ns.startswith(("pg_toast", "pg_temp"))}
 
 
-def _created(before: set[tuple[str, str, str]], after: set[tuple[str, str, str]]) -> tuple[
-        str, ...]:
-    new = after - before
+def _ours(conn: psycopg.Connection[Any], xmins: set[str]) -> set[str]:
+    """Which of ``xmins`` (of catalog rows new since the step began) are this
+    transaction's own (or one of its savepoints'), not another session's that committed
+    meanwhile (another app's migration, ``kafka-idem verify``'s schemas)."""
+    row = conn.execute("SELECT pg_current_xact_id()::text").fetchone()
+    assert row is not None
+    top = int(row[0])
+    wide = {}
+    for xmin in xmins:  # the 32-bit xid with the current epoch, as recent as it must be
+        full = top - top % 2**32 + int(xmin)
+        full += 2**32 if full < top - 2**31 else -2**32 if full > top + 2**31 else 0
+        if int(xmin) > 2 and full > 2:  # not frozen (1, 2: never one of ours)
+            wide[xmin] = str(full)
+    if not wide:
+        return set()
+    mine = conn.execute("SELECT x FROM unnest(%s::text[], %s::text[]) AS t(x, w) WHERE "
+                        "pg_xact_status(w::xid8) = 'in progress'",
+                        (list(wide), list(wide.values()))).fetchall()
+    return {str(r[0]) for r in mine}
+
+
+def _step(conn: psycopg.Connection[Any], name: str, before: Catalog, after: Catalog) -> AppStep:
+    """What the step did: the objects new since ``before`` that its transaction made."""
+    fresh = {k: v for k, v in after.items() if k not in before}
+    ours = _ours(conn, set(fresh.values()))
+    new = {k for k, v in fresh.items() if v in ours}
     tables = {(ns, name) for kind, ns, name in new if kind in ("r", "p")}
-    out = []
-    for kind, ns, name in sorted(new, key=lambda t: (t[0] != "schema", t[1], t[2])):
-        if kind == "column" and (ns, name.split(".", 1)[0]) in tables:
+    created, distributed, referenced = [], [], []
+    for kind, ns, what in sorted(new, key=lambda t: (t[0] != "schema", t[1], t[2])):
+        if kind == "column" and (ns, what.split(".", 1)[0]) in tables:
             continue  # the columns of a new table are the table
-        what = "schema" if kind == "schema" else _KINDS.get(kind, kind)
-        out.append(f"{what} {ns}" if kind == "schema" else f"{what} {ns}.{name}")
-    return tuple(out)
+        if kind == "distributed":
+            distributed.append(f"{ns}.{what}")
+        elif kind == "reference":
+            referenced.append(f"{ns}.{what}")
+        else:
+            created.append(f"schema {ns}" if kind == "schema"
+                           else f"{_KINDS.get(kind, kind)} {ns}.{what}")
+    return AppStep(name, tuple(created), tuple(distributed), tuple(referenced))
 
 
 def migrate_app(
     dsn: str, schema: str, steps: Sequence[Callable[[psycopg.Connection[Any]], None]]
 ) -> list[AppStep]:
     """Run an app's own migrations in one transaction, under the store's advisory lock;
-    return what each one created (``kafka-idem migrate --app`` prints it)."""
+    return what each one did (``kafka-idem migrate --app`` prints it)."""
     if not steps:
         return []
     done = []
     with (translate_errors(), psycopg.connect(dsn, autocommit=False) as conn,
           conn.transaction()):
         _lock(conn, schema)
+        citus = conn.execute("SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL"
+                             ).fetchone() == (True,)
         for step in steps:
-            before = _catalog(conn)
+            before = _catalog(conn, citus=citus)
             step(conn)
-            done.append(AppStep(getattr(step, "__name__", repr(step)),
-                                _created(before, _catalog(conn))))
+            done.append(_step(conn, getattr(step, "__name__", repr(step)), before,
+                              _catalog(conn, citus=citus)))
     return done
 
 

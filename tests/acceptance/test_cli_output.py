@@ -16,6 +16,7 @@ import re
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -23,7 +24,7 @@ from confluent_kafka.admin import AdminClient
 
 from kafka_idem.store import Delivery, Store, connect
 from tests.acceptance.conftest import kafka_idem, produce_with_headers
-from tests.conftest import BOOTSTRAP, DB, Topics, dsn_for, empty_database
+from tests.conftest import BOOTSTRAP, DB, ROOT, Topics, dsn_for, empty_database
 
 KEY = "tenant-0042:charge:order-2026-12-01-000123456789"
 HASH = "v1:sha256:" + "ab12" * 16
@@ -207,6 +208,34 @@ def test_migrate_app_reports_what_it_created_and_then_that_nothing_was_new(
     assert again.code == 0, again.err
     assert "schema kafka_idem: nothing to do" in again.out
     assert "app payments: create_tables: nothing new" in again.out
+
+
+MEANWHILE_APP = """
+import os
+import psycopg
+from kafka_idem import App
+
+app = App("meanwhile")
+
+
+@app.migration
+def tables(conn):
+    with psycopg.connect(os.environ["OTHER_DSN"], autocommit=True) as other:
+        other.execute("CREATE SCHEMA other_run")  # another run's, committed meanwhile
+    conn.execute("CREATE SCHEMA IF NOT EXISTS mine")
+    conn.execute("CREATE TABLE IF NOT EXISTS mine.t (id int PRIMARY KEY)")
+    with conn.transaction():  # a savepoint: still this run's work
+        conn.execute("CREATE TABLE IF NOT EXISTS mine.u (id int PRIMARY KEY)")
+"""
+
+
+def test_migrate_app_reports_only_what_its_own_run_created(empty_db: DB, tmp_path: Path) -> None:
+    (tmp_path / "meanwhile_app.py").write_text(MEANWHILE_APP)
+    r = kafka_idem("migrate", "--app", "meanwhile_app:app", db=empty_db,
+                   env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "OTHER_DSN": dsn_for(empty_db.name)})
+    assert r.code == 0, r.err
+    (line,) = [ln for ln in r.out.splitlines() if ln.startswith("app meanwhile:")]
+    assert line == "app meanwhile: tables: created schema mine, table mine.t, table mine.u"
 
 
 def closed_port() -> int:

@@ -89,6 +89,9 @@ def test_a_store_with_records_in_every_status_is_distributed_later(
     done = cli(env, "migrate", "--citus", "--app", APP)
     assert done.returncode == 0, done.stderr
     assert f'schema {s}: distributed "{s}"."task_idempotency" by shard_key' in done.stdout
+    # the app's tables, made by the first run, distributed by this one (app.co_locate)
+    assert (f"app citus-ledger: ledger_tables: distributed {app_schema}.balance by tenant, "
+            f"{app_schema}.entry by tenant\n") in done.stdout
     (filled,) = [ln for ln in done.stdout.splitlines() if "without a shard key" in ln]
     assert filled.startswith(f"schema {s}: placed 4 record(s) written without a shard key "
                              "by their idempotency key")

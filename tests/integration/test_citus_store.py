@@ -68,6 +68,9 @@ def test_migrate_distributes_the_store(citus_store: CitusStore) -> None:
     assert done.returncode == 0, done.stderr
     s = citus_store.schema
     assert f'schema {s}: distributed "{s}"."task_idempotency" by shard_key' in done.stdout
+    a = citus_store.app_schema
+    assert (f"app citus-ledger: ledger_tables: created schema {a}, table {a}.balance, table "
+            f"{a}.entry; distributed {a}.balance by tenant, {a}.entry by tenant\n") in done.stdout
     # records and outbox by shard_key, co-located; the rest reference tables
     assert citus_store.placement(f"{s}.task_idempotency") == ("h", "shard_key")
     assert citus_store.placement(f"{s}.outbox") == ("h", "shard_key")
@@ -87,6 +90,11 @@ def test_migrate_distributes_the_store(citus_store: CitusStore) -> None:
     again = cli(env, "migrate")
     assert again.returncode == 0, again.stderr
     assert again.stdout.strip() == f"schema {s}: nothing to do"
+    again = cli(env, "migrate", "--app", APP)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines() == [f"schema {s}: nothing to do", "app citus-ledger: "
+                                         "ledger_tables: nothing new (what it creates exists "
+                                         "already)"]
 
 
 def test_no_citus_keeps_the_store_local(citus_store: CitusStore) -> None:
