@@ -139,8 +139,8 @@ def resolve(conn: Conn, store: Store, key: str, namespace: str | None) -> Store:
 
 
 RECORD_FIELDS = (
-    "namespace", "status", "request_hash", "attempts", "attempts_counted", "owner_token",
-    "lease_until",
+    "namespace", "shard_key", "status", "request_hash", "attempts", "attempts_counted",
+    "owner_token", "lease_until",
     "lease_live", "next_attempt_at", "result_json", "error_kind", "error_class",
     "error_message", "first_failure_at", "last_failure_at", "completed_token", "handler",
     "kafka_topic", "kafka_partition", "kafka_offset", "created_at", "updated_at",

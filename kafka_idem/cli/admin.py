@@ -153,6 +153,8 @@ def _print_record(key: str, rec: dict[str, Any]) -> None:
                  title=f"{key}  (namespace {admin.shown(rec['namespace'])})")
     for name in RECORD_FIELDS:
         value = rec.get(name)
+        if name == "shard_key" and value is None:
+            continue  # one PostgreSQL, a handler without shard_key=: none
         table.add(name, json.dumps(value, default=str) if name == "result_json" else value)
     emit(table)
     trail = Grid(list(AUDIT_COLUMNS), title="audit trail")

@@ -167,7 +167,8 @@ SELECT idempotency_key, request_hash, status, result_json, error_kind, error_cla
        error_message, owner_token, completed_token, lease_until, attempts,
        attempts - attempt_base AS attempts_counted, next_attempt_at,
        first_failure_at, last_failure_at, handler, kafka_topic, kafka_partition, kafka_offset,
-       created_at, updated_at, completed_at, namespace, clock_timestamp() AS db_now
+       created_at, updated_at, completed_at, namespace, shard_key,
+       clock_timestamp() AS db_now
 FROM {table}
 WHERE namespace = ANY(%(nss)s::text[]) AND idempotency_key = %(key)s
 ORDER BY namespace;

@@ -35,7 +35,7 @@ RAW_RDKAFKA = re.compile(r"^%\d\|\d+\.\d+\|")  # librdkafka's own stderr format
 # is only ever added.
 STATUS_FIELDS = {"namespace", "by_status", "by_namespace", "processing", "long_running",
                  "retry_backlog", "failed_by_kind", "outbox", "paused_handlers", "retention"}
-RECORD_FIELDS = {"idempotency_key", "namespace", "status", "request_hash", "attempts",
+RECORD_FIELDS = {"idempotency_key", "namespace", "shard_key", "status", "request_hash", "attempts",
                  "attempts_counted", "owner_token", "lease_until", "lease_live",
                  "next_attempt_at", "result_json",
                  "error_kind", "error_class", "error_message", "first_failure_at",
@@ -116,6 +116,22 @@ def test_inspect_piped_at_80_columns_or_less_shows_the_whole_request_hash(
               if len(ln.split(None, 1)) == 2}
     assert fields["request_hash"] == HASH
     assert fields["status"] == "failed" and fields["error_message"] == MESSAGE
+    assert "shard_key" not in fields  # none: written without one (one PostgreSQL)
+
+
+def test_inspect_shows_the_shard_key_of_a_record_that_has_one(failed: Failed) -> None:
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace="payments")
+    conn = connect(failed.db.dsn)
+    with conn.transaction():
+        store.claim(conn, key="tenant-0042:charge:o2", request_hash=HASH,
+                    delivery=Delivery(failed.source, 0, 1, "charge"), lease_seconds=60,
+                    max_attempts=5, max_elapsed_seconds=3600, shard="tenant-0042")
+    conn.close()
+    r = kafka_idem("inspect", "tenant-0042:charge:o2", db=failed.db)
+    assert r.code == 0, r.err
+    assert re.search(r"^shard_key +tenant-0042$", r.out, re.MULTILINE), r.out
+    shown = kafka_idem("inspect", "tenant-0042:charge:o2", "--json", db=failed.db).json()
+    assert shown["shard_key"] == "tenant-0042"
 
 
 def test_status_piped_is_plain_columns(failed: Failed) -> None:
@@ -133,6 +149,7 @@ def test_every_read_command_prints_its_documented_json_shape(failed: Failed) -> 
     assert record.code == 0 and set(record.json()) == RECORD_FIELDS
     assert record.json()["request_hash"] == HASH and record.json()["audit"] == []
     assert record.json()["attempts_counted"] == record.json()["attempts"]  # nothing withdrawn
+    assert record.json()["shard_key"] is None
     for name in ("created_at", "updated_at", "last_failure_at"):  # ISO 8601, with its 'T'
         at = record.json()[name]
         assert dt.datetime.fromisoformat(at).tzinfo is not None and at[10] == "T", (name, at)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -140,8 +141,9 @@ def test_status_inspect_and_rerun_one_key_and_in_bulk(
     shown = c.json("inspect", failed[0], "--json")
     assert (shown["namespace"], shown["status"], shown["attempts"], shown["error_kind"]) == (
         "payments", "failed", 1, "permanent")
-    assert shown["audit"] == []
-    assert c.cli("inspect", failed[0], "--namespace", "payments").returncode == 0
+    assert shown["audit"] == [] and shown["shard_key"] == failed[0].split(":")[0]
+    text = c.cli("inspect", failed[0], "--namespace", "payments").stdout
+    assert re.search(rf"^shard_key +{failed[0].split(':')[0]}$", text, re.MULTILINE), text
     missing = c.cli("inspect", "t9:charge:nope", ok=False)
     assert missing.returncode == 1, missing.stderr
 
