@@ -16,7 +16,7 @@ from consumers import payments
 from kafka_idem import App, Context, RetryPolicy
 from kafka_idem.app import ErrorKind
 from kafka_idem.deadletters.dead_letter import REQUIRED_HEADERS
-from kafka_idem.store import Delivery, Store, connect
+from kafka_idem.store import Delivery, connect
 from tests.conftest import DB, app_settings, headers, read_topic
 
 HANDLER = "charge"
@@ -184,7 +184,7 @@ def assert_dead_letter(
 
 def record_in(db: DB, status: str) -> str:
     """The key of a new record driven through legal transitions into ``status``."""
-    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
+    store = db.store(namespace="tests")
     key = f"k:{uuid.uuid4().hex}"
     conn = connect(db.dsn)
     with conn.transaction():
