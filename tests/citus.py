@@ -90,12 +90,16 @@ def node_urls(url: str, dbname: str) -> tuple[str, ...]:
 
 
 def on_each_node(url: str, statement: sql.Composable) -> None:
-    """Run ``statement`` on every node, that node alone, from its ``postgres`` database
-    (no ``citus`` extension there: a database made, closed or dropped node by node is
-    none of Citus's business, which refuses such statements on a worker's databases)."""
-    for node in node_urls(url, "postgres"):
+    """Run ``statement`` on every node at once, each node alone, from its ``postgres``
+    database (no ``citus`` extension there: a database made, closed or dropped node by
+    node is none of Citus's business, which refuses such statements on a worker's)."""
+    def run(node: str) -> None:
         with psycopg.connect(node, autocommit=True) as conn:
             conn.execute(statement)
+
+    nodes = node_urls(url, "postgres")
+    with ThreadPoolExecutor(len(nodes)) as pool:
+        list(pool.map(run, nodes))
 
 
 def citus_template(citus: str) -> str:
@@ -123,15 +127,16 @@ class Copies:
     """Each test's database on the cluster: the template copied on every node
     (``CREATE DATABASE ... TEMPLATE``: each node's copy holds its part of Citus's
     metadata, shards and placements, as the template does), dropped on every node after
-    the test. Under a second each way, where making and distributing a database takes
-    seconds; and off the tests' clock: on a thread of its own, the next test's copy is
-    made while this one runs, and this one's dropped while the next one runs."""
+    the test. About a second each way, where making and distributing a database takes
+    several; and mostly off the tests' clock: on threads of their own, the next test's
+    copy is made while this one runs, and this one's dropped while the next one runs."""
 
     def __init__(self, citus: str) -> None:
         self.citus = citus
         self.template = citus_template(citus)
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="citus-copies")
-        self.spare: Future[str] = self.thread.submit(self._make)
+        self.maker = ThreadPoolExecutor(1, thread_name_prefix="citus-copies")
+        self.dropper = ThreadPoolExecutor(1, thread_name_prefix="citus-drops")
+        self.spare: Future[str] = self.maker.submit(self._make)
         self.drops: list[Future[None]] = []
 
     def _make(self) -> str:
@@ -146,12 +151,12 @@ class Copies:
 
     def take(self) -> DB:
         name = self.spare.result()
-        self.spare = self.thread.submit(self._make)
+        self.spare = self.maker.submit(self._make)
         nodes = node_urls(self.citus, name)
         return DB(name, nodes[0], nodes=nodes)
 
     def give_back(self, db: DB) -> None:
-        self.drops.append(self.thread.submit(self._drop, db.name))
+        self.drops.append(self.dropper.submit(self._drop, db.name))
 
     def close(self) -> None:
         """Drop the spare copy and the template; a drop that failed fails the session."""
@@ -160,7 +165,8 @@ class Copies:
             for done in self.drops:
                 done.result()
         finally:
-            self.thread.shutdown(wait=True)
+            self.maker.shutdown(wait=True)
+            self.dropper.shutdown(wait=True)
             citus_db.drop_database(self.citus, self.template)
 
 
