@@ -110,16 +110,20 @@ def citus_template(citus: str) -> str:
     name = f"kafka_idem_tplc_{os.getpid()}"
     citus_db.drop_database(citus, name)
     dsn = citus_db.create_database(citus, name)
-    migrate(dsn, *STORE)
-    assert distribute_store(dsn, *STORE, citus=True)
-    from consumers.payments import build_app
+    try:
+        migrate(dsn, *STORE)
+        assert distribute_store(dsn, *STORE, citus=True)
+        from consumers.payments import build_app
 
-    migrate_app(dsn, STORE[0], build_app().migrations)
-    on_each_node(citus, sql.SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS false").format(
-        sql.Identifier(name)))
-    on_each_node(citus, sql.SQL("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                                "WHERE datname = {} AND pid <> pg_backend_pid()").format(
-        sql.Literal(name)))
+        migrate_app(dsn, STORE[0], build_app().migrations)
+        on_each_node(citus, sql.SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS false").format(
+            sql.Identifier(name)))
+        on_each_node(citus, sql.SQL("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                    "WHERE datname = {} AND pid <> pg_backend_pid()").format(
+            sql.Literal(name)))
+    except BaseException:
+        citus_db.drop_database(citus, name)
+        raise
     return name
 
 
@@ -141,8 +145,12 @@ class Copies:
 
     def _make(self) -> str:
         name = f"kafka_idem_tc_{uuid.uuid4().hex[:12]}"
-        on_each_node(self.citus, sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-            sql.Identifier(name), sql.Identifier(self.template)))
+        try:
+            on_each_node(self.citus, sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(self.template)))
+        except BaseException:
+            self._drop(name)  # made on some nodes only
+            raise
         return name
 
     def _drop(self, name: str) -> None:
@@ -150,8 +158,8 @@ class Copies:
             sql.Identifier(name)))
 
     def take(self) -> DB:
-        name = self.spare.result()
-        self.spare = self.maker.submit(self._make)
+        spare, self.spare = self.spare, self.maker.submit(self._make)
+        name = spare.result()  # a copy that failed fails this test, not every next one
         nodes = node_urls(self.citus, name)
         return DB(name, nodes[0], nodes=nodes)
 
@@ -162,12 +170,12 @@ class Copies:
         """Drop the spare copy and the template; a drop that failed fails the session."""
         try:
             self._drop(self.spare.result())
-            for done in self.drops:
-                done.result()
         finally:
             self.maker.shutdown(wait=True)
             self.dropper.shutdown(wait=True)
             citus_db.drop_database(self.citus, self.template)
+        for done in self.drops:
+            done.result()
 
 
 @pytest.fixture(scope="session")
