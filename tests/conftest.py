@@ -29,6 +29,8 @@ from psycopg.rows import dict_row
 
 from kafka_idem.admin.migrate import migrate
 from kafka_idem.settings import DEFAULT_BOOTSTRAP, DEFAULT_DATABASE_URL
+from kafka_idem.store import Store
+from kafka_idem.store.citus import fit
 from kafka_idem.verify.kafka import retrying
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,11 +128,27 @@ def template_db() -> Iterator[str]:
 
 
 class DB:
-    """A per-test database with the questions tests ask of durable state."""
+    """A per-test database with the questions tests ask of durable state: on the
+    single-node server, or (``flavour`` ``"citus"``) a copy on every node of the Citus
+    cluster, ``dsn`` the coordinator's and ``nodes`` every node's (the coordinator first)."""
 
-    def __init__(self, name: str) -> None:
+    flavour = "postgres"
+
+    def __init__(self, name: str, dsn: str | None = None, *, nodes: tuple[str, ...] = ()) -> None:
         self.name = name
-        self.dsn = dsn_for(name)
+        self.dsn = dsn or dsn_for(name)
+        self.nodes = nodes or (self.dsn,)
+        if nodes:
+            self.flavour = "citus"
+
+    def store(self, **kw: Any) -> Store:
+        """A :class:`Store` on ``kafka_idem.task_idempotency`` (``kw``: its namespace, ...)
+        with the queries of its placement, learnt as a member learns it at start
+        (:func:`kafka_idem.store.citus.fit`): distributed on Citus, local on one server."""
+        store = Store(schema="kafka_idem", table="task_idempotency", **kw)
+        with psycopg.connect(self.dsn) as conn:
+            fit(conn, store)
+        return store
 
     def rows(self, query: str, params: Any = None) -> list[dict[str, Any]]:
         with psycopg.connect(self.dsn, row_factory=dict_row) as conn:
@@ -165,8 +183,30 @@ class DB:
         return {r["status"]: r["n"] for r in rows}
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``both_stores`` (a module marks all its tests with ``pytestmark``)
+    runs twice: its ``db`` on one PostgreSQL (id ``postgres``) and on the Citus cluster
+    (``citus``: the store distributed, the payments tables co-located; tests/citus.py).
+    ``postgres_only`` keeps one test of such a module on one PostgreSQL (with the reason)."""
+    test = metafunc.definition
+    if "db" not in metafunc.fixturenames or not test.get_closest_marker("both_stores"):
+        return
+    kept = test.get_closest_marker("postgres_only")
+    if kept is None:
+        metafunc.parametrize("db", ["postgres", "citus"], indirect=True)
+    elif not kept.args:
+        pytest.fail(f"{test.name}: postgres_only needs the reason it cannot hold on Citus")
+
+
 @pytest.fixture
-def db(template_db: str) -> Iterator[DB]:
+def db(request: pytest.FixtureRequest) -> Iterator[DB]:
+    if getattr(request, "param", "postgres") == "citus":
+        copies = request.getfixturevalue("citus_copies")
+        copy = copies.take()
+        yield copy
+        copies.give_back(copy)
+        return
+    template_db = request.getfixturevalue("template_db")
     name = f"kafka_idem_t_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(

@@ -10,6 +10,7 @@ from consumers import payments
 from kafka_idem import Context
 from kafka_idem.consume.outcome import Deferred, Finished
 from kafka_idem.consume.paths.processor import Processor
+from kafka_idem.consume.startup import check_schema
 from kafka_idem.observe.metrics import Metrics
 from kafka_idem.store import Store
 from kafka_idem.testing import FakeMessage
@@ -32,9 +33,9 @@ def processor(dsn: str, topic: str, mode: str, hold: float = 0.0) -> Processor:
             return result
 
         app.handlers[topic].fn = slow
-    return Processor(app, store=Store(schema="kafka_idem", table="task_idempotency",
-                                      namespace=app.namespace),
-                     metrics=Metrics())
+    store = Store(schema="kafka_idem", table="task_idempotency", namespace=app.namespace)
+    check_schema(app.settings, store, app)  # as a member starts: distributed on Citus?
+    return Processor(app, store=store, metrics=Metrics())
 
 
 def process_one(dsn: str, topic: str, mode: str, value: bytes, offset: int,

@@ -11,12 +11,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import psycopg
+from psycopg.rows import dict_row
 
 from consumers import payments
 from kafka_idem import App, Context, RetryPolicy
 from kafka_idem.app import ErrorKind
 from kafka_idem.deadletters.dead_letter import REQUIRED_HEADERS
-from kafka_idem.store import Delivery, Store, connect
+from kafka_idem.store import Delivery, connect
 from tests.conftest import DB, app_settings, headers, read_topic
 
 HANDLER = "charge"
@@ -44,6 +45,8 @@ BEGIN
     RETURN NULL;
 END
 $fn$;
+"""
+HISTORY_TRIGGER = """
 CREATE TRIGGER zz_record_history AFTER INSERT OR UPDATE ON kafka_idem.task_idempotency
     FOR EACH ROW EXECUTE FUNCTION public.record_history();
 """
@@ -51,14 +54,30 @@ CREATE TRIGGER zz_record_history AFTER INSERT OR UPDATE ON kafka_idem.task_idemp
 
 def record_history(db: DB) -> None:
     """Keep every committed state of every record in ``public.record_history``
-    (an AFTER trigger: rolled-back states leave no trace, like the states themselves)."""
+    (an AFTER trigger: rolled-back states leave no trace, like the states themselves).
+
+    On Citus the trigger fires on the worker that holds the record's shard, in that
+    worker's part of the transaction: the history is a table local to each node (made
+    there, none of Citus's), and :func:`history` reads every node's."""
+    for node in db.nodes:
+        with psycopg.connect(node) as conn:
+            if db.flavour == "citus":
+                conn.execute("SET citus.enable_ddl_propagation = off")
+            conn.execute(HISTORY_SQL)
     with psycopg.connect(db.dsn) as conn:
-        conn.execute(HISTORY_SQL)
+        if db.flavour == "citus":  # as the store's guard: it reads and writes its node only
+            conn.execute("SET citus.enable_unsafe_triggers = on")
+        conn.execute(HISTORY_TRIGGER)
 
 
 def history(db: DB, key: str) -> list[dict[str, Any]]:
-    return db.rows("SELECT * FROM public.record_history WHERE idempotency_key = %s ORDER BY id",
-                   (key,))
+    """``key``'s states in the order they committed (one node holds them all)."""
+    rows: list[dict[str, Any]] = []
+    for node in db.nodes:
+        with psycopg.connect(node, row_factory=dict_row) as conn:
+            rows += conn.execute("SELECT * FROM public.record_history WHERE "
+                                 "idempotency_key = %s ORDER BY id", (key,)).fetchall()
+    return rows
 
 
 def claims(db: DB, key: str) -> list[dict[str, Any]]:
@@ -94,7 +113,8 @@ def charge_app(
     errors: Mapping[type[BaseException], ErrorKind] | None = None,
     **settings: Any,
 ) -> App:
-    """An app on ``topic`` with the payments model/key/hash and ``fn`` as the handler."""
+    """An app on ``topic`` with the payments model/key/hash (and, on Citus, shard key)
+    and ``fn`` as the handler."""
     app = App("failures", **app_settings(db, group_id=group, schemas_dir=payments.SCHEMAS_DIR,
                                          **settings))
     app.migration(payments.create_tables)
@@ -110,6 +130,9 @@ def charge_app(
         topic=topic,
         model=payments.ChargeRequested,
         key="{tenant_id}:charge:{order_id}",
+        # on Citus, as the payments example: the record with the tenant's rows (one
+        # shard, one worker), not by its key apart from them (a two-phase commit each)
+        shard_key="{tenant_id}" if db.flavour == "citus" else None,
         hash_fields=("amount", "currency"),
         schema=payments.SCHEMA,
         mode=mode,  # type: ignore[arg-type]
@@ -184,7 +207,7 @@ def assert_dead_letter(
 
 def record_in(db: DB, status: str) -> str:
     """The key of a new record driven through legal transitions into ``status``."""
-    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
+    store = db.store(namespace="tests")
     key = f"k:{uuid.uuid4().hex}"
     conn = connect(db.dsn)
     with conn.transaction():

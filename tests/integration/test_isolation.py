@@ -15,13 +15,18 @@ from consumers import payments
 from consumers.payments import encode_charge
 from kafka_idem import Permanent, Retryable, RetryPolicy
 from kafka_idem.consume.paths.lease_keeper import LeaseKeeper
-from kafka_idem.store import Claim, Delivery, Store, connect
+from kafka_idem.errors import DataRejected
+from kafka_idem.store import Claim, Delivery, Store, classify_db_error, connect
 from tests.conftest import DB, InProcess, Topics, caught_up, committed, headers, produce, wait_for
 from tests.integration.support import charge_app, dlq_records
 
+# Each test runs on one PostgreSQL and on Citus (the store distributed).
+pytestmark = pytest.mark.both_stores
+
 # A business rule checked at COMMIT (a deferred constraint trigger): the database
 # refuses the whole transaction, not one statement, so no savepoint can isolate it.
-DEFERRED_CHECK = """
+# (Two statements: Citus propagates each to the workers' shards on its own.)
+DEFERRED_CHECK = ("""
 CREATE FUNCTION payments.no_poison() RETURNS trigger LANGUAGE plpgsql AS $fn$
 BEGIN
     IF NEW.order_id LIKE 'poison%' THEN
@@ -29,18 +34,54 @@ BEGIN
     END IF;
     RETURN NULL;
 END
-$fn$;
+$fn$
+""", """
 CREATE CONSTRAINT TRIGGER no_poison AFTER INSERT ON payments.ledger
-    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION payments.no_poison();
-"""
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION payments.no_poison()
+""")
 
 
+def deferred_check(db: DB) -> None:
+    with psycopg.connect(db.dsn) as conn:
+        if db.flavour == "citus":  # as the store's guard: it reads its own row only
+            conn.execute("SET citus.enable_unsafe_triggers = on")
+        for statement in DEFERRED_CHECK:
+            conn.execute(statement)
+
+
+CITUS_HIDES_THE_DATA_ERROR = (
+    "kafka_idem on Citus: a worker's commit refused for the data fails with XX000 "
+    "(the 23514 only a WARNING), a store error retried for ever")
+
+
+def test_a_commit_refused_for_the_data_is_the_datas_error(
+    db: DB, request: pytest.FixtureRequest
+) -> None:
+    """What the test below rests on, without a member: the error of a commit the
+    database refuses for the data (a deferred check) is classified as the data's
+    (DataRejected: the message is dead-lettered), never as the store's (retried)."""
+    if db.flavour == "citus":
+        # A kafka_idem defect on Citus: the worker's check_violation reaches the client
+        # as a WARNING, and the commit fails with XX000 "could not commit transaction
+        # for shard ..."; a StoreError, so the member retries the message for ever and
+        # its partition is held. Remove this mark with the fix.
+        request.applymarker(pytest.mark.xfail(reason=CITUS_HIDES_THE_DATA_ERROR, strict=True))
+    deferred_check(db)
+    with (psycopg.connect(db.dsn) as conn, pytest.raises(psycopg.Error) as err,
+          conn.transaction()):
+        conn.execute("INSERT INTO payments.ledger (tenant_id, order_id, amount, currency, "
+                     "idempotency_key) VALUES ('t1', 'poison-1', 1, 'EUR', 'k')")
+    assert classify_db_error(err.value) is DataRejected, err.value
+
+
+# On Citus the member holds the partition for ever (the test above, the defect's fast
+# reproduction, says why): a minute's timeout to learn what that one already says.
+@pytest.mark.postgres_only(CITUS_HIDES_THE_DATA_ERROR)
 def test_a_commit_refused_for_one_messages_data_dead_letters_that_message_alone(
     db: DB, topics: Topics, group: str
 ) -> None:
     topic = topics(partitions=1)
-    with psycopg.connect(db.dsn) as conn:
-        conn.execute(DEFERRED_CHECK)
+    deferred_check(db)
     orders = ["o1", "o2", "poison-3", "o4", "o5"]
     values = [encode_charge("t1", o, "10.00") for o in orders]
     produce(topic, [(o.encode(), v) for o, v in zip(orders, values, strict=True)])
@@ -75,19 +116,21 @@ def _claim(store: Store, conn: Any, key: str, *, offset: int, lease_seconds: flo
     return claim
 
 
-def _waiting_on_a_lock(dsn: str) -> bool:
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'kafka_idem:leases'"
-            " AND wait_event_type = 'Lock'"
-        ).fetchone()
-    return bool(row and row[0])
+def _waiting_on_a_lock(db: DB) -> bool:
+    if db.flavour == "citus":  # the heartbeat's statement waits on the record's worker
+        return bool(db.value(
+            "SELECT count(*) FROM citus_lock_waits w JOIN citus_stat_activity a ON "
+            "a.global_pid = w.waiting_gpid AND NOT a.is_worker_query "
+            "WHERE a.application_name = 'kafka_idem:leases'"))
+    return bool(db.value(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'kafka_idem:leases'"
+        " AND wait_event_type = 'Lock'"))
 
 
 def test_a_heartbeat_racing_the_completion_commit_is_not_a_lost_lease(db: DB) -> None:
     """The heartbeat's extension waits on the completion's row lock and finds the
     record succeeded once the owner commits: its own finished work, not a loss."""
-    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
+    store = db.store(namespace="tests")
     key = f"t:{uuid.uuid4().hex}"
     owner = connect(db.dsn)
     claim = _claim(store, owner, key, offset=0, lease_seconds=30)
@@ -97,7 +140,7 @@ def test_a_heartbeat_racing_the_completion_commit_is_not_a_lost_lease(db: DB) ->
             store.complete(owner, key=key, token=claim.token, result={"ok": True})
             beat = threading.Thread(target=keeper.beat)  # it sees the hold, still held
             beat.start()
-            wait_for(lambda: _waiting_on_a_lock(db.dsn), timeout=10,
+            wait_for(lambda: _waiting_on_a_lock(db), timeout=10,
                      what="the heartbeat to wait on the completion's row lock")
             hold.release()  # what the processor does before its commit
         beat.join(timeout=10)
@@ -109,7 +152,7 @@ def test_a_heartbeat_racing_the_completion_commit_is_not_a_lost_lease(db: DB) ->
 
 
 def test_a_heartbeat_finding_the_key_taken_over_reports_the_loss(db: DB) -> None:
-    store = Store(schema="kafka_idem", table="task_idempotency", namespace="tests")
+    store = db.store(namespace="tests")
     key = f"t:{uuid.uuid4().hex}"
     conn = connect(db.dsn)
     first = _claim(store, conn, key, offset=0, lease_seconds=0.01)
@@ -187,7 +230,7 @@ def test_a_leased_completion_sent_with_its_commit_commits_nothing_once_taken_ove
                                      request_hash=ctx.request_hash,
                                      delivery=Delivery(topic, 0, 0, "charge"),
                                      lease_seconds=1.0, max_attempts=5,
-                                     max_elapsed_seconds=3600)
+                                     max_elapsed_seconds=3600, shard=ctx.shard_key)
             assert theirs.took_over and theirs.token is not None
             tokens.append(theirs.token)
             other.close()
@@ -195,8 +238,7 @@ def test_a_leased_completion_sent_with_its_commit_commits_nothing_once_taken_ove
 
     app = charge_app(db, topic, group, taken_over_while_running, mode="leased",
                      busy_retry_seconds=0.2)
-    store = Store(schema=app.settings.schema_name, table=app.settings.table,
-                  namespace=app.namespace)
+    store = db.store(namespace=app.namespace)
     with InProcess(app):
         wait_for(lambda: caught_up(group, topic), timeout=60,
                  what="the message to be done after the takeover")
