@@ -718,15 +718,29 @@ def create_tables(conn: Any) -> None:
     conn.execute(
         """
         CREATE TABLE IF NOT EXISTS payments.gateway_charges (
-            id              bigserial PRIMARY KEY,
+            id              bigserial,
+            -- the handler's shard key (its default: the idempotency key) first: on Citus
+            -- the table is distributed by it with the records (co_locate below)
             idempotency_key text          NOT NULL,
             charge_id       text          NOT NULL,
             amount          numeric(18,2) NOT NULL,
             currency        text          NOT NULL,
-            created_at      timestamptz   NOT NULL DEFAULT now()
+            created_at      timestamptz   NOT NULL DEFAULT now(),
+            PRIMARY KEY (idempotency_key, id)
         )
         """
     )
+
+
+def co_locate(app: App) -> Any:
+    """The migration that, on a store distributed on Citus, distributes the charges table
+    by idempotency key with the store's records (the handler's default shard key): a
+    charge's row and its record are then one shard's transaction. Nothing on one
+    PostgreSQL."""
+    def co_locate_charges(conn: Any) -> None:
+        app.co_locate(conn, "payments.gateway_charges", "idempotency_key")
+
+    return co_locate_charges
 
 
 def _record_args(ctx: Context, charge: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
@@ -780,6 +794,7 @@ def build_app(
     client = AsyncGatewayClient(gateway_url, timeout)
     application = App(name, **settings)
     application.migration(create_tables)
+    application.migration(co_locate(application))  # on Citus: with the records, by key
     register = application.handler(
         topic=topic,
         model=payments.ChargeRequested,

@@ -112,11 +112,14 @@ class Store(OutboxQueries):
         reentrant_token: uuid.UUID | None = None,
         reconcile_first: bool = False,
         shard: str | None = None,
+        token: uuid.UUID | None = None,
     ) -> Claim:
         """The whole claim of ``key`` (the module doc's 1 and 2a-f), in the caller's
-        transaction: :func:`~kafka_idem.store.claim_plan.claim_plan` run on ``conn``."""
+        transaction: :func:`~kafka_idem.store.claim_plan.claim_plan` run on ``conn``.
+        ``token``: the owner token a claim made now takes (default a new one)."""
         plan = self._claim_plan(key, request_hash, delivery, lease_seconds, max_attempts,
-                                max_elapsed_seconds, reentrant_token, reconcile_first, shard)
+                                max_elapsed_seconds, reentrant_token, reconcile_first, shard,
+                                token)
         with translate_errors(key=key):
             return run_plan(conn, plan)
 
@@ -133,33 +136,36 @@ class Store(OutboxQueries):
         reentrant_token: uuid.UUID | None = None,
         reconcile_first: bool = False,
         shard: str | None = None,
+        token: uuid.UUID | None = None,
     ) -> Claim:
         """:meth:`claim` on an async connection (in the caller's transaction,
         ``async with conn.transaction()``): the same plan, so the same statements in
         the same order, and the same decisions."""
         plan = self._claim_plan(key, request_hash, delivery, lease_seconds, max_attempts,
-                                max_elapsed_seconds, reentrant_token, reconcile_first, shard)
+                                max_elapsed_seconds, reentrant_token, reconcile_first, shard,
+                                token)
         with translate_errors(key=key):
             return await run_plan_async(conn, plan)
 
     def _claim_plan(
         self, key: str, request_hash: str, delivery: Delivery, lease_seconds: float,
         max_attempts: int, max_elapsed_seconds: float, reentrant_token: uuid.UUID | None,
-        reconcile_first: bool, shard: str | None,
+        reconcile_first: bool, shard: str | None, token: uuid.UUID | None,
     ) -> Plan[Claim]:
         return claim_plan(
-            self.q, self._claim_params(key, request_hash, delivery, lease_seconds, shard),
+            self.q, self._claim_params(key, request_hash, delivery, lease_seconds, shard,
+                                       token),
             max_attempts=max_attempts, max_elapsed_seconds=max_elapsed_seconds,
             reentrant_token=reentrant_token, reconcile_first=reconcile_first)
 
     def claim_new(
         self, conn: Conn, *, key: str, request_hash: str, delivery: Delivery,
-        lease_seconds: float, shard: str | None = None,
+        lease_seconds: float, shard: str | None = None, token: uuid.UUID | None = None,
     ) -> Claim | None:
         """Step 1 alone: claim ``key`` if it is new, else ``None`` (then call :meth:`claim`).
 
         On an autocommit connection this is a whole claim in one round trip."""
-        params = self._claim_params(key, request_hash, delivery, lease_seconds, shard)
+        params = self._claim_params(key, request_hash, delivery, lease_seconds, shard, token)
         with translate_errors(key=key):
             row = conn.execute(self.q["claim_insert"], params).fetchone()
         if row is None:
@@ -168,10 +174,10 @@ class Store(OutboxQueries):
 
     async def claim_new_async(
         self, conn: AsyncConn, *, key: str, request_hash: str, delivery: Delivery,
-        lease_seconds: float, shard: str | None = None,
+        lease_seconds: float, shard: str | None = None, token: uuid.UUID | None = None,
     ) -> Claim | None:
         """:meth:`claim_new` on an autocommit async connection: the same statement."""
-        params = self._claim_params(key, request_hash, delivery, lease_seconds, shard)
+        params = self._claim_params(key, request_hash, delivery, lease_seconds, shard, token)
         with translate_errors(key=key):
             row = await (await conn.execute(self.q["claim_insert"], params)).fetchone()
         if row is None:
@@ -180,14 +186,14 @@ class Store(OutboxQueries):
 
     def _claim_params(
         self, key: str, request_hash: str, delivery: Delivery, lease_seconds: float,
-        shard: str | None = None,
+        shard: str | None = None, token: uuid.UUID | None = None,
     ) -> dict[str, Any]:
         return {
             "ns": self.ns,
             "key": key,
             "shard": self.shard_of(key, shard),
             "hash": request_hash,
-            "token": uuid.uuid4(),
+            "token": token or uuid.uuid4(),
             "lease": lease_seconds,
             "handler": delivery.handler,
             "topic": delivery.topic,

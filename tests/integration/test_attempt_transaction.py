@@ -137,15 +137,22 @@ def test_rollback_raised_by_a_handler_is_its_error_not_a_success(
     assert db.ledger_counts() == {"t1:charge:o-ok": 1}
 
 
+@pytest.mark.parametrize("read_first", [False, True], ids=["first", "after-a-read"])
 @pytest.mark.parametrize(("use_async", "concurrency"), CASES, ids=IDS)
 def test_a_handlers_own_transaction_block_is_a_savepoint_of_the_attempt(
-    db: DB, topic: str, group: str, use_async: bool, concurrency: int,
+    db: DB, topic: str, group: str, use_async: bool, concurrency: int, read_first: bool,
 ) -> None:
-    """The handler's first statement is a savepoint block (before any statement of
-    the attempt reached the server) whose statement fails: only it rolls back; the row
-    written after it and the completion commit together."""
+    """The handler opens a savepoint block whose statement fails: only it rolls back;
+    the row written after it and the completion commit together. ``first``: the block
+    is the handler's first statement (before any statement of the attempt reached the
+    server); ``after-a-read``: the handler read a result first (the attempt's ``BEGIN``
+    went with that statement, but only a sync reports it): still a savepoint, not a
+    ``BEGIN`` and ``COMMIT`` of its own, which would commit the writes before their
+    completion."""
 
     def sync_fn(msg: payments.ChargeRequested, ctx: Context) -> Any:
+        if read_first:
+            assert ctx.tx.execute("SELECT 1").fetchone() == (1,)
         try:
             with ctx.tx.transaction():
                 ctx.tx.execute(*mark(msg, ctx.idempotency_key))
@@ -157,6 +164,8 @@ def test_a_handlers_own_transaction_block_is_a_savepoint_of_the_attempt(
 
     async def async_fn(msg: payments.ChargeRequested, ctx: AsyncContext) -> Any:
         await asyncio.sleep(0.001)
+        if read_first:
+            assert await (await ctx.tx.execute("SELECT 1")).fetchone() == (1,)
         try:
             async with ctx.tx.transaction():
                 await ctx.tx.execute(*mark(msg, ctx.idempotency_key))
@@ -173,45 +182,6 @@ def test_a_handlers_own_transaction_block_is_a_savepoint_of_the_attempt(
         assert rec is not None
         assert (rec["status"], rec["attempts"]) == ("succeeded", 1)
         assert rec["completed_token"] is not None
-
-
-@pytest.mark.parametrize(("use_async", "concurrency"), CASES, ids=IDS)
-def test_a_savepoint_block_after_a_read_is_still_a_savepoint_of_the_attempt(
-    db: DB, topic: str, group: str, use_async: bool, concurrency: int,
-) -> None:
-    """The handler first reads a result (the attempt's ``BEGIN`` went with that
-    statement, but only a sync reports it), then opens a block: still a savepoint (not
-    a ``BEGIN`` and ``COMMIT`` of its own, which would commit the writes before their
-    completion), its failing statement rolled back alone."""
-
-    def sync_fn(msg: payments.ChargeRequested, ctx: Context) -> Any:
-        assert ctx.tx.execute("SELECT 1").fetchone() == (1,)
-        try:
-            with ctx.tx.transaction():
-                ctx.tx.execute(*mark(msg, ctx.idempotency_key))
-                ctx.tx.execute("SELECT 1 / 0")
-        except psycopg.errors.DivisionByZero:
-            pass
-        ctx.tx.execute(*mark(msg, ctx.idempotency_key))
-        return payments.result_of(msg)
-
-    async def async_fn(msg: payments.ChargeRequested, ctx: AsyncContext) -> Any:
-        assert await (await ctx.tx.execute("SELECT 1")).fetchone() == (1,)
-        try:
-            async with ctx.tx.transaction():
-                await ctx.tx.execute(*mark(msg, ctx.idempotency_key))
-                await ctx.tx.execute("SELECT 1 / 0")
-        except psycopg.errors.DivisionByZero:
-            pass
-        await ctx.tx.execute(*mark(msg, ctx.idempotency_key))
-        return payments.result_of(msg)
-
-    run(db, topic, group, async_fn if use_async else sync_fn, concurrency, ["o-1", "o-2"])
-    assert db.ledger_counts() == {"t1:charge:o-1": 1, "t1:charge:o-2": 1}
-    for order in ("o-1", "o-2"):
-        rec = db.record(f"t1:charge:{order}")
-        assert rec is not None
-        assert (rec["status"], rec["attempts"]) == ("succeeded", 1)
 
 
 def test_an_attempt_refuses_a_connection_already_in_a_transaction() -> None:

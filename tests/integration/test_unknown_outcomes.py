@@ -36,13 +36,9 @@ from tests.conftest import (
 )
 from tests.integration.support import claims, migrate_app, record_history, seeded
 
-# Each test runs on one PostgreSQL and on Citus (the store distributed), but those of the
-# gateway example: its table (payments.gateway_charges, keyed by id alone) is not laid
-# out for Citus, so on a distributed store it stays local to the coordinator and the
-# member refuses the handler's writes there (docs/CITUS.md, "Co-locate your tables").
+# Each test runs on one PostgreSQL and on Citus (the store distributed; the gateway
+# example's table co-located with the records by its migration).
 pytestmark = pytest.mark.both_stores
-GATEWAY_ON_ONE_SERVER = pytest.mark.postgres_only(
-    "consumers/gateway.py has no Citus layout: its table is local to the coordinator")
 
 VARIANTS = "tests.apps.variants:app"
 GATEWAY_APP = "consumers.gateway:app"
@@ -125,7 +121,6 @@ def test_kill_after_the_business_write_leaves_nothing_and_the_retry_has_one_effe
 # --- remote effects: the payment gateway ---------------------------------------------------
 
 
-@GATEWAY_ON_ONE_SERVER
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("fault", ["drop_after_apply", "reset_after_apply", "delay_after_apply"])
 def test_applied_but_unanswered_charge_is_reconciled_not_repeated(
@@ -158,7 +153,6 @@ def test_applied_but_unanswered_charge_is_reconciled_not_repeated(
     assert read_topic(f"{topic}.dlq") == []
 
 
-@GATEWAY_ON_ONE_SERVER
 def test_unanswered_charge_never_applied_is_retried_with_the_same_key(
     db: DB, topics: Topics, group: str, gateway: Gateway
 ) -> None:
@@ -178,7 +172,6 @@ def test_unanswered_charge_never_applied_is_retried_with_the_same_key(
     assert [r["charge_id"] for r in local_rows(db)] == [charge["id"]]
 
 
-@GATEWAY_ON_ONE_SERVER
 def test_gateway_5xx_is_retried_and_4xx_is_dead_lettered(
     db: DB, topics: Topics, group: str, gateway: Gateway
 ) -> None:
@@ -205,7 +198,6 @@ def test_gateway_5xx_is_retried_and_4xx_is_dead_lettered(
     assert committed(group, topic) == {0: 2}
 
 
-@GATEWAY_ON_ONE_SERVER
 @pytest.mark.parametrize("max_attempts", [5, 1], ids=["retries-left", "last-attempt"])
 def test_member_killed_while_its_charge_is_in_flight_is_reconciled_by_the_new_owner(
     db: DB, topics: Topics, members: Members, group: str, gateway: Gateway, max_attempts: int
@@ -243,7 +235,6 @@ def test_member_killed_while_its_charge_is_in_flight_is_reconciled_by_the_new_ow
     assert read_topic(f"{topic}.dlq") == []
 
 
-@GATEWAY_ON_ONE_SERVER
 def test_unknown_outcome_on_the_last_attempt_is_reconciled_before_giving_up(
     db: DB, topics: Topics, group: str, gateway: Gateway
 ) -> None:
@@ -267,7 +258,6 @@ def test_unknown_outcome_on_the_last_attempt_is_reconciled_before_giving_up(
     assert read_topic(f"{topic}.dlq") == []
 
 
-@GATEWAY_ON_ONE_SERVER
 def test_last_attempt_reconcile_that_finds_nothing_exhausts_without_charging_again(
     db: DB, topics: Topics, group: str, gateway: Gateway
 ) -> None:

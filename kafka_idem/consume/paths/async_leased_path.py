@@ -130,8 +130,9 @@ class AsyncLeasedPath:
         handler = steps.handler(msg)
         gate = gate if gate is not None else Gate()
         claim: Claim | None = None
+        token = reentrant or uuid.uuid4()  # known before the claim is sent (LeasedPath.run)
         try:
-            claim = await self._claim(msg, prep, reentrant, shared)
+            claim = await self._claim(msg, prep, reentrant, shared, token)
             if claim.outcome is not Outcome.CLAIMED:
                 verdict = steps.not_claimed(handler, msg, prep, claim)
                 verdict.note.write(log)
@@ -143,7 +144,7 @@ class AsyncLeasedPath:
                 return await self._execute(handler, msg, prep, claim, hold, gate)
         except (MessageError, FrameworkError, psycopg.Error) as exc:
             return around_failure(steps, exc, msg, prep,
-                                  claim.token if claim is not None else reentrant)
+                                  claim.token if claim is not None else token)
         except CallNotStarted:  # its partition is leaving, or the member stopping
             if claim is not None and claim.withdrawable:
                 await self._withdraw(claim, prep.shard)
@@ -178,7 +179,7 @@ class AsyncLeasedPath:
 
     async def _claim(
         self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None,
-        shared: RoundClaim | None,
+        shared: RoundClaim | None, token: uuid.UUID | None = None,
     ) -> Claim:
         """The round's token for a new key, else its claim alone (one statement), else
         the whole claim: each on a connection of this loop's, given back before the
@@ -195,10 +196,10 @@ class AsyncLeasedPath:
                 return Claim.new_key(prep.key, tokens[prep.key])
             new = tokens is None  # else the key existed: the whole claim at once
         if new and reentrant is None:
-            claim = await self._claim_new(msg, prep)
+            claim = await self._claim_new(msg, prep, token)
             if claim is not None:
                 return claim
-        return await self._claim_existing(msg, prep, reentrant)
+        return await self._claim_existing(msg, prep, reentrant, token)
 
     async def _round(self, todo: list[Wanted]) -> Tokens:
         """The round's new keys in one statement (``batch_claim_insert``, autocommit)."""
@@ -206,7 +207,8 @@ class AsyncLeasedPath:
             return await claim_round_async(self.store, conn, todo,
                                            self.steps.settings.lease_seconds)
 
-    async def _claim_new(self, msg: Message, prep: Prepared) -> Claim | None:
+    async def _claim_new(self, msg: Message, prep: Prepared,
+                         token: uuid.UUID | None = None) -> Claim | None:
         """A new key claimed and committed in one round trip (``claim_insert``,
         autocommit), or ``None`` when the key exists."""
         async with self._connection() as conn:
@@ -214,17 +216,19 @@ class AsyncLeasedPath:
                 return await self.store.claim_new_async(
                     conn, key=prep.key, request_hash=prep.request_hash,
                     delivery=delivery(self.steps.handler(msg), msg),
-                    lease_seconds=self.steps.settings.lease_seconds, shard=prep.shard)
+                    lease_seconds=self.steps.settings.lease_seconds, shard=prep.shard,
+                    token=token)
 
     async def _claim_existing(
-        self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None
+        self, msg: Message, prep: Prepared, reentrant: uuid.UUID | None,
+        token: uuid.UUID | None = None,
     ) -> Claim:
         """The whole claim, committed in a transaction of its own (the sync path's
         ``LeasedPath._claim_existing``): ``BEGIN``, the claim plan's statements,
         ``COMMIT``."""
         async with self._connection() as conn, conn.transaction():
             return await self.steps.claim_async(conn, self.steps.handler(msg), msg, prep,
-                                                reentrant=reentrant)
+                                                reentrant=reentrant, token=token)
 
     async def _record_failure(
         self, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,

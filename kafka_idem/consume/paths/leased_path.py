@@ -50,13 +50,17 @@ class LeasedPath:
         if not isinstance(prep, Prepared):
             return prep
         claim: Claim | None = None
+        # The token our claim takes, known before it is sent: a claim can commit while
+        # the connection is lost with its answer (on Citus the worker commits it); the
+        # retry then re-enters it (never charged) instead of waiting out its lease.
+        token = reentrant or uuid.uuid4()
         try:
             with self.db.unavailable():
                 conn = self.db.connection()
-                claim = self._claim(conn, msg, prep, reentrant, round)
+                claim = self._claim(conn, msg, prep, reentrant, round, token)
                 return self._run_claimed(conn, msg, prep, claim, gate)
         except (MessageError, FrameworkError, psycopg.Error) as exc:
-            return self.failed(exc, msg, prep, claim.token if claim is not None else reentrant)
+            return self.failed(exc, msg, prep, claim.token if claim is not None else token)
         except CallNotStarted:  # its partition is leaving, or the member stopping
             if claim is not None:
                 self._withdraw(claim, prep.shard)
@@ -105,19 +109,19 @@ class LeasedPath:
 
     def _claim(
         self, conn: Conn, msg: Message, prep: Prepared, reentrant: uuid.UUID | None,
-        round: RoundClaim | None = None,
+        round: RoundClaim | None = None, token: uuid.UUID | None = None,
     ) -> Claim:
         """Claim and commit: a new key in the round's statement or in one round trip
-        of its own, else the full claim."""
+        of its own, else the full claim (``token``: the one a claim made now takes)."""
         if reentrant is None:
             tokens = self._round_tokens(conn, msg, prep, round)
             if tokens is None:
-                claim = self.steps.claim_new(conn, self.steps.handler(msg), msg, prep)
+                claim = self.steps.claim_new(conn, self.steps.handler(msg), msg, prep, token)
                 if claim is not None:
                     return claim
             elif prep.key in tokens:
                 return Claim.new_key(prep.key, tokens[prep.key])
-        return self._claim_existing(conn, msg, prep, reentrant)
+        return self._claim_existing(conn, msg, prep, reentrant, token)
 
     def _round_tokens(
         self, conn: Conn, msg: Message, prep: Prepared, round: RoundClaim | None
@@ -130,11 +134,12 @@ class LeasedPath:
                 self.steps.store, conn, todo, self.steps.settings.lease_seconds))
 
     def _claim_existing(
-        self, conn: Conn, msg: Message, prep: Prepared, reentrant: uuid.UUID | None
+        self, conn: Conn, msg: Message, prep: Prepared, reentrant: uuid.UUID | None,
+        token: uuid.UUID | None = None,
     ) -> Claim:
         with conn.transaction():
             return self.steps.claim(conn, self.steps.handler(msg), msg, prep,
-                                    reentrant=reentrant)
+                                    reentrant=reentrant, token=token)
 
     def _run_claimed(
         self, conn: Conn, msg: Message, prep: Prepared, claim: Claim, gate: Gate | None = None,

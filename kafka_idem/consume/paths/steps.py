@@ -168,16 +168,19 @@ class Steps(Decoding):
     # --- claim -----------------------------------------------------------------------
 
     def claim_new(
-        self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared
+        self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared,
+        token: uuid.UUID | None = None,
     ) -> Claim | None:
-        """A new key claimed and committed in one round trip (autocommit), or ``None``."""
+        """A new key claimed and committed in one round trip (autocommit), or ``None``.
+        ``token``: the owner token it takes (the caller's, to re-enter the claim if the
+        answer is lost with the connection while the claim commits)."""
         conn.autocommit = True
         try:
             with self.tracing.step(msg, "claim"):
                 return self.store.claim_new(
                     conn, key=prep.key, request_hash=prep.request_hash,
                     delivery=delivery(handler, msg), lease_seconds=self.settings.lease_seconds,
-                    shard=prep.shard,
+                    shard=prep.shard, token=token,
                 )
         finally:
             if not conn.closed:
@@ -185,22 +188,22 @@ class Steps(Decoding):
 
     def claim(
         self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared,
-        reentrant: uuid.UUID | None = None,
+        reentrant: uuid.UUID | None = None, token: uuid.UUID | None = None,
     ) -> Claim:
         """The whole claim of ``msg``'s key (:meth:`Store.claim`), in the caller's
-        transaction."""
-        args = self._claim_args(handler, msg, prep, reentrant)
+        transaction (``token``: as :meth:`claim_new`'s)."""
+        args = self._claim_args(handler, msg, prep, reentrant) | {"token": token}
         with self.tracing.step(msg, "claim"):
             claim = self.store.claim(conn, **args)
         return self._claimed(handler, msg, prep, claim)
 
     async def claim_async(
         self, conn: AsyncConn, handler: Handler[Any], msg: Message, prep: Prepared,
-        reentrant: uuid.UUID | None = None,
+        reentrant: uuid.UUID | None = None, token: uuid.UUID | None = None,
     ) -> Claim:
         """:meth:`claim` on an async connection (:meth:`Store.claim_async`, the same
         statements), in the caller's transaction: the same arguments and tracing."""
-        args = self._claim_args(handler, msg, prep, reentrant)
+        args = self._claim_args(handler, msg, prep, reentrant) | {"token": token}
         with self.tracing.step(msg, "claim"):
             claim = await self.store.claim_async(conn, **args)
         return self._claimed(handler, msg, prep, claim)
