@@ -318,13 +318,16 @@ class FrameworkLoop:
             # Where a batch's time goes: wall and thread CPU per step of the batch path
             # (wall - CPU = waiting, mostly for PostgreSQL); the rest of run_batch is
             # the COMMIT and bookkeeping. The phases keep the names the reports read.
+            from kafka_idem.consume.paths import batch_path
             from kafka_idem.consume.paths.batch_path import BatchPath
 
-            for phase, method in (("run_batch", "run"), ("_prepare", "_prepare"),
-                                  ("_replays", "_replays"), ("_claim", "_claim"),
-                                  ("_run_handlers", "_run_handlers")):
+            for phase, method in (("run_batch", "run"), ("_replays", "_replays"),
+                                  ("_claim", "_claim"), ("_run_handlers", "_run_handlers")):
                 setattr(BatchPath, method, rec.timed(f"batch.{phase}",
                                                      getattr(BatchPath, method)))
+            # decoding is a function of the module (the Citus worker groups share it)
+            batch_path.prepare_items = rec.timed(
+                "batch._prepare", batch_path.prepare_items)
             self.runner._commit_pending = rec.timed(  # type: ignore[method-assign]
                 "runner._commit_pending", self.runner._commit_pending)
             self.runner._apply = rec.timed(  # type: ignore[method-assign]
