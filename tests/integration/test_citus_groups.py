@@ -229,36 +229,41 @@ def test_a_handler_savepoint_of_its_own_runs_in_the_group(units: Units,
 def test_contention_sends_units_message_by_message_for_a_while(units: Units,
                                                                 citus_db_dsn: str) -> None:
     """A group that meets a deadlock (another member's group holding rows it needs) is
-    rolled back and its messages run one by one; the next units too, for
-    CONTENDED_SECONDS, then groups again. The deadlock is never the message's: nothing
-    is charged."""
+    rolled back and its messages run one by one, with the unit's other group (on the
+    other worker); the next units too, for CONTENDED_SECONDS, then groups again. The
+    deadlock is never the message's: nothing is charged."""
+    placement = workers_of_tenants(citus_db_dsn)
+    other = next(t for t in TENANTS if placement[t] != placement["t1"])
     handler = units.app.handlers[TOPIC]
     charge = handler.fn
     raised: list[str] = []
 
     def contended(msg: Any, ctx: Any) -> Any:
-        if msg.order_id == "o1" and not raised:
+        if not raised:  # the first handler called: its group meets the deadlock
             raised.append(msg.order_id)
             raise psycopg.errors.DeadlockDetected("deadlock detected (a test's)")
         return charge(msg, ctx)
 
     handler.fn = contended
-    first = units.run((0, "t1", "o1", "1.00"), (0, "t1", "o2", "1.00"))
+    first = units.run((0, "t1", "o1", "1.00"), (0, "t1", "o2", "1.00"),
+                      (1, other, "o9", "1.00"))
     assert ended(first[0]) == [Ended.SUCCEEDED, Ended.SUCCEEDED]
-    assert units.per_message == [2]  # the group, message by message
+    assert ended(first[1]) == [Ended.SUCCEEDED]
+    assert units.per_message == [3]  # both groups, message by message
     assert units.run((0, "t1", "o3", "1.00"))[0][0].outcome is Ended.SUCCEEDED  # type: ignore[union-attr]
-    assert units.per_message == [2, 1]  # still contended: no group tried
+    assert units.per_message == [3, 1]  # still contended: no group tried
     groups = units.proc.worker_groups
     assert groups.contended_until > 0
     groups.contended_until = 0.0  # the window over
     assert ended(units.run((0, "t1", "o4", "1.00"))[0]) == [Ended.SUCCEEDED]
-    assert units.per_message == [2, 1]  # a group again
+    assert units.per_message == [3, 1]  # a group again
     assert {k: v for k, v in statuses(citus_db_dsn).items()} == {
-        f"t1:charge:o{i}": "succeeded" for i in range(1, 5)}
+        f"t1:charge:o{i}": "succeeded" for i in range(1, 5)} | {
+        f"{other}:charge:o9": "succeeded"}
     with psycopg.connect(citus_db_dsn) as conn:
         attempts = conn.execute("SELECT max(attempts) FROM kafka_idem.task_idempotency")
         assert attempts.fetchone() == (1,)
-    assert balances(citus_db_dsn) == {"t1": Decimal("4.00")}
+    assert balances(citus_db_dsn) == {"t1": Decimal("4.00"), other: Decimal("1.00")}
 
 
 def statuses(dsn: str) -> dict[str, str]:

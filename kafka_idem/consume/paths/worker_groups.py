@@ -126,6 +126,9 @@ class WorkerGroups:
         stops: dict[TP, int] = {}  # a partition's first message that did not finish
         for group in groups:
             todo = [i for i in group if i.msg.offset() < stops.get(i.tp, 1 << 62)]
+            if time.monotonic() < self.contended_until:  # a group before met contention
+                fallback.extend(todo)
+                continue
             try:
                 self._attempt(todo)
             except StoreUnavailable as exc:
