@@ -87,6 +87,10 @@ class Processor:
         if not (self.settings.batch_path and all(h.batch for h in handlers)):
             return self.run_local_safe(parts)
         if self.store.distributed:  # a transaction per Citus worker (worker_groups)
+            if any(h.retry_blocks_partition for h in handlers):
+                # nothing after a waiting key may take effect before it ends; groups on
+                # two workers would commit a later message first
+                return self.run_local_safe(parts)
             return self.worker_groups.run(parts, ahead)
         try:
             return self.batch_path.run(parts, ahead)

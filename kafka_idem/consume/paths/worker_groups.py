@@ -111,12 +111,7 @@ class WorkerGroups:
         self.contended_until = 0.0  # monotonic time: message by message until then
 
     def run(self, parts: Parts, ahead: Ahead | None = None) -> Results:
-        if time.monotonic() < self.contended_until or any(
-                self.steps.handler(msgs[0]).retry_blocks_partition for _tp, msgs in parts
-                if msgs):
-            # A handler that holds its partition while a key waits wants nothing after
-            # that key to take effect before it ends: groups on two workers would commit
-            # a later message first.
+        if time.monotonic() < self.contended_until:
             return self.local.run(parts)
         try:
             items = prepare_items(self.steps, parts, ahead)
