@@ -25,6 +25,7 @@ from psycopg import sql
 
 from kafka_idem.admin.migrate import distribute_store, migrate, migrate_app
 from tests.conftest import DB
+from tests.parallel import one_at_a_time
 from tools import citus as citus_db
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,8 +36,9 @@ def citus() -> str:
     url = os.environ.get("KAFKA_IDEM_TEST_CITUS_URL")
     if url:
         return url
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "citus.sh"), "start"],
-                          capture_output=True, text=True, timeout=600, check=False)
+    with one_at_a_time("citus-start"):  # parallel workers: the first one starts it
+        done = subprocess.run(["bash", str(ROOT / "scripts" / "citus.sh"), "start"],
+                              capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
         pytest.fail("the local Citus cluster did not start (scripts/citus.sh start; or set "
                     f"KAFKA_IDEM_TEST_CITUS_URL to a cluster of your own):\n{done.stderr[-4000:]}")

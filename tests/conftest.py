@@ -34,8 +34,9 @@ from kafka_idem.store.citus import fit
 from kafka_idem.verify.kafka import retrying
 
 ROOT = Path(__file__).resolve().parent.parent
-# the Citus cluster of the distributed-store tests (fixtures citus, citus_store)
-pytest_plugins = ["tests.citus"]
+# the Citus cluster of the distributed-store tests (fixtures citus, citus_store); the
+# lock that lets a test marked ``exclusive`` run alone among parallel workers
+pytest_plugins = ["tests.parallel", "tests.citus"]
 BOOTSTRAP = os.environ.get("KAFKA_IDEM_BOOTSTRAP_SERVERS", DEFAULT_BOOTSTRAP)
 ADMIN_DSN = os.environ.get("KAFKA_IDEM_DATABASE_URL", DEFAULT_DATABASE_URL)
 HINT = "start the local services with `./dev services start` (or run the tests with `./dev test`)"

@@ -32,6 +32,7 @@ OWN_VARIABLES = frozenset({
     "KAFKA_IDEM_PG_PORT", "KAFKA_IDEM_PG_EXTRA_CONF",  # scripts/postgres.sh
     "KAFKA_IDEM_CITUS_PORT", "KAFKA_IDEM_CITUS_INSTALLER", "KAFKA_IDEM_CITUS_DIR",  # citus.sh
     "KAFKA_IDEM_TEST_CITUS_URL",  # the tests' Citus cluster (tests/citus.py)
+    "KAFKA_IDEM_TEST_WORKERS",  # ./dev test's parallel workers (pytest-xdist)
     "KAFKA_IDEM_REGISTRY_PORT", "KAFKA_IDEM_REGISTRY_START_TIMEOUT",  # scripts/registry.sh
     "KAFKA_IDEM_CHROMIUM", "KAFKA_IDEM_CHROMEDRIVER",  # scripts/browser.sh (console tests)
     "KAFKA_IDEM_SCREENSHOTS",  # where the console's browser tests put their screenshots

@@ -189,10 +189,21 @@ TRACE = [("trace-id", b"trace-o6"), ("idem.stale", b"dropped by the DLQ")]
 
 
 def _create_db(template: str) -> str:
+    """A copy of ``template``, once the connections of the run that filled it have
+    ended (a member's connections close after it stopped: on a busy machine, a moment
+    later; a copy refuses a template someone is connected to)."""
     name = f"kafka_idem_t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-            sql.Identifier(name), sql.Identifier(template)))
+
+    def copied() -> bool:
+        with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+            try:
+                conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                    sql.Identifier(name), sql.Identifier(template)))
+            except psycopg.errors.ObjectInUse:
+                return False
+        return True
+
+    wait_for(copied, timeout=30, interval=0.2, what=f"the connections to {template} to end")
     return name
 
 

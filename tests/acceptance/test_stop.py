@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from consumers.payments import encode_charge
 from tests.conftest import (
     BOOTSTRAP,
@@ -128,6 +130,7 @@ def broker_down() -> bool:
         return s.connect_ex((host, int(port))) != 0
 
 
+@pytest.mark.exclusive("it restarts the shared broker")
 def test_a_member_stops_within_the_bound_during_a_broker_restart(
     db: DB, topic: str, group: str, members: Members
 ) -> None:

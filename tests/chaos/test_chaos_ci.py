@@ -28,6 +28,7 @@ DURATION = 100
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive("it restarts the shared broker, and its heal deadline wants the machine")
 @pytest.mark.timeout(480)
 def test_chaos_run_has_no_anomaly(tmp_path: Path) -> None:
     seed = int(os.environ.get("CHAOS_SEED") or random.randrange(1_000_000_000))

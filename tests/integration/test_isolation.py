@@ -121,10 +121,10 @@ def _waiting_on_a_lock(db: DB) -> bool:
         return bool(db.value(
             "SELECT count(*) FROM citus_lock_waits w JOIN citus_stat_activity a ON "
             "a.global_pid = w.waiting_gpid AND NOT a.is_worker_query "
-            "WHERE a.application_name = 'kafka_idem:leases'"))
+            "WHERE a.application_name = 'kafka_idem:leases' AND a.datname = current_database()"))
     return bool(db.value(
         "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'kafka_idem:leases'"
-        " AND wait_event_type = 'Lock'"))
+        " AND wait_event_type = 'Lock' AND datname = current_database()"))
 
 
 def test_a_heartbeat_racing_the_completion_commit_is_not_a_lost_lease(db: DB) -> None:

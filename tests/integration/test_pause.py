@@ -165,7 +165,8 @@ def test_the_watch_keeps_the_last_pauses_it_read_while_the_database_is_gone(
         watch.dsn = "postgresql://nobody@127.0.0.1:1/gone?connect_timeout=1"
         with psycopg.connect(db.dsn, autocommit=True) as conn:  # its connection dies
             conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                         "WHERE application_name = 'kafka_idem-pauses'")
+                         "WHERE application_name = 'kafka_idem-pauses'"
+                         " AND datname = current_database()")
         wait_for(lambda: "cannot read the paused handlers" in caplog.text, timeout=10,
                  what="the watch failing")
         assert list(watch.current()) == ["alpha"]
