@@ -8,13 +8,10 @@ Two custom scripts (and a third, ``gen_only``, below) are generated into a tempo
   row, balance upsert); the fenced ``complete``; ``COMMIT``. One pgbench
   transaction = one message.
 * **batched** (the batch path's set-based statements for a batch of new keys,
-  ``--batch`` messages per transaction, in the insert-first claim order the
-  batch path uses when duplicates are few): ``BEGIN``; ``batch_claim_insert``
-  (unnest; it makes the owner tokens and returns them); the bulk handler's
-  ledger insert and balance upsert (``charge_many``); ``batch_complete``;
-  ``COMMIT``. Every key is new, so the framework reads nothing (the replay
-  fast path's ``succeeded_results`` only reads the keys the insert did not
-  take). One pgbench transaction = ``--batch`` messages.
+  ``--batch`` messages per transaction): ``BEGIN``; the read of every key
+  (``succeeded_results``: none exists); the bulk handler's ledger insert and
+  balance upsert (``charge_many``); ``batch_insert_done`` (every record written
+  once, as succeeded); ``COMMIT``. One pgbench transaction = ``--batch`` messages.
 
 The statement texts are not copied: the store's come from
 ``kafka_idem/store/queries.sql`` (``compile_queries``), the handler's are
@@ -28,10 +25,8 @@ need not be unique once (first transaction; pgbench keeps a client's
 variables), and its 500 new keys in one ``SELECT ... \\gset`` before each
 ``BEGIN``: one extra round trip and a read-only statement per batch, measured
 apart by the ``gen_only`` script (it slightly lowers the limit, flattering the
-framework's ratio by that much). The owner tokens the claim returns reach
-``batch_complete`` the same way: the claim runs inside ``WITH c AS (...) SELECT
-array_agg(owner_token ORDER BY idempotency_key) ... \\gset`` (the framework
-matches them to keys in Python; this aggregate of 500 rows is pgbench's extra).
+framework's ratio by that much). The owner tokens are made there too (the
+framework makes them in Python).
 
 Tables: a fresh schema with a store built by ``kafka_idem.admin.migrate`` (the
 same table, indexes and transition-guard triggers) and the payments tables,
@@ -99,7 +94,7 @@ PER_MESSAGE_VARS = {
 _ORDER_BY = "ORDER BY g % 50, g::text"
 
 # Once per client (pgbench keeps a client's variables between transactions): the arrays
-# whose values need not be unique. (The owner tokens come from the claim: CLAIM_TOKENS.)
+# whose values need not be unique. (The keys and owner tokens: GEN_KEYS.)
 GEN_STATIC = """
 WITH m AS MATERIALIZED (
     SELECT g,
@@ -130,18 +125,13 @@ SELECT
     (SELECT array_agg(total) FROM p)::text AS p_totals
 """
 
-# Every transaction: new keys (unique by client and a 10^12 random number).
+# Every transaction: new keys (unique by client and a 10^12 random number), and their
+# owner tokens.
 GEN_KEYS = """
 SELECT array_agg('pgb-t' || lpad((g % 50)::text, 2, '0') || ':' || 'charge' || ':' || 'pgb-o'
-                 || :client_id::int || '-' || :k::bigint || '-' || g {order})::text AS keys
+                 || :client_id::int || '-' || :k::bigint || '-' || g {order})::text AS keys,
+       array_agg(gen_random_uuid())::text AS tokens
 FROM generate_series(1, {batch}) AS g
-"""
-
-# The claim makes the owner tokens; the completion needs them in the keys' order (the
-# keys are built in key order, the insert inserts and returns in key order).
-CLAIM_TOKENS = """
-WITH c AS ({claim})
-SELECT array_agg(owner_token ORDER BY idempotency_key)::text AS tokens FROM c
 """
 
 BATCH_VARS = {name: f"(:{name}::{cast})" for name, cast in (
@@ -278,11 +268,11 @@ def scripts(conn: psycopg.Connection[Any], schema: str, batch: int) -> dict[str,
         "-- the client's side: this batch's keys (sent as parameters below, like the rest)",
         gen_keys,
         "BEGIN;",
-        "-- the claim (insert first: every key is new, so nothing is read); its tokens",
-        _one_line(CLAIM_TOKENS.format(claim=_bind_named(
-            q["batch_claim_insert"], BATCH_VARS, "batch_claim_insert")))[:-1] + " \\gset",
+        "-- the read of every key (all new: it finds none)",
+        _one_line(_bind_named(q["succeeded_results"], BATCH_VARS, "succeeded_results")),
         *(_one_line(s) for s in handler_bulk),
-        _one_line(_bind_named(q["batch_complete"], BATCH_VARS, "batch_complete")),
+        "-- every record written once, as succeeded",
+        _one_line(_bind_named(q["batch_insert_done"], BATCH_VARS, "batch_insert_done")),
         "COMMIT;",
         "",
     ])

@@ -53,6 +53,31 @@ def render(migration: Migration, schema: str, table: str) -> sql.Composed:
     return sql.SQL(migration.text).format(**identifiers(schema, table))
 
 
+_DOLLAR = re.compile(r"\$\w*\$")
+
+
+def statements(text: str) -> list[str]:
+    """A migration's statements, one by one: a statement ends with a line that ends in
+    ``;`` outside a dollar-quoted body (the migrations are written that way). Citus
+    refuses a string of several commands that change a distributed table ("cannot
+    insert multiple commands into a prepared statement", sent on to its workers)."""
+    out: list[str] = []
+    current: list[str] = []
+    quote: str | None = None
+    for line in text.splitlines():
+        current.append(line)
+        code = line.split("--", 1)[0] if quote is None else line
+        for tag in _DOLLAR.findall(code):
+            quote = tag if quote is None else (None if tag == quote else quote)
+        if quote is None and code.rstrip().endswith(";"):
+            out.append("\n".join(current))
+            current = []
+    rest = "\n".join(current).strip()
+    if rest and any(line.split("--", 1)[0].strip() for line in rest.splitlines()):
+        out.append(rest)
+    return out
+
+
 def applied_versions(conn: psycopg.Connection[Any], schema: str) -> list[int]:
     names = identifiers(schema, "x")
     exists = conn.execute(
@@ -247,12 +272,20 @@ def _migrate(dsn: str, schema: str, table: str, *, from_scratch: bool) -> list[M
                     done.append(migration)
                 log.info("store created", extra={"action": "migrated", "schema": schema})
                 return done
+        from kafka_idem.store.citus import citus_version
+
+        citus = citus_version(conn) is not None
         for migration in migrations():
             with conn.transaction():
                 _lock(conn, schema)
                 if migration.version in applied_versions(conn, schema):
                     continue
-                conn.execute(render(migration, schema, table))
+                if citus:  # the store's triggers live on its shards (kafka_idem.store.citus)
+                    conn.execute("SET LOCAL citus.enable_unsafe_triggers = on")
+                    for text in statements(migration.text):
+                        conn.execute(sql.SQL(text).format(**identifiers(schema, table)))
+                else:
+                    conn.execute(render(migration, schema, table))
                 conn.execute(
                     sql.SQL("INSERT INTO {} (version, name) VALUES (%s, %s)").format(
                         names["migrations"]

@@ -45,6 +45,7 @@ CREATE INDEX {retry_idx} ON {table} (next_attempt_at) WHERE status IN ('processi
 
 -- Allowed transitions , enforced here so no code path can bypass them:
 --   (new)            -> processing
+--   (new)            -> succeeded  a claim completed in the transaction that made it
 --   processing       -> processing (lease extension / takeover), succeeded, retryable_failed, failed
 --   retryable_failed -> processing, failed
 --   failed           -> retryable_failed  only inside an audited admin re-run
@@ -59,7 +60,15 @@ DECLARE
     admin text := coalesce(current_setting('kafka_idem.admin_action', true), '');
 BEGIN
     IF TG_OP = 'INSERT' THEN
-        IF NEW.status <> 'processing' THEN
+        -- (new) -> succeeded (migration 0010): a claim and its completion written as one
+        -- row by one transaction (the batch path), with its token as completed_token.
+        -- No other transaction can tell it from (new) -> processing -> succeeded in that
+        -- transaction, which was always allowed: the processing row is never visible.
+        -- (A NULL status is left to its NOT NULL constraint, as before.)
+        IF NEW.status <> 'processing'
+           AND NOT coalesce(NEW.status = 'succeeded' AND NEW.completed_token IS NOT NULL
+                            AND NEW.owner_token IS NULL AND NEW.lease_until IS NULL,
+                            false) THEN
             RAISE EXCEPTION USING ERRCODE = 'KI001',
                 MESSAGE = format('kafka_idem: illegal transition (new) -> %s for %s', NEW.status, NEW.idempotency_key);
         END IF;
@@ -128,7 +137,9 @@ $fn$;
 --           processing / retryable_failed / failed, processing -> succeeded with
 --           completed_token = owner_token, or retryable_failed -> processing /
 --           failed. Everything else (admin re-runs included) runs the function.
---   INSERT: a new 'processing' row with a namespace is legal; anything else runs the function.
+--   INSERT: a new 'processing' row with a namespace is legal, and so is a new 'succeeded'
+--           one with its completed_token and no lease (migration 0010); anything
+--           else runs the function.
 --   DELETE: always runs the function.
 CREATE TRIGGER guard_transitions
     BEFORE UPDATE ON {table}
@@ -149,7 +160,12 @@ CREATE TRIGGER guard_transitions
 CREATE TRIGGER guard_transitions_insert
     BEFORE INSERT ON {table}
     FOR EACH ROW
-    WHEN (NEW.status IS DISTINCT FROM 'processing' OR NEW.namespace IS NOT DISTINCT FROM '')
+    WHEN (NOT coalesce(
+        NEW.namespace <> ''
+        AND (NEW.status = 'processing'
+             OR (NEW.status = 'succeeded' AND NEW.completed_token IS NOT NULL
+                 AND NEW.owner_token IS NULL AND NEW.lease_until IS NULL)),
+        false))
     EXECUTE FUNCTION {guard}();
 
 CREATE TRIGGER guard_transitions_delete

@@ -35,37 +35,21 @@ translated in :func:`translate_errors` only. Connections fit for the protocol:
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
-import psycopg
-from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from kafka_idem.errors import ResultNotJSON, StaleOwner
+from kafka_idem.errors import StaleOwner
+from kafka_idem.store.batch import BatchQueries, result_dumps
 from kafka_idem.store.claim_plan import ERROR_FIELDS, claim_plan, dead_again
 from kafka_idem.store.errors import local_write_error, storable, translate_errors
-from kafka_idem.store.outbox import OutboxQueries
 from kafka_idem.store.plans import Plan, Statement, run_plan, run_plan_async
 from kafka_idem.store.queries import compile_queries
 from kafka_idem.store.types import AsyncConn, Claim, Conn, Delivery, Failure, Outcome
 
 
-def result_dumps(obj: Any) -> str:
-    """``json.dumps`` of a handler's result, whose failure names what to fix: without it
-    the user sees psycopg's bare ``TypeError`` and a stack trace from the batch path."""
-    try:
-        return json.dumps(obj)
-    except (TypeError, ValueError) as exc:
-        raise ResultNotJSON(
-            f"the handler's result is not JSON-serialisable ({exc}): return only dict, "
-            "list, str, int, float, bool or None (it is stored in result_json and given "
-            "back to every duplicate)") from None
-
-
-class Store(OutboxQueries):
+class Store(BatchQueries):
     """Runs the protocol's SQL (and, through :class:`AdminQueries`, the admin tools')
     on a connection the caller owns (and, through :class:`OutboxQueries`, the outbox's).
 
@@ -369,80 +353,9 @@ class Store(OutboxQueries):
         with translate_errors():
             conn.execute(self.q["wipe"])
 
-    # --- the batch path (kafka_idem.consume.paths.batch_path) -------------------------------
-
-    def claim_batch(
-        self, conn: Conn, *, lease_seconds: float, keys: Sequence[str],
-        hashes: Sequence[str], deliveries: Sequence[Delivery],
-        shards: Sequence[str | None] | None = None,
-    ) -> dict[str, uuid.UUID]:
-        """Claim every new key of ``keys`` (sorted: a stable lock order) in one
-        statement; ``{key: owner token}`` for the keys that were new. ``shards``: each
-        key's handler's shard key (stored as the per-message claim stores it)."""
-        rows = conn.execute(
-            self.q["batch_claim_insert"],
-            self._batch_claim_params(lease_seconds, keys, hashes, deliveries, shards),
-        ).fetchall()
-        return {key: token for key, token in rows}
-
-    def _batch_claim_params(
-        self, lease_seconds: float, keys: Sequence[str], hashes: Sequence[str],
-        deliveries: Sequence[Delivery], shards: Sequence[str | None] | None,
-    ) -> dict[str, Any]:
-        return {
-            "shards": [self.shard_of(k, s)
-                       for k, s in zip(keys, shards or [None] * len(keys), strict=True)],
-            "ns": self.ns,
-            "lease": lease_seconds,
-            "keys": list(keys),
-            "hashes": list(hashes),
-            "handlers": [d.handler for d in deliveries],
-            "topics": [d.topic for d in deliveries],
-            "parts": [d.partition for d in deliveries],
-            "offs": [d.offset for d in deliveries],
-        }
-
-    async def claim_batch_async(
-        self, conn: AsyncConn, *, lease_seconds: float, keys: Sequence[str],
-        hashes: Sequence[str], deliveries: Sequence[Delivery],
-        shards: Sequence[str | None] | None = None,
-    ) -> dict[str, uuid.UUID]:
-        """:meth:`claim_batch` on an autocommit async connection: the same statement."""
-        cur = await conn.execute(
-            self.q["batch_claim_insert"],
-            self._batch_claim_params(lease_seconds, keys, hashes, deliveries, shards))
-        return {key: token for key, token in await cur.fetchall()}
-
-    def lock_batch(self, conn: Conn, keys: Sequence[str]) -> list[dict[str, Any]]:
-        """Lock the records of ``keys`` in key order and read what to decide on."""
-        cur = conn.cursor(row_factory=dict_row)
-        return cur.execute(self.q["batch_lock"], {"ns": self.ns, "keys": list(keys)}).fetchall()
-
-    def complete_batch(
-        self, conn: Conn, *, keys: Sequence[str], tokens: Sequence[uuid.UUID | None],
-        results: Sequence[Any],
-    ) -> psycopg.Cursor[Any]:
-        """Every success of a batch in one fenced statement; the cursor's rowcount
-        (read after the pipeline ends) is how many completions kept their fence."""
-        return conn.execute(
-            self.q["batch_complete"],
-            {"ns": self.ns, "keys": list(keys), "tokens": list(tokens),
-             "results": Jsonb(list(results), dumps=result_dumps)},
-        )
-
     # --- reads -----------------------------------------------------------------
 
     def get(self, conn: Conn, key: str) -> dict[str, Any] | None:
         """The record of ``key`` in this store's namespace."""
         found = self.find(conn, key, [self.ns])
         return found[0] if found else None
-
-    def succeeded(self, conn: Conn, keys: Sequence[str]) -> dict[str, tuple[str, Any]]:
-        """``{key: (request_hash, result)}`` for the keys among ``keys`` (distinct) that
-        succeeded."""
-        with translate_errors():
-            rows = conn.execute(
-                self.q["succeeded_results"], {"ns": self.ns, "keys": list(keys)}
-            ).fetchall()
-        return {r[0]: (r[1], r[2]) for r in rows if r[3] == "succeeded"}
-

@@ -174,10 +174,9 @@ WHERE namespace = ANY(%(nss)s::text[]) AND idempotency_key = %(key)s
 ORDER BY namespace;
 
 -- name: succeeded_results
--- Replay fast path: which of these keys already succeeded, and with what (the batch
--- path reads either every key before its claim, or only the keys its claim did not
--- insert). succeeded is terminal, so a plain snapshot read answers duplicates: no
--- lock, no write.
+-- Replay fast path: which of these keys exist, and the succeeded ones' results (the
+-- batch path reads every key of a batch before its handlers run). succeeded is
+-- terminal, so a plain snapshot read answers duplicates: no lock, no write.
 -- One primary-key probe per key (the keys are distinct), whatever the statistics say.
 -- With "namespace = %(ns)s AND idempotency_key = ANY(...)" and statistics taken while
 -- the namespace had few rows (a new store, before autovacuum's first ANALYZE), the
@@ -444,44 +443,29 @@ WHERE namespace = %(ns)s AND idempotency_key = ANY(%(keys)b::text[])
 ORDER BY idempotency_key
 FOR UPDATE;
 
--- name: batch_complete
--- Batch path: every success of the batch in one fenced statement.
--- Each row is found by one primary-key probe (the LATERAL ... LIMIT 1, which the
--- planner can't flatten into a join) and updated through its ctid, whatever the
--- statistics say. With a join on (namespace, key) instead, a store planned with the
--- statistics of an empty table (a new store, before autovacuum's first ANALYZE) was
--- updated by scanning every record of the namespace for each batch, and one whose
--- last ANALYZE saw few 'processing' rows through every 'processing' entry of the
--- status index, dead ones included (tests/integration/test_query_plans.py).
--- The ctid is stable here: every key completed was inserted by this same transaction
--- (batch_claim_insert), so no one else can have changed its row. Were it otherwise,
--- the row would simply not match, and the caller's row count check falls back.
-UPDATE {table} AS t
-SET status = 'succeeded',
-    result_json = v.result,
-    error_kind = NULL,
-    error_class = NULL,
-    error_message = NULL,
-    completed_token = t.owner_token,
-    owner_token = NULL,
-    lease_until = NULL,
-    next_attempt_at = NULL,
-    completed_at = clock_timestamp(),
-    updated_at = clock_timestamp()
-FROM (
-    -- results travel as one JSON array (one encode per batch), matched by position
-    SELECT x.tid, k.token, r.result
-    FROM unnest(%(keys)b::text[], %(tokens)b::uuid[]) WITH ORDINALITY AS k(key, token, n)
-    JOIN jsonb_array_elements(%(results)s::jsonb) WITH ORDINALITY AS r(result, n) USING (n)
-    CROSS JOIN LATERAL (
-        SELECT ctid AS tid FROM {table}
-        WHERE namespace = %(ns)s AND idempotency_key = k.key
-        LIMIT 1
-    ) AS x
-) AS v
-WHERE t.ctid = v.tid AND t.owner_token = v.token
-  -- "|| ''": checked on the row, never through the status index
-  AND t.status || '' = 'processing';
+-- name: batch_insert_done
+-- Batch path: every new key of the batch written once, as succeeded, after its handler
+-- ran in this same transaction (a claim and its completion in one row version: the
+-- guard allows (new) -> succeeded with its completed_token, migration 0010). Key order,
+-- as every claim. A key someone else inserted since the batch read it (a committed
+-- record, or one whose insert this one waited for) is not written: the caller rolls
+-- the batch back and the per-message path decides it.
+-- The batch's one clock value is taken once (a CTE), not three times per row.
+WITH now AS (SELECT clock_timestamp() AS at)
+INSERT INTO {table} AS t (
+    namespace, idempotency_key, request_hash, status, completed_token, attempts,
+    result_json, handler, kafka_topic, kafka_partition, kafka_offset, created_at,
+    updated_at, completed_at, shard_key)
+SELECT %(ns)s, i.key, i.hash, 'succeeded', i.token, 1, r.result, i.handler, i.topic, i.part,
+       i.off, now.at, now.at, now.at, i.shard
+FROM unnest(%(keys)b::text[], %(hashes)b::text[], %(handlers)b::text[], %(topics)b::text[],
+            %(parts)b::int[], %(offs)b::bigint[], %(shards)b::text[], %(tokens)b::uuid[])
+     WITH ORDINALITY AS i(key, hash, handler, topic, part, off, shard, token, n)
+-- results travel as one JSON array (one encode per batch), matched by position
+JOIN jsonb_array_elements(%(results)s::jsonb) WITH ORDINALITY AS r(result, n) USING (n)
+CROSS JOIN now
+ORDER BY i.key
+ON CONFLICT (namespace, idempotency_key) DO NOTHING;
 
 -- name: redrive_states
 -- Replay re-drive: the state of each (namespace, key) a batch of dead letters names,

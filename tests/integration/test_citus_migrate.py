@@ -5,6 +5,7 @@ nothing while the store is local)."""
 
 from __future__ import annotations
 
+import uuid
 from decimal import Decimal
 from typing import Any
 
@@ -130,10 +131,10 @@ def test_a_store_with_records_in_every_status_is_distributed_later(
         assert "illegal transition succeeded -> processing" in refused(
             citus_store, f"UPDATE {records} SET status = 'processing' WHERE "
             "idempotency_key = %s AND shard_key = %s", key, t)
-        assert "illegal transition (new) -> succeeded" in refused(
+        assert "illegal transition (new) -> failed" in refused(
             citus_store, f"INSERT INTO {records} (idempotency_key, request_hash, status, "
-            "completed_token, namespace, shard_key) VALUES (%s, 'h', 'succeeded', "
-            "gen_random_uuid(), %s, %s)", f"{t}:forged", NAMESPACE, t)
+            "namespace, shard_key) VALUES (%s, 'h', 'failed', %s, %s)",
+            f"{t}:forged", NAMESPACE, t)
     assert len({worker(citus_store, f"{s}.task_idempotency", t) for t in tenants}) == 2
     assert snapshot(citus_store) >= before
 
@@ -220,3 +221,46 @@ def test_co_locate_refuses_a_table_it_cannot_place_with_the_records(
                               "logicalrelid IN (%s::regclass, %s::regclass)",
                               (f"{s}.t", f"{store}.task_idempotency"))
     assert len(groups) == 1
+
+
+def test_a_migration_after_distribution_changes_the_guard_on_every_shard(citus: str) -> None:
+    """A store distributed at migration 0009, then migrated: 0010 (the guard's new
+    (new) -> succeeded) is applied statement by statement, with the shards' triggers
+    replaced; every shard then takes a one-row success and refuses (new) -> failed."""
+    from kafka_idem.admin.migrate import distribute_store, migrate, migrations, render
+
+    schema = f"m_{uuid.uuid4().hex[:10]}"
+    versions = sql.Identifier(schema, "schema_migrations")
+    records = sql.Identifier(schema, "task_idempotency")
+    with psycopg.connect(citus, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        try:
+            conn.execute(sql.SQL("CREATE TABLE {} (version integer PRIMARY KEY, name text NOT "
+                                 "NULL, applied_at timestamptz NOT NULL DEFAULT now())").format(
+                versions))
+            for m in migrations():
+                if m.version <= 9:
+                    conn.execute(render(m, schema, "task_idempotency"))
+                    conn.execute(sql.SQL("INSERT INTO {} VALUES (%s, %s)").format(versions),
+                                 (m.version, m.name))
+            assert distribute_store(citus, schema, "task_idempotency", citus=True)
+            assert [m.version for m in migrate(citus, schema, "task_idempotency")] == [10]
+            keys = [f"k{i}" for i in range(8)]
+            shard = "SELECT get_shard_id_for_distribution_column(%s::regclass, %s::text)"
+            shards = {conn.execute(shard, (records.as_string(conn), k)).fetchone()
+                      for k in keys}
+            assert len(shards) > 1
+            for k in keys:
+                conn.execute(sql.SQL(
+                    "INSERT INTO {} (namespace, idempotency_key, request_hash, status, "
+                    "completed_token, attempts, shard_key) VALUES ('n', %s, 'h', 'succeeded', "
+                    "gen_random_uuid(), 1, %s)").format(records), (k, k))
+                with pytest.raises(psycopg.Error, match=r"illegal transition \(new\) -> failed"):
+                    conn.execute(sql.SQL(
+                        "INSERT INTO {} (namespace, idempotency_key, request_hash, status, "
+                        "attempts, shard_key) VALUES ('n', %s, 'h', 'failed', 1, %s)").format(
+                        records), (f"{k}-f", k))
+            assert conn.execute(sql.SQL("SELECT count(*) FROM {} WHERE status = 'succeeded'")
+                                .format(records)).fetchone() == (len(keys),)
+        finally:
+            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))

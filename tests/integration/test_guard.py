@@ -293,6 +293,46 @@ def test_the_guard_function_runs_only_for_rows_that_need_checking(db: DB) -> Non
         conn.close()
 
 
+NEW_ROWS = [
+    # (status, owner_token, lease_until, completed_token, namespace, refusal or None)
+    ("succeeded", "NULL", "NULL", "gen_random_uuid()", "'tests'", None),  # migration 0010
+    ("succeeded", "gen_random_uuid()", "NULL", "gen_random_uuid()", "'tests'",
+     "KI001: kafka_idem: illegal transition (new) -> succeeded"),
+    ("succeeded", "NULL", "now() + interval '1 minute'", "gen_random_uuid()", "'tests'",
+     "KI001: kafka_idem: illegal transition (new) -> succeeded"),
+    ("succeeded", "NULL", "NULL", "gen_random_uuid()", "''",
+     "KI001: kafka_idem: a new record needs a namespace"),
+    ("succeeded", "NULL", "NULL", "NULL", "'tests'",  # a success names its token
+     "KI001: kafka_idem: illegal transition (new) -> succeeded"),
+    ("failed", "NULL", "NULL", "NULL", "'tests'",
+     "KI001: kafka_idem: illegal transition (new) -> failed"),
+    ("retryable_failed", "NULL", "NULL", "NULL", "'tests'",
+     "KI001: kafka_idem: illegal transition (new) -> retryable_failed"),
+]
+
+
+@pytest.mark.parametrize(("status", "owner", "lease", "completed", "ns", "refusal"), NEW_ROWS)
+def test_a_new_row_is_processing_or_a_success_in_one_row_and_nothing_else(
+    db: DB, status: str, owner: str, lease: str, completed: str, ns: str, refusal: str | None
+) -> None:
+    """(new) -> succeeded is a claim and its completion by one transaction (the batch
+    path): legal with its completed token and no lease, without a call of the guard
+    function; every other new state stays refused."""
+    with psycopg.connect(db.dsn) as conn:
+        conn.execute("SET track_functions = 'pl'")
+        insert = ("INSERT INTO kafka_idem.task_idempotency (namespace, idempotency_key, "
+                  "request_hash, status, owner_token, lease_until, completed_token, attempts) "
+                  f"VALUES ({ns}, 'k-new', 'v1:x', %s, {owner}, {lease}, {completed}, 1)")
+        if refusal is None:
+            assert conn.execute(insert, (status,)).rowcount == 1
+            assert _guard_calls(conn) == 0
+            return
+        with pytest.raises(psycopg.Error) as err:
+            conn.execute(insert, (status,))
+        assert f"{err.value.sqlstate}: {err.value.diag.message_primary}".startswith(refusal)
+    assert db.record("k-new") is None
+
+
 def _unassigned(db: DB, schema: str) -> None:
     """A store at 0004 with records 'u1', 'u2' (succeeded), migrated to 0005: unassigned."""
     table = sql.Identifier(schema, TABLE)

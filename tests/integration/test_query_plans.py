@@ -1,18 +1,18 @@
-"""The batch path's reads and completion probe the primary key once per key, whatever
-the planner's statistics say.
+"""The batch path's read probes the primary key once per key, whatever the planner's
+statistics say (its one write, an insert, has no plan to choose).
 
 A new store is planned with the statistics of an empty table until autovacuum's
 first ANALYZE, and a store whose last ANALYZE saw few ``processing`` rows keeps
 those statistics while a backlog is claimed. With either, the planner picked plans
 that read every record of the namespace (the duplicate read: 130 ms instead of 3 ms
-for 500 keys among 200,000) or every ``processing`` entry of the status index (the
-completion). These tests build both situations on a real table and read the plans
-PostgreSQL chooses for the store's own statements.
+for 500 keys among 200,000) or, for the completion the batch path had before it wrote
+each record once, every ``processing`` entry of the status index. These tests build
+both situations on a real table and read the plans PostgreSQL chooses for the store's
+own statements.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -89,34 +89,6 @@ def test_the_duplicate_read_probes_each_key_whatever_the_statistics(
     with conn.transaction():
         found = store.succeeded(conn, keys)
     assert sorted(found) == keys  # and it answers every key
-
-
-@pytest.mark.parametrize("stats", ["empty table", "few processing rows"])
-def test_the_batch_completion_probes_each_key_whatever_the_statistics(
-    store_conn: psycopg.Connection[Any], stats: str
-) -> None:
-    conn = store_conn
-    if stats == "empty table":
-        conn.execute(f"ANALYZE {TABLE}")
-    _fill(conn, processing=BATCH)
-    if stats == "few processing rows":
-        conn.execute(f"ANALYZE {TABLE}")  # 1% processing: the status index looks cheap
-    store = Store(schema="kafka_idem", table="task_idempotency", namespace=NS)
-    rows = conn.execute(
-        f"SELECT idempotency_key, owner_token FROM {TABLE} "
-        "WHERE namespace = %s AND status = 'processing' ORDER BY idempotency_key", (NS,)
-    ).fetchall()
-    keys, tokens = [r[0] for r in rows], [r[1] for r in rows]
-    assert len(keys) == BATCH
-    params = {"ns": NS, "keys": keys, "tokens": tokens,
-              "results": json.dumps([{"n": i} for i in range(BATCH)])}
-    _probes_only(_plan(conn, store.q["batch_complete"], params))
-    with conn.transaction():
-        cur = store.complete_batch(conn, keys=keys, tokens=tokens,
-                                   results=[{"n": i} for i in range(BATCH)])
-        assert cur.rowcount == BATCH
-    assert conn.execute(f"SELECT count(*) FROM {TABLE} WHERE namespace = %s AND "
-                        "status = 'succeeded'", (NS,)).fetchone() == (ROWS,)
 
 
 def test_a_purge_batch_reads_few_old_records_down_the_status_index(db: Any) -> None:

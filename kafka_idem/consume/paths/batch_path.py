@@ -4,30 +4,27 @@ round trips, with the same observable guarantees as the per-message path.
 Optimistic; the common case only:
 
 1. Decode every message; undecodable ones are dead-lettered as usual.
-2. Claim, in one of two orders (:class:`ClaimOrder` picks one per batch):
+2. One snapshot read of every key (no lock): a key that already succeeded replays
+   its result, or conflicts when the request hash differs, with no write
+   (``succeeded`` is terminal). The keys that exist in another state are locked in
+   one ``SELECT ... FOR UPDATE`` (key order) and decided there: a conflicting hash,
+   a success since the read, or a ``failed`` record met again.
+3. The new keys' handlers run in offset order per partition, in psycopg pipeline
+   mode, so their statements travel together, each with an owner token made here.
+4. One ``INSERT ... SELECT FROM unnest(...) ON CONFLICT DO NOTHING`` writes every
+   new key's record once, as succeeded with its token (a claim and its completion
+   in one row version: the guard allows it, migration 0010); one commit.
 
-   * **insert first** (the default; most keys are new): one ``INSERT ... SELECT
-     FROM unnest(...) ON CONFLICT DO NOTHING RETURNING`` claims every new key, in
-     key order, with owner tokens made by the database; then one snapshot read of
-     only the keys that were *not* inserted finds the ones that already succeeded
-     (``succeeded`` is terminal, so no lock is needed): their messages replay, or
-     conflict when the request hash differs, with no write. A batch of new keys
-     costs one statement.
-   * **read first** (after a batch that was mostly duplicates of succeeded keys):
-     the replay fast path's snapshot read of every key first, then the same
-     insert for the keys it did not answer, so the insert carries only those.
+No other transaction can see the batch's records before its commit, so writing them
+at the end hides nothing that claiming them first would show. A key someone else
+wrote since the read is not written: its insert waited for that writer to end, and
+the batch falls back.
 
-   Either way one ``SELECT ... FOR UPDATE`` (key order again) then locks the keys
-   that existed and were not found succeeded.
-3. Handlers run in offset order per partition, in psycopg pipeline mode, so
-   their statements travel together; one fenced ``UPDATE ... FROM unnest``
-   marks every success; one commit.
-
-Anything off the common path — a handler error, a busy key, a record to take
-over or to exhaust — rolls the transaction back and raises :class:`Fallback`:
-the batch then runs on the per-message path (:mod:`kafka_idem.consume.paths.local_path`, a
-savepoint per message), which handles every case. Nothing of the optimistic
-attempt survives a fallback.
+Anything off the common path — a handler error, a busy key, a record to take over or
+to exhaust, a key written by someone else meanwhile — rolls the transaction back and
+raises :class:`Fallback`: the batch then runs on the per-message path
+(:mod:`kafka_idem.consume.paths.local_path`, a claim and a savepoint per message),
+which handles every case. Nothing of the optimistic attempt survives a fallback.
 
 The same key twice in a batch behaves exactly like a redelivery: the second
 occurrence replays the first's result (or conflicts, when its hash differs).
@@ -36,6 +33,7 @@ occurrence replays the first's result (or conflicts, when its hash differs).
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -58,44 +56,11 @@ from kafka_idem.consume.paths.verdicts import Note, letter_note, where
 from kafka_idem.errors import MessageError, ResultNotJSON
 from kafka_idem.handler import Context, Handler
 from kafka_idem.store import Claim, Conn, HandlerBlock, Outcome, translate_errors
+from kafka_idem.store.batch import Done
 
 
 class Fallback(Exception):
     """The optimistic batch met a case it leaves to the per-message path."""
-
-
-READ_FIRST_AT = 0.25
-"""The next batch reads first when at least this share of the previous batch's
-decoded messages were answered from an already-succeeded record.
-
-The two orders differ only in what the duplicates of succeeded keys cost. Insert
-first sends them in the insert (a conflicting row costs an index probe, no write)
-and reads only them afterwards; read first reads every key, new ones too, and
-inserts only the rest. Measured with ``run_batch`` itself (500-message batches, the
-bulk payments handler, a 20,000-row table, both orders alternately): insert first
-is faster by 2.9 µs per message without duplicates and by 0.6-0.9 µs at 10-20%;
-read first is faster from 25% (1.8 µs) to 90% (7.2 µs). The crossover lies
-between 20% and 25%."""
-
-
-@dataclass
-class ClaimOrder:
-    """Which claim order a :class:`BatchPath`'s next batch uses (one per path, so per
-    processor, connection and thread).
-
-    Decided from the previous batch alone, so it follows a change of workload at
-    the next batch: the share of its decoded messages answered from a succeeded
-    record (replays and conflicts). A key repeated *within* a batch does not count:
-    both orders treat it alike. A batch that falls back before its claim finished
-    (a busy key) leaves the order as it was.
-    """
-
-    read_first: bool = False
-    pinned: bool = False  # keep ``read_first`` as set (tests and benchmarks)
-
-    def observe(self, answered: int, decoded: int) -> None:
-        if not self.pinned and decoded:
-            self.read_first = answered >= READ_FIRST_AT * decoded
 
 
 @dataclass
@@ -110,12 +75,11 @@ class Item:
 
 
 class BatchPath:
-    """The batch path of one processor: its steps, its connection, its claim order."""
+    """The batch path of one processor: its steps and its connection."""
 
     def __init__(self, steps: Steps, db: Database) -> None:
         self.steps = steps
         self.db = db
-        self.order = ClaimOrder()
 
     def run(self, parts: Parts, ahead: Ahead | None = None) -> Results:
         """Process ``parts`` optimistically; raise :class:`Fallback` (rolled back) when
@@ -123,14 +87,11 @@ class BatchPath:
         that falls back (the per-message path then logs its own). What ``ahead`` holds is
         not decoded again."""
         conn = self.db.connection()
-        order = self.order
         try:
             items = prepare_items(self.steps, parts, ahead)
-            answered = self._replays(conn, items) if order.read_first else 0
-            claimed, later = self._claim(conn, items, read_existing=not order.read_first)
-            order.observe(answered + later, sum(1 for i in items if i.prep is not None))
-            if claimed:
-                self._run_handlers(conn, items, claimed)
+            new = self._read(conn, items)
+            if new:
+                self._run_handlers(conn, items, new)
             conn.commit()
         except BaseException:
             conn.rollback()
@@ -144,85 +105,43 @@ class BatchPath:
             out[item.tp].append(item.result)
         return out
 
-    def _replays(self, conn: Conn, items: list[Item]) -> int:
-        """Read first: duplicates of succeeded keys, answered by one read of every key.
-        Returns how many messages it answered."""
+    def _read(self, conn: Conn, items: list[Item]) -> dict[str, Claim]:
+        """Step 2: every undecided key read; a key that exists is decided for *every*
+        occurrence here (or the batch falls back). Returns the new keys' claims, each
+        with a token made here (nothing is written for them yet)."""
         occurrences = _undecided(items)
         if not occurrences:
-            return 0
-        return self._answer(occurrences, self.steps.store.succeeded(conn, sorted(occurrences)))
-
-    def _answer(
-        self, occurrences: dict[str, list[Item]], done: dict[str, tuple[str, Any]]
-    ) -> int:
-        """Every occurrence of a succeeded key replays its result (or conflicts)."""
-        answered = 0
-        for key, (stored_hash, result) in done.items():
-            for item in occurrences[key]:
-                item.result = self._replay_or_conflict(item, stored_hash, result)
-                answered += 1
-        return answered
-
-    def _replay_or_conflict(self, item: Item, stored_hash: str, result: Any) -> Result:
-        return replay_or_conflict(self.steps, item, stored_hash, result)
-
-    def _claim(
-        self, conn: Conn, items: list[Item], *, read_existing: bool
-    ) -> tuple[dict[str, Claim], int]:
-        """Claim the first occurrence of every undecided key; a key that already existed
-        is decided for *every* occurrence here (or the batch falls back).
-
-        ``read_existing`` (insert first): the keys the insert did not take are read
-        (no lock) and the succeeded ones answered before the rest is locked. Returns
-        the claims and how many messages were answered from a succeeded record."""
-        occurrences = _undecided(items)
-        if not occurrences:
-            return {}, 0
+            return {}
         ordered = sorted(occurrences)
-        first = [occurrences[key][0] for key in ordered]
-        store = self.steps.store
-        answered = 0
         with translate_errors():
-            tokens = store.claim_batch(
-                conn,
-                lease_seconds=self.steps.settings.lease_seconds,
-                keys=ordered,
-                hashes=[_prep(item).request_hash for item in first],
-                deliveries=[delivery(item.handler, item.msg) for item in first],
-                shards=[_prep(item).shard for item in first],
-            )
-            claims = {key: Claim.new_key(key, token) for key, token in tokens.items()}
-            existing = [k for k in ordered if k not in claims]
-            if existing and read_existing:
-                # Every row the insert conflicted with was committed when it did (an
-                # insert waits for a concurrent one to end), so this read sees it.
-                done = store.succeeded(conn, existing)
-                answered += self._answer(occurrences, done)
-                existing = [k for k in existing if k not in done]
-            if existing:
-                answered += self._lock_existing(conn, occurrences, existing)
-        return claims, answered
+            found = self.steps.store.found(conn, ordered)
+            for key, rec in found.items():
+                if rec.status == "succeeded":
+                    for item in occurrences[key]:
+                        item.result = replay_or_conflict(
+                            self.steps, item, rec.request_hash, rec.result)
+            others = [k for k in ordered if k in found and found[k].status != "succeeded"]
+            if others:
+                self._lock_existing(conn, occurrences, others)
+        return {key: Claim.new_key(key, uuid.uuid4()) for key in ordered if key not in found}
 
     def _lock_existing(
         self, conn: Conn, occurrences: dict[str, list[Item]], existing: list[str]
-    ) -> int:
+    ) -> None:
         """Lock the keys that existed and were not found succeeded: a conflicting hash,
         a success since the read, or a ``failed`` record met again (dead-lettered again,
         each occurrence, as the per-message claim does) is decided here; anything else
-        (a key in someone's hands, a retry to run or not yet due) falls back.
-        Returns how many messages a succeeded record answered."""
+        (a key in someone's hands, a retry to run or not yet due) falls back."""
         locked = self.steps.store.lock_batch(conn, existing)
         if len(locked) != len(existing):
-            raise Fallback("a key vanished between insert and lock (purged)")
-        answered = 0
+            raise Fallback("a key vanished between read and lock (purged)")
         for rec in locked:
             for item in occurrences[rec["idempotency_key"]]:
                 if rec["request_hash"] != _prep(item).request_hash:
-                    item.result = self._replay_or_conflict(item, rec["request_hash"], None)
+                    item.result = replay_or_conflict(self.steps, item, rec["request_hash"], None)
                 elif rec["status"] == "succeeded":  # finished by someone since the read
-                    item.result = self._replay_or_conflict(
-                        item, rec["request_hash"], rec["result_json"]
-                    )
+                    item.result = replay_or_conflict(
+                        self.steps, item, rec["request_hash"], rec["result_json"])
                 elif rec["status"] == "failed":
                     # Redeliveries and re-sends of failed keys are common (a producer
                     # retrying an invalid request): falling back for them would put the
@@ -232,13 +151,10 @@ class BatchPath:
                     item.result, item.note = verdict.result, verdict.note
                 else:
                     raise Fallback("a key needs the per-message protocol")
-                if rec["status"] == "succeeded":
-                    answered += 1
-        return answered
 
     def _run_handlers(self, conn: Conn, items: list[Item], claims: dict[str, Claim]) -> None:
-        """Step 4: handlers (pipelined, or one bulk call per handler); then one fenced
-        completion. A key's second occurrence replays its first's result."""
+        """Steps 3 and 4: handlers (pipelined, or one bulk call per handler); then one
+        insert of every success. A key's second occurrence replays its first's result."""
         first: dict[str, Item] = {}
         again: list[Item] = []
         for item in items:
@@ -258,48 +174,68 @@ class BatchPath:
             value = outcomes[_prep(item).key]
             if isinstance(value, Finished):  # the first was dead-lettered: so is this one
                 raise Fallback("a failed key occurs twice in the batch")
-            item.result = self._replay_or_conflict(
-                item, _prep(first[_prep(item).key]).request_hash, value)
+            item.result = replay_or_conflict(
+                self.steps, item, _prep(first[_prep(item).key]).request_hash, value)
 
     def _complete(
         self, conn: Conn, first: dict[str, Item], claims: dict[str, Claim]
     ) -> dict[str, Any]:
-        """Run the handlers of the first occurrences and mark every success in one
-        fenced statement: ``{key: result}``, or a :class:`Finished` dead letter."""
+        """Run the handlers of the first occurrences and write every success in one
+        statement: ``{key: result}``, or a :class:`Finished` dead letter."""
         outcomes: dict[str, Any] = {}
+        rejected: list[tuple[Item, BaseException]] = []
         with translate_errors(), conn.pipeline():
             by_handler: dict[str, list[Item]] = {}
             for item in first.values():
                 by_handler.setdefault(item.handler.name, []).append(item)
             with HandlerBlock(conn):  # a savepoint: a handler's ctx.tx.commit() raises
                 for group in by_handler.values():
-                    outcomes.update(self._run_group(conn, group, claims))
-            successes = [
-                (key, claims[key].token, value)
-                for key, value in outcomes.items()
-                if not isinstance(value, Finished)
-            ]
+                    outcomes.update(self._run_group(conn, group, claims, rejected))
             # The successes' events, their slots locked in one sorted statement; a
             # fallback rolls them back and the per-message re-run emits again.
-            self.steps.emitter.flush(conn, *_contexts(first[key] for key, _t, _v in successes))
+            self.steps.emitter.flush(conn, *_contexts(first[key] for key in outcomes))
+            done = [Done(key, _prep(first[key]).request_hash, _token(claims[key]),
+                         delivery(first[key].handler, first[key].msg), _prep(first[key]).shard,
+                         value) for key, value in outcomes.items()]
             try:
-                cur = self.steps.store.complete_batch(
-                    conn,
-                    keys=[s[0] for s in successes],
-                    tokens=[s[1] for s in successes],
-                    results=[s[2] for s in successes],
-                )
+                cur = self.steps.store.insert_done(conn, done)
             except ResultNotJSON as exc:
                 raise Fallback(str(exc)) from exc
-        if cur.rowcount != len(successes):
-            raise Fallback("a completion lost its fence")
+            if rejected:
+                outcomes.update(self._record_rejected(conn, rejected))
+        if cur.rowcount != len(done):
+            raise Fallback("a key was written by someone else since the batch read it")
         return outcomes
 
+    def _record_rejected(
+        self, conn: Conn, rejected: list[tuple[Item, BaseException]]
+    ) -> dict[str, Finished]:
+        """Items a bulk handler rejected as permanent (nothing of them was written):
+        claimed now, then failed and dead-lettered as the per-message path records it."""
+        first = [item for item, _exc in rejected]
+        tokens = self.steps.store.claim_batch(
+            conn, lease_seconds=self.steps.settings.lease_seconds,
+            keys=[_prep(i).key for i in first], hashes=[_prep(i).request_hash for i in first],
+            deliveries=[delivery(i.handler, i.msg) for i in first],
+            shards=[_prep(i).shard for i in first])
+        out: dict[str, Finished] = {}
+        for item, exc in rejected:
+            prep = _prep(item)
+            if prep.key not in tokens:
+                raise Fallback("a key was written by someone else since the batch read it")
+            claim = Claim.new_key(prep.key, tokens[prep.key])
+            # The verdict's note is written once the batch's commit made it stand.
+            verdict = self.steps.record_failure(conn, item.handler, item.msg, prep, claim, exc)
+            assert isinstance(verdict.result, Finished)
+            out[prep.key], item.note = verdict.result, verdict.note
+        return out
+
     def _run_group(
-        self, conn: Conn, group: list[Item], claims: dict[str, Claim]
+        self, conn: Conn, group: list[Item], claims: dict[str, Claim],
+        rejected: list[tuple[Item, BaseException]],
     ) -> dict[str, Any]:
-        """One handler's messages: ``{key: result}``, or a :class:`Finished` dead letter
-        for an item a bulk handler rejected as permanent (nothing of it was written)."""
+        """One handler's messages: ``{key: result}`` of its successes; an item a bulk
+        handler rejected as permanent goes to ``rejected`` (nothing of it was written)."""
         handler = group[0].handler
         if handler.bulk is None:
             return {_prep(item).key: self._call(conn, item, claims[_prep(item).key])
@@ -322,16 +258,13 @@ class BatchPath:
             raise Fallback(f"bulk handler returned {len(out)} results for {len(group)} messages")
         results: dict[str, Any] = {}
         for item, value in zip(group, out, strict=True):
-            prep = _prep(item)
             if isinstance(value, BaseException):
                 if handler.classify(value) != "permanent":
                     raise Fallback("a bulk item failed transiently")
-                # The verdict's note is written once the batch's commit made it stand.
-                verdict = self.steps.record_failure(
-                    conn, handler, item.msg, prep, claims[prep.key], value)
-                results[prep.key], item.note = verdict.result, verdict.note
+                item.ctx = None  # no events of a rejected item
+                rejected.append((item, value))
             else:
-                results[prep.key] = value
+                results[_prep(item).key] = value
         return results
 
     def _call(self, conn: Conn, item: Item, claim: Claim) -> Any:
@@ -381,6 +314,11 @@ def _prep(item: Item) -> Prepared:
     return item.prep
 
 
+def _token(claim: Claim) -> uuid.UUID:
+    assert claim.token is not None
+    return claim.token
+
+
 def _contexts(items: Iterable[Item]) -> list[Context]:
     """The handler contexts of ``items`` (their emitted events)."""
     return [item.ctx for item in items if item.ctx is not None]
@@ -420,11 +358,6 @@ class HasBatchPath(Protocol):
 
     @property
     def batch_path(self) -> BatchPath: ...
-
-
-def claim_order(owner: HasBatchPath) -> ClaimOrder:
-    """``owner``'s :class:`ClaimOrder` (one per processor)."""
-    return owner.batch_path.order
 
 
 def run_batch(owner: HasBatchPath, parts: Parts, ahead: Ahead | None = None) -> Results:

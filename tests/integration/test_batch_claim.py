@@ -1,11 +1,10 @@
-"""The batch path's two claim orders (``kafka_idem.consume.paths.batch_path.ClaimOrder``)
-decide every message alike: insert first (claim, then read only the keys the insert did not
-take) and read first (the replay fast path's read of every key, then the claim).
+"""The batch path's claim: one read of every key, the new keys' handlers, then one insert
+of every success as a succeeded record (one row version per message), as the per-message
+claim decides every case; a key someone else wrote meanwhile makes the batch fall back.
 
-Each test pins one order on a real :class:`Processor` and calls ``run_batch``
-directly with messages built in the test, so what the batch path decided (and
-that it did not fall back) is seen directly; outcomes are checked in the
-business tables and the idempotency table.
+Each test runs a real :class:`Processor` and calls ``run_batch`` directly with messages
+built in the test, so what the batch path decided (and that it did not fall back) is
+seen directly; outcomes are checked in the business tables and the idempotency table.
 """
 
 from __future__ import annotations
@@ -18,16 +17,15 @@ import pytest
 
 from consumers.payments import encode_charge
 from kafka_idem.consume.outcome import Deferred, Finished, Result
-from kafka_idem.consume.paths.batch_path import READ_FIRST_AT, Fallback, claim_order, run_batch
+from kafka_idem.consume.paths.batch_path import Fallback, run_batch
 from kafka_idem.consume.paths.processor import Processor
 from kafka_idem.store import Delivery, Outcome, Store, connect
 from kafka_idem.testing import FakeMessage
 from tests.apps.workers import processor
-from tests.conftest import DB
+from tests.conftest import DB, wait_for
 
 TOPIC = "claim-order.charge-requested"
 TP = (TOPIC, 0)
-ORDERS = pytest.mark.parametrize("read_first", [False, True], ids=["insert-first", "read-first"])
 HANDLERS = pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "per-message"])
 
 
@@ -41,15 +39,19 @@ class Batches:
     def __init__(self, proc: Processor) -> None:
         self.proc = proc
         self.offset = 0
-        self.reads: list[list[str]] = []  # the keys of every succeeded_results read
+        self.reads: list[list[str]] = []  # the keys of every read of the batch path
+        self.after_read: list[Any] = []  # called once each, after the next read
         store = proc.store
-        original = store.succeeded
+        original = store.found
 
-        def succeeded(conn: Any, keys: Any) -> Any:
+        def found(conn: Any, keys: Any) -> Any:
             self.reads.append(list(keys))
-            return original(conn, keys)
+            got = original(conn, keys)
+            while self.after_read:
+                self.after_read.pop(0)()
+            return got
 
-        store.succeeded = succeeded  # type: ignore[method-assign]
+        store.found = found  # type: ignore[method-assign]
 
     def msgs(self, *charges: tuple[str, str]) -> list[FakeMessage]:
         out = []
@@ -62,11 +64,6 @@ class Batches:
     def run(self, *charges: tuple[str, str]) -> list[Result]:
         """On the batch path only: a fallback fails the test."""
         return run_batch(self.proc, [(TP, self.msgs(*charges))])[TP]
-
-    def pin(self, read_first: bool) -> None:
-        order = claim_order(self.proc)
-        order.read_first = read_first
-        order.pinned = True
 
 
 @pytest.fixture
@@ -88,17 +85,15 @@ def _durable(rec: dict[str, Any] | None) -> dict[str, Any]:
     return rec
 
 
-@ORDERS
 @HANDLERS
 def test_new_succeeded_conflicting_and_repeated_keys_in_one_batch(
-    db: DB, batches: Batches, read_first: bool, bulk: bool
+    db: DB, batches: Batches, bulk: bool
 ) -> None:
     if not bulk:
         batches.proc.app.handlers[TOPIC].bulk = None
     assert [outcome(r) for r in batches.run(("oA", "10.00"), ("oB", "5.00"))] == [
         ("succeeded", None), ("succeeded", None)]
     before_a, before_b = _durable(db.record(key("oA"))), _durable(db.record(key("oB")))
-    batches.pin(read_first)
     batches.reads.clear()
 
     results = batches.run(
@@ -135,24 +130,34 @@ def test_new_succeeded_conflicting_and_repeated_keys_in_one_batch(
         assert rec["owner_token"] is None and rec["completed_token"] is not None
         assert rec["result_json"]["order_id"] == o
     tokens = [records[key(o)]["completed_token"] for o in ("oC", "oD", "oE")]
-    assert len(set(tokens)) == 3  # one owner token per claim, made by the database
-    # What was read: every key of the batch (read first), or only the keys that the
-    # claim did not insert, the succeeded ones (insert first).
-    if read_first:
-        assert batches.reads == [sorted(key(o) for o in ("oA", "oB", "oC", "oD", "oE"))]
-    else:
-        assert batches.reads == [[key("oA"), key("oB")]]
+    assert len(set(tokens)) == 3  # one owner token per claim
+    # One read, of every key of the batch, before any handler ran.
+    assert batches.reads == [sorted(key(o) for o in ("oA", "oB", "oC", "oD", "oE"))]
 
 
-@ORDERS
-def test_a_batch_of_new_keys_reads_nothing_when_inserting_first(
-    db: DB, batches: Batches, read_first: bool
+def test_a_new_key_is_written_once_in_the_transaction_of_its_effect(
+    db: DB, batches: Batches
 ) -> None:
-    batches.pin(read_first)
+    """A batch of new keys: each record is one insert, and the records table saw no
+    update at all (before: an insert as processing and an update to succeeded)."""
     results = batches.run(*[(f"o{i}", "1.00") for i in range(20)])
     assert {outcome(r) for r in results} == {("succeeded", None)}
     assert db.ledger_counts() == {key(f"o{i}"): 1 for i in range(20)}
-    assert batches.reads == ([sorted(key(f"o{i}") for i in range(20))] if read_first else [])
+    rows = db.rows("SELECT t.status, t.owner_token, t.lease_until, t.completed_token, "
+                   "t.attempts FROM kafka_idem.task_idempotency t JOIN payments.ledger l "
+                   "USING (idempotency_key)")
+    assert len(rows) == 20
+    assert {(r["status"], r["owner_token"], r["lease_until"], r["attempts"]) for r in rows} == {
+        ("succeeded", None, None, 1)}
+    assert len({r["completed_token"] for r in rows}) == 20
+
+    def counted() -> Any:  # the backend reports its counts once idle (PostgreSQL 15+)
+        row = db.rows("SELECT n_tup_ins, n_tup_upd, n_tup_del FROM pg_stat_user_tables "
+                      "WHERE relid = 'kafka_idem.task_idempotency'::regclass")[0]
+        return row if row["n_tup_ins"] >= 20 else None
+
+    assert wait_for(counted, timeout=30, what="the table's statistics") == {
+        "n_tup_ins": 20, "n_tup_upd": 0, "n_tup_del": 0}
 
 
 def _claimed_elsewhere(
@@ -175,14 +180,12 @@ def _claimed_elsewhere(
     return store, other, theirs
 
 
-@ORDERS
 def test_a_key_under_another_owners_live_lease_falls_back_and_is_not_processed_twice(
-    db: DB, batches: Batches, read_first: bool
+    db: DB, batches: Batches
 ) -> None:
     proc = batches.proc
     # Another member claimed oF (same payload) and is still working on it: live lease.
     store, other, theirs = _claimed_elsewhere(db, batches, ("oF", "4.00"))
-    batches.pin(read_first)
 
     msgs = batches.msgs(("oG", "1.00"), ("oF", "4.00"), ("oH", "2.00"))
     with pytest.raises(Fallback):
@@ -211,15 +214,13 @@ def test_a_key_under_another_owners_live_lease_falls_back_and_is_not_processed_t
     assert _durable(db.record(key("oF")))["completed_token"] == theirs.token
 
 
-@ORDERS
 def test_a_conflicting_payload_for_a_key_in_flight_elsewhere_is_a_conflict(
-    db: DB, batches: Batches, read_first: bool
+    db: DB, batches: Batches
 ) -> None:
     """Decided in the lock step, without the per-message path: the hash differs."""
     _store, other, _theirs = _claimed_elsewhere(db, batches, ("oF", "4.00"))
     other.close()
     before = db.record(key("oF"))
-    batches.pin(read_first)
     results = batches.run(("oF", "9.00"), ("oJ", "1.00"))
     assert [outcome(r) for r in results] == [("conflict", "payload_conflict"),
                                              ("succeeded", None)]
@@ -227,66 +228,65 @@ def test_a_conflicting_payload_for_a_key_in_flight_elsewhere_is_a_conflict(
     assert db.ledger_counts() == {key("oJ"): 1}
 
 
-def test_the_order_follows_the_previous_batchs_share_of_duplicates(
+@HANDLERS
+def test_a_key_another_member_finishes_after_the_read_is_not_written_twice(
+    db: DB, batches: Batches, bulk: bool
+) -> None:
+    """Another member claims and completes oK between the batch's read (oK new) and its
+    insert. The insert does not write oK, so the batch falls back and nothing of it
+    stays (its handler's charge of oK included); the per-message path replays oK."""
+    if not bulk:
+        batches.proc.app.handlers[TOPIC].bulk = None
+    msgs = batches.msgs(("oJ", "1.00"), ("oK", "4.00"), ("oL", "2.00"))
+    theirs: list[Any] = []
+
+    def finish_elsewhere() -> None:  # a handler that wrote nothing of its own
+        store, other, claim = _claimed_elsewhere(db, batches, ("oK", "4.00"))
+        with other.transaction():
+            store.complete(other, key=key("oK"), token=claim.token, result={"by": "other"})
+        other.close()
+        theirs.append(claim)
+
+    batches.after_read.append(finish_elsewhere)
+    with pytest.raises(Fallback, match="written by someone else"):
+        run_batch(batches.proc, [(TP, msgs)])
+    assert db.ledger_counts() == {}
+    assert {r["idempotency_key"] for r in db.records()} == {key("oK")}
+
+    results = batches.proc.run_local([(TP, msgs)])[TP]
+    assert [outcome(r) for r in results] == [
+        ("succeeded", None), ("replayed", None), ("succeeded", None)]
+    assert db.ledger_counts() == {key("oJ"): 1, key("oL"): 1}
+    rec = _durable(db.record(key("oK")))
+    assert (rec["status"], rec["completed_token"], rec["result_json"]) == (
+        "succeeded", theirs[0].token, {"by": "other"})
+
+
+def test_a_bulk_item_rejected_as_permanent_is_failed_without_leaving_the_batch_path(
     db: DB, batches: Batches
 ) -> None:
-    order = claim_order(batches.proc)
-    assert order is claim_order(batches.proc)  # one per Processor
-    assert not order.read_first  # new keys are the common case
-    batches.run(*[(f"o{i}", "1.00") for i in range(10)])
-    assert not order.read_first
-
-    # Mostly duplicates of succeeded keys: the next batch reads first...
-    batches.run(*[(f"o{i}", "1.00") for i in range(8)], ("n1", "1.00"), ("n2", "1.00"))
-    assert order.read_first
-    batches.reads.clear()
-    batches.run(("o1", "1.00"), ("n3", "1.00"))
-    assert batches.reads == [[key("n3"), key("o1")]]
-    assert order.read_first  # half of that batch were duplicates
-
-    # ... and goes back to inserting first after a batch of (nearly) new keys.
-    batches.run(*[(f"m{i}", "1.00") for i in range(9)], ("o1", "1.00"))
-    assert not order.read_first
-    batches.reads.clear()
-    batches.run(("o2", "1.00"), *[(f"p{i}", "1.00") for i in range(9)])
-    assert batches.reads == [[key("o2")]]  # only the key the insert did not take
-    assert not order.read_first  # 1 in 10 is below the threshold
-
-    # Repeats of a key *within* a batch are not duplicates of a succeeded record.
-    batches.run(*[("q1", "1.00")] * 10)
-    assert not order.read_first
-    # A batch at the threshold reads first next time.
-    dups = int(READ_FIRST_AT * 8)
-    batches.run(*[(f"o{i}", "1.00") for i in range(dups)],
-                *[(f"r{i}", "1.00") for i in range(8 - dups)])
-    assert order.read_first
-    assert db.status_counts() == {"succeeded": len(db.ledger_counts())}
+    """The bulk handler rejects o2 (a negative amount): o2 is claimed and failed in the
+    batch's transaction, dead-lettered once; the others are written succeeded."""
+    results = batches.run(("o1", "1.00"), ("o2", "-1.00"), ("o3", "2.00"))
+    assert [outcome(r) for r in results] == [
+        ("succeeded", None), ("dead_lettered", "permanent"), ("succeeded", None)]
+    assert db.ledger_counts() == {key("o1"): 1, key("o3"): 1}
+    records = {r["idempotency_key"]: r for r in db.records()}
+    assert {k: (r["status"], r["attempts"]) for k, r in records.items()} == {
+        key("o1"): ("succeeded", 1), key("o2"): ("failed", 1), key("o3"): ("succeeded", 1)}
+    failed = records[key("o2")]
+    assert (failed["error_kind"], failed["error_class"], failed["owner_token"]) == (
+        "permanent", "Permanent", None)
+    # a redelivery of the three: two replays and the failed key dead-lettered again
+    again = batches.run(("o1", "1.00"), ("o2", "-1.00"), ("o3", "2.00"))
+    assert [outcome(r) for r in again] == [
+        ("replayed", None), ("dead_lettered", "permanent"), ("replayed", None)]
+    assert db.ledger_counts() == {key("o1"): 1, key("o3"): 1}
 
 
-def test_a_pinned_order_does_not_adapt(db: DB, batches: Batches) -> None:
-    batches.pin(False)
-    batches.run(("o1", "1.00"))
-    batches.run(("o1", "1.00"), ("o1", "1.00"))
-    assert not claim_order(batches.proc).read_first
-    assert db.ledger_counts() == {key("o1"): 1}
-
-
-def test_fresh_processors_start_inserting_first(db: DB) -> None:
-    procs = [processor(db.dsn, TOPIC, "local") for _ in range(2)]
-    try:
-        orders = [claim_order(p) for p in procs]
-        assert orders[0] is not orders[1]
-        assert not any(o.read_first for o in orders)
-    finally:
-        for p in procs:
-            p.close()
-
-
-
-@ORDERS
 @HANDLERS
 def test_a_failed_key_met_again_is_dead_lettered_again_on_the_batch_path(
-    db: DB, batches: Batches, read_first: bool, bulk: bool
+    db: DB, batches: Batches, bulk: bool
 ) -> None:
     """A redelivery of a failed key is decided in the batch, as the per-message claim
     decides it: dead-lettered again, its failure time and last delivery moved, nothing
@@ -297,7 +297,6 @@ def test_a_failed_key_met_again_is_dead_lettered_again_on_the_batch_path(
     assert [outcome(r) for r in first] == [("dead_lettered", "permanent")]
     before = _durable(db.record(key("oF")))
     assert before["status"] == "failed"
-    batches.pin(read_first)
 
     results = batches.run(("oG", "1.00"), ("oF", "-1.00"), ("oF", "-1.00"))
     assert [outcome(r) for r in results] == [

@@ -1,0 +1,139 @@
+"""The set statements of the batch path and of the leased path's rounds (a base of
+:class:`~kafka_idem.store.Store`): a whole batch's keys read, claimed, locked or written
+done in one statement each.
+
+Like the protocol's methods they never commit: the caller's transaction decides.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from kafka_idem.errors import ResultNotJSON
+from kafka_idem.store.errors import translate_errors
+from kafka_idem.store.outbox import OutboxQueries
+from kafka_idem.store.types import AsyncConn, Conn, Delivery
+
+
+def result_dumps(obj: Any) -> str:
+    """``json.dumps`` of a handler's result, whose failure names what to fix: without it
+    the user sees psycopg's bare ``TypeError`` and a stack trace from the batch path."""
+    try:
+        return json.dumps(obj)
+    except (TypeError, ValueError) as exc:
+        raise ResultNotJSON(
+            f"the handler's result is not JSON-serialisable ({exc}): return only dict, "
+            "list, str, int, float, bool or None (it is stored in result_json and given "
+            "back to every duplicate)") from None
+
+
+@dataclass(frozen=True)
+class Found:
+    """A record a batch read found: its request hash, its status and (succeeded) result."""
+
+    request_hash: str
+    status: str
+    result: Any
+
+
+@dataclass(frozen=True)
+class Done:
+    """A new key whose handler succeeded in the batch's transaction: its record, to be
+    written once, as succeeded (:meth:`BatchQueries.insert_done`)."""
+
+    key: str
+    request_hash: str
+    token: uuid.UUID
+    delivery: Delivery
+    shard: str | None
+    result: Any
+
+
+class BatchQueries(OutboxQueries):
+    def found(self, conn: Conn, keys: Sequence[str]) -> dict[str, Found]:
+        """The records of ``keys`` (distinct) that exist, read without a lock."""
+        with translate_errors():
+            rows = conn.execute(
+                self.q["succeeded_results"], {"ns": self.ns, "keys": list(keys)}
+            ).fetchall()
+        return {r[0]: Found(r[1], r[3], r[2]) for r in rows}
+
+    def succeeded(self, conn: Conn, keys: Sequence[str]) -> dict[str, tuple[str, Any]]:
+        """``{key: (request_hash, result)}`` for the keys among ``keys`` (distinct) that
+        succeeded."""
+        return {k: (f.request_hash, f.result) for k, f in self.found(conn, keys).items()
+                if f.status == "succeeded"}
+
+    def insert_done(self, conn: Conn, done: Sequence[Done]) -> psycopg.Cursor[Any]:
+        """Write every one of ``done`` as a succeeded record in one statement, in key
+        order. The cursor's rowcount (read after the pipeline ends) is how many were
+        written: a key that exists by now is not, and the caller must then roll back,
+        since its handler's effect may not stand."""
+        ordered = sorted(done, key=lambda d: d.key)
+        return conn.execute(self.q["batch_insert_done"], {
+            "ns": self.ns,
+            "keys": [d.key for d in ordered],
+            "hashes": [d.request_hash for d in ordered],
+            "handlers": [d.delivery.handler for d in ordered],
+            "topics": [d.delivery.topic for d in ordered],
+            "parts": [d.delivery.partition for d in ordered],
+            "offs": [d.delivery.offset for d in ordered],
+            "shards": [self.shard_of(d.key, d.shard) for d in ordered],
+            "tokens": [d.token for d in ordered],
+            "results": Jsonb([d.result for d in ordered], dumps=result_dumps),
+        })
+
+    def claim_batch(
+        self, conn: Conn, *, lease_seconds: float, keys: Sequence[str],
+        hashes: Sequence[str], deliveries: Sequence[Delivery],
+        shards: Sequence[str | None] | None = None,
+    ) -> dict[str, uuid.UUID]:
+        """Claim every new key of ``keys`` (sorted: a stable lock order) in one
+        statement; ``{key: owner token}`` for the keys that were new. ``shards``: each
+        key's handler's shard key (stored as the per-message claim stores it)."""
+        rows = conn.execute(
+            self.q["batch_claim_insert"],
+            self._batch_claim_params(lease_seconds, keys, hashes, deliveries, shards),
+        ).fetchall()
+        return {key: token for key, token in rows}
+
+    def _batch_claim_params(
+        self, lease_seconds: float, keys: Sequence[str], hashes: Sequence[str],
+        deliveries: Sequence[Delivery], shards: Sequence[str | None] | None,
+    ) -> dict[str, Any]:
+        return {
+            "shards": [self.shard_of(k, s)
+                       for k, s in zip(keys, shards or [None] * len(keys), strict=True)],
+            "ns": self.ns,
+            "lease": lease_seconds,
+            "keys": list(keys),
+            "hashes": list(hashes),
+            "handlers": [d.handler for d in deliveries],
+            "topics": [d.topic for d in deliveries],
+            "parts": [d.partition for d in deliveries],
+            "offs": [d.offset for d in deliveries],
+        }
+
+    async def claim_batch_async(
+        self, conn: AsyncConn, *, lease_seconds: float, keys: Sequence[str],
+        hashes: Sequence[str], deliveries: Sequence[Delivery],
+        shards: Sequence[str | None] | None = None,
+    ) -> dict[str, uuid.UUID]:
+        """:meth:`claim_batch` on an autocommit async connection: the same statement."""
+        cur = await conn.execute(
+            self.q["batch_claim_insert"],
+            self._batch_claim_params(lease_seconds, keys, hashes, deliveries, shards))
+        return {key: token for key, token in await cur.fetchall()}
+
+    def lock_batch(self, conn: Conn, keys: Sequence[str]) -> list[dict[str, Any]]:
+        """Lock the records of ``keys`` in key order and read what to decide on."""
+        cur = conn.cursor(row_factory=dict_row)
+        return cur.execute(self.q["batch_lock"], {"ns": self.ns, "keys": list(keys)}).fetchall()
