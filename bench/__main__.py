@@ -415,9 +415,8 @@ PHASES = [
     ("processor.run_local", "  Processor.run_local"),
     ("batch.run_batch", "    batch.run_batch"),
     ("batch._prepare", "      decode, validate, key, hash"),
-    ("batch._replays", "      replay read first (dup-heavy batches)"),
-    ("batch._claim", "      claim (unnest insert; then the read of keys not inserted)"),
-    ("batch._run_handlers", "      handlers + completion"),
+    ("batch._read", "      read of every key (lock of the existing ones)"),
+    ("batch._run_handlers", "      handlers + one insert of every success"),
     ("commit", "      COMMIT and the rest"),
     ("runner._apply", "  _apply (offsets, metrics)"),
     ("runner._commit_pending", "  offset commit (async)"),
@@ -439,7 +438,8 @@ def render_phases(rows: list[Measured]) -> Table | None:
         ph = dict(m.throughput["phases"])
         rb = ph["batch.run_batch"]
         inner = [ph.get(k, {"wall_s": 0.0, "cpu_s": 0.0}) for k in
-                 ("batch._prepare", "batch._replays", "batch._claim", "batch._run_handlers")]
+                 ("batch._prepare", "batch._read", "batch._replays", "batch._claim",
+                  "batch._run_handlers")]  # _replays, _claim: results before migration 0010
         ph["commit"] = {"wall_s": rb["wall_s"] - sum(p["wall_s"] for p in inner),
                         "cpu_s": rb["cpu_s"] - sum(p["cpu_s"] for p in inner)}
         for name, _ in PHASES:

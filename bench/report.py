@@ -96,9 +96,8 @@ def phases_table(d: dict[str, Any]) -> list[str]:
         ("runner.step", "whole loop step"), ("consumer.consume", "consume()"),
         ("batch.run_batch", "batch.run_batch"),
         ("batch._prepare", "↳ decode, validate, key, hash"),
-        ("batch._replays", "↳ replay read first (dup-heavy batches)"),
-        ("batch._claim", "↳ claim (unnest insert; then the read of keys not inserted)"),
-        ("batch._run_handlers", "↳ handlers + completion"),
+        ("batch._read", "↳ read of every key (lock of the existing ones)"),
+        ("batch._run_handlers", "↳ handlers + one insert of every success"),
         ("commit", "↳ COMMIT and the rest"),
         ("runner._apply", "_apply (offsets, metrics)"),
         ("runner._ingest", "_ingest (queue; with workers, decode ahead)"),
@@ -115,7 +114,8 @@ def phases_table(d: dict[str, Any]) -> list[str]:
             if key == "commit":
                 rb = ph["batch.run_batch"]
                 inner = [ph.get(k, {"wall_s": 0.0, "cpu_s": 0.0}) for k in (
-                    "batch._prepare", "batch._replays", "batch._claim", "batch._run_handlers")]
+                    "batch._prepare", "batch._read", "batch._run_handlers",
+                    "batch._replays", "batch._claim")]  # the last two: before migration 0010
                 ph["commit"] = {"wall_s": rb["wall_s"] - sum(x["wall_s"] for x in inner),
                                 "cpu_s": rb["cpu_s"] - sum(x["cpu_s"] for x in inner)}
             x = ph.get(key)

@@ -321,8 +321,8 @@ class FrameworkLoop:
             from kafka_idem.consume.paths import batch_path
             from kafka_idem.consume.paths.batch_path import BatchPath
 
-            for phase, method in (("run_batch", "run"), ("_replays", "_replays"),
-                                  ("_claim", "_claim"), ("_run_handlers", "_run_handlers")):
+            for phase, method in (("run_batch", "run"), ("_read", "_read"),
+                                  ("_run_handlers", "_run_handlers")):
                 setattr(BatchPath, method, rec.timed(f"batch.{phase}",
                                                      getattr(BatchPath, method)))
             # decoding is a function of the module (the Citus worker groups share it)
