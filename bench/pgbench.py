@@ -51,7 +51,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from bench import procstat
+from bench import dbwork, procstat
 from consumers import payments
 from kafka_idem.admin.migrate import migrate
 from kafka_idem.store.queries import compile_queries
@@ -300,6 +300,7 @@ class PgbenchResult:
     failed: int = 0
     cpu: dict[str, float | None] = field(default_factory=dict)
     statements_ms: list[tuple[float, str]] = field(default_factory=list)  # pgbench -r
+    db: dict[str, Any] = field(default_factory=dict)  # bench/dbwork.py: statements, WAL...
     error: str = ""
 
     @property
@@ -313,6 +314,37 @@ def find_pgbench() -> str | None:
         if candidate and os.access(candidate, os.X_OK):
             return str(candidate)
     return None
+
+
+def sql_statements(script: str) -> int:
+    """SQL statements per transaction of a script: not ``BEGIN`` / ``COMMIT``, not its
+    ``\\gset`` key building (the framework builds keys in Python), not a client's
+    once-only block (``\\if`` ... ``\\endif``)."""
+    n, once = 0, False
+    for line in script.splitlines():
+        once = (once or line.startswith("\\if")) and not line.startswith("\\endif")
+        if not once and line.endswith(";") and line not in ("BEGIN;", "COMMIT;"):
+            n += 1
+    return n
+
+
+def _measured(cmd: list[str], dsn: str, schema: str, pids: procstat.Pids, r: PgbenchResult
+              ) -> subprocess.CompletedProcess[str]:
+    """One pgbench run: its CPU, and the database's work (row versions, WAL)."""
+    versions = dbwork.RowVersions(dsn, [schema])
+    wal = dbwork.WalMarks(dsn)
+    wal.mark("first")
+    before_children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    watch = procstat.Watch(pids, interval=0.25).start()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    r.cpu = watch.stop()
+    after_children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wal.mark("last")
+    r.cpu["consumer"] = (after_children.ru_utime + after_children.ru_stime
+                         - before_children.ru_utime - before_children.ru_stime)
+    r.db["wal_bytes"] = dbwork.wal_bytes(wal.close())
+    r.db["row_versions"] = versions.settled()
+    return proc
 
 
 def _parse(out: str, r: PgbenchResult) -> None:
@@ -366,13 +398,8 @@ def run(
                 cmd = [binary, "-n", "-r", "-M", "prepared", "-D", "inited=0",
                        "-c", str(c), "-j", str(min(c, 2)),
                        "-T", str(int(seconds)), "-f", str(tmp / f"{name}.sql"), dsn]
-                before_children = resource.getrusage(resource.RUSAGE_CHILDREN)
-                watch = procstat.Watch(pids, interval=0.25).start()
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                r.cpu = watch.stop()
-                after_children = resource.getrusage(resource.RUSAGE_CHILDREN)
-                r.cpu["consumer"] = (after_children.ru_utime + after_children.ru_stime
-                                     - before_children.ru_utime - before_children.ru_stime)
+                r.db["statements_per_tx"] = sql_statements(texts[name])
+                proc = _measured(cmd, dsn, schema, pids, r)
                 _parse(proc.stdout, r)
                 if proc.returncode != 0 or r.tps == 0:
                     r.error = (proc.stderr.strip().splitlines() or ["pgbench failed"])[-1][:300]

@@ -48,8 +48,8 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from bench import dbwork, outbox, procstat, roundtrips
 from bench import gateway as bench_gateway
-from bench import outbox, procstat, roundtrips
 from bench.effects import TABLE, check_effects, ledger_state
 from bench.naive import NaiveConsumer
 from bench.workload import Plan, tenants_of
@@ -430,8 +430,13 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
     elif check:
         mark, before = ledger_state(s.dsn, tenants_of(plan.tag))
 
+    # the WAL written inside the clock (bench/dbwork.py), read outside the round-trip count
+    wal = dbwork.WalMarks(s.dsn) if spec.get("wal") else None
+
     def on_first() -> None:
         nonlocal profiler
+        if wal is not None:
+            wal.mark("first")
         window["a"] = procstat.Watch(pids).start()
         rec.started = time.perf_counter()
         rec.phases.clear()  # from the first batch on, like the clock
@@ -477,6 +482,8 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
                             continue
                         done = _reached({tp.partition: tp.offset for tp in stored}, ends)
             window["b"] = window["a"].stop() if "a" in window else None
+            if wal is not None and "a" in window:
+                wal.mark("last")
             rec.profiling = False
             if profiler is not None:
                 profiler.stop()
@@ -486,6 +493,7 @@ def drain(s: Settings, spec: dict[str, Any], out: dict[str, Any]) -> None:
             end = timed.last_commit
             loop.close()
     rss, hwm = procstat.rss_mb()
+    out["wal"] = wal.close() if wal is not None else None
     out["outcomes"] = loop.outcomes
     out["round_trips"] = roundtrips.summary(counts) if counts is not None else {}
     out["rss_mb"], out["peak_rss_mb"] = rss, hwm
