@@ -49,7 +49,7 @@ from psycopg import sql
 from rich.console import Console
 from rich.table import Table
 
-from bench import orm, pgbench, procstat
+from bench import dbwork, keyed, orm, pgbench, procstat
 from bench.effects import TABLE, ledger_state
 from bench.gateway import ACCOUNTS, GATEWAY_PATHS, GatewayProcess, ideal
 from bench.workload import (
@@ -105,7 +105,7 @@ PATHS: dict[str, tuple[str, str, str, bool, str]] = {
     "gateway_async_orm": ("kafka_idem leased, gateway 50 ms, async def, concurrency=64, ORM "
                           "handler (AsyncSession)", "gateway", "leased", False, "gw"),
 }
-ALL = ["raw", "pgbench", "naive", "leased", "leased_orm", "leased_orm_core", "batch",
+ALL = ["raw", "pgbench", "keyed_sql", "naive", "leased", "leased_orm", "leased_orm_core", "batch",
        "batch_m2", "batch_json", "batch_nobulk", "batch_orm", "batch_orm_core", "dup90",
        "batch_emit", "relay", "rss", "gateway", "gateway_c64", "gateway_c64_orm",
        "gateway_async", "gateway_async_orm"]
@@ -258,7 +258,7 @@ def _merge_members(outs: list[dict[str, Any]]) -> dict[str, Any]:
                        - (cpu.get("postgres_other_databases") or 0) - (cpu.get("broker") or 0),
                        0.0)
     spread = max(o["first_batch_at"] for o in outs) - begin
-    return {**first, "seconds": end - begin, "cpu": cpu,
+    return {**first, "seconds": end - begin, "cpu": cpu, "wal": dbwork.merge_wal(outs),
             "peak_rss_mb": max(o.get("peak_rss_mb") or 0 for o in outs),
             "effects_recorded": sum(o.get("effects_recorded") or 0 for o in outs),
             "check": f"{first.get('check')}; {len(outs)} members, effects per member "
@@ -279,7 +279,7 @@ def _ratio(a: float, b: float | None) -> float | None:
 
 def render(
     rows: list[Measured], pg: list[pgbench.PgbenchResult], limits: dict[str, float | None],
-    rss: dict[str, Any] | None,
+    rss: dict[str, Any] | None, floor: keyed.KeyedResult | None = None,
 ) -> Table:
     table = Table(title="kafka_idem benchmark (one run; CPU in seconds per 1,000 messages; "
                   "latency = effect committed - Kafka CreateTime, at the rate shown)",
@@ -302,6 +302,8 @@ def render(
             ("[red]" + r.error) if r.error else
             f"[green]{r.tps:,.1f} tx/s, avg {r.latency_ms or 0:.2f} ms/tx, {r.failed} failed",
         )
+    if floor is not None:
+        table.add_row(*keyed.cells(floor))
     for m in rows:
         if m.path == "raw":
             continue
@@ -453,7 +455,8 @@ def render_phases(rows: list[Measured]) -> Table | None:
 
 
 def targets(
-    by: dict[str, Measured], limits: dict[str, float | None], rss: dict[str, Any] | None
+    by: dict[str, Measured], limits: dict[str, float | None], rss: dict[str, Any] | None,
+    floor: keyed.KeyedResult | None = None,
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
@@ -466,6 +469,7 @@ def targets(
         add("batch path >= 0.5 x batched SQL limit", _ratio(b.rate, limits.get("sql_batched")),
             0.5, "x")
         add("batch path >= 10 x naive", _ratio(b.rate, limits.get("naive")), 10, "x")
+        out.extend(keyed.targets(b, floor, limits.get("sql_batched_c4")))  # issue 38
     if (le := by.get("leased")) is not None:
         add("leased >= 0.8 x pgbench per-message", _ratio(le.rate,
             limits.get("sql_per_message")), 0.8, "x")
@@ -537,7 +541,7 @@ def render_outbox(by: dict[str, Measured]) -> Table | None:
 
 
 def render_targets(ts: list[dict[str, Any]]) -> Table:
-    table = Table(title="targets (issues 6, 14 and 15)", title_justify="left")
+    table = Table(title="targets (issues 6, 14, 15 and 38)", title_justify="left")
     for col in ("target", "measured", "met"):
         table.add_column(col, justify="left" if col == "target" else "right")
     for t in ts:
@@ -646,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     gateway: GatewayProcess | None = None
     pg: list[pgbench.PgbenchResult] = []
     rss: dict[str, Any] | None = None
+    floor: keyed.KeyedResult | None = None
     profiles: dict[str, Any] = {}
 
     def schema_for(path: str, phase: str, rep: int = 0) -> str:
@@ -672,9 +677,15 @@ def main(argv: list[str] | None = None) -> int:
     def run_throughput(path: str, rep: int = 0) -> dict[str, Any]:
         topic_key = PATHS[path][4]
         tspec = spec(path, "throughput", topics[topic_key], plans[topic_key], rep=rep,
-                     ends=ends[topic_key], round_trips=path not in MEMBERS)
+                     ends=ends[topic_key], round_trips=path not in MEMBERS,
+                     wal=PATHS[path][1] not in ("raw", "relay"))
+        # row versions of its store schema and the payments tables (not the relay's: it
+        # fills its outbox before its clock starts)
+        versions = (dbwork.RowVersions(s.dsn, [tspec["schema"], "payments"])
+                    if tspec["schema"] and path != "relay" else None)
         out = (run_members(s, tspec, work, MEMBERS[path]) if path in MEMBERS
                else run_worker(tspec, work))
+        out["row_versions"] = versions.settled() if versions is not None else None
         out["messages"] = plans[topic_key].n
         return out
 
@@ -708,6 +719,11 @@ def main(argv: list[str] | None = None) -> int:
                     seconds=args.pgbench_seconds, batch=args.batch_size, keep=args.keep,
                     log=console.print,
                 )
+                continue
+            if path == "keyed_sql":  # the main topic's work, all new keys, no Kafka
+                console.print("measuring the minimal keyed SQL (plain psycopg) ...")
+                floor = keyed.run(s.dsn, run_id, Plan(f"{run_id}k", args.messages, 0.0, seed),
+                                  batch=args.batch_size, keep=args.keep, log=console.print)
                 continue
             if path == "rss":
                 console.print(f"measuring the batch path's RSS over {args.rss_messages:,} "
@@ -792,9 +808,11 @@ def main(argv: list[str] | None = None) -> int:
 
     by = {m.path: m for m in rows}
     limits = compute_limits(by, pg)
-    ts = targets(by, limits, rss)
+    limits["keyed_sql"] = floor.rate if floor is not None and floor.rate else None
+    ts = targets(by, limits, rss, floor)
+    db_work = dbwork.collect(rows, pg, floor)
     out_console = Console(width=max(Console().width, 200))
-    out_console.print(render(rows, pg, limits, rss))
+    out_console.print(render(rows, pg, limits, rss, floor))
     out_console.print(render_cpu(rows))
     if (rt := render_round_trips(rows)) is not None:
         out_console.print(rt)
@@ -802,6 +820,8 @@ def main(argv: list[str] | None = None) -> int:
         out_console.print(ph)
     if (st := render_pg_statements(pg)) is not None:
         out_console.print(st)
+    if (dw := dbwork.render(db_work)) is not None:
+        out_console.print(dw)
     if (ob := render_outbox(by)) is not None:
         out_console.print(ob)
     if (ot := orm.render(orm.comparisons(rows))) is not None:
@@ -815,9 +835,11 @@ def main(argv: list[str] | None = None) -> int:
                       if m.throughput.get("join_seconds"))
     out_console.print(f"group join + first fetch (not in any clock): {joins}")
     info["loadavg_end"] = os.getloadavg()
-    write_results(args, run_id, seed, info, plans, rows, pg, limits, rss, ts, profiles)
+    write_results(args, run_id, seed, info, plans, rows, pg, limits, rss, ts, profiles,
+                  floor, db_work)
     console.print(f"results written to {args.results}")
-    oks = [m.throughput.get("ok") for m in rows] + ([rss.get("ok")] if rss else [])
+    oks = ([m.throughput.get("ok") for m in rows] + ([rss.get("ok")] if rss else [])
+           + ([floor.ok] if floor is not None else []))
     return 0 if all(oks) and not any(r.error for r in pg) else 1
 
 
@@ -864,6 +886,7 @@ def compute_limits(by: dict[str, Measured], pg: list[pgbench.PgbenchResult]) -> 
         "naive": naive.rate if naive and naive.rate else None,
         "sql_batched": best("batched"),
         "sql_batched_c1": at("batched", 1),
+        "sql_batched_c4": at("batched", 4),
         "sql_per_message": best("per_message"),
         "sql_per_message_c1": at("per_message", 1),
     }
@@ -873,7 +896,8 @@ def write_results(
     args: argparse.Namespace, run_id: str, seed: int, info: dict[str, Any],
     plans: dict[str, Plan], rows: list[Measured], pg: list[pgbench.PgbenchResult],
     limits: dict[str, Any], rss: dict[str, Any] | None, ts: list[dict[str, Any]],
-    profiles: dict[str, Any],
+    profiles: dict[str, Any], floor: keyed.KeyedResult | None = None,
+    db_work: list[dict[str, Any]] | None = None,
 ) -> None:
     args.results.write_text(json.dumps({
         "run_id": run_id,
@@ -911,6 +935,8 @@ def write_results(
             for m in rows
         ],
         "rss": rss,
+        "keyed_sql": floor.to_json() if floor is not None else None,
+        "db_work": db_work or [],
         "orm": orm.comparisons(rows),
         "profiles": profiles,
         "targets": ts,
