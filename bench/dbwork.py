@@ -202,20 +202,25 @@ def render(rows: list[dict[str, Any]]) -> Table | None:
     table = Table(title="Database work per message over each throughput run (row versions: "
                   "pg_stat_user_tables of the row's schemas; WAL: the whole server's), and "
                   "x the minimal keyed SQL of this run", title_justify="left")
-    columns = [("msgs/s", "msgs_per_s", "{:,.0f}"), ("x keyed msgs/s", "x_keyed_msgs_per_s",
-                                                       "{:.2f}"),
-               ("CPU PG ms", "pg_cpu_ms_per_msg", "{:.3f}"),
-               ("x keyed CPU PG", "x_keyed_pg_cpu", "{:.2f}"),
-               ("statements", "statements_per_msg", "{:.3f}"),
-               ("round trips", "round_trips_per_msg", "{:.3f}"),
-               ("row versions", "row_versions_per_msg", "{:.2f}"),
-               ("ins", "ins_per_msg", "{:.2f}"), ("upd", "upd_per_msg", "{:.2f}"),
-               ("del", "del_per_msg", "{:.2f}"), ("HOT upd", "hot_upd_per_msg", "{:.2f}"),
-               ("WAL bytes", "wal_bytes_per_msg", "{:,.0f}")]
     table.add_column("row")
-    for name, _, _ in columns:
+    for name, _, _ in COLUMNS:
         table.add_column(name, justify="right")
     for r in rows:
-        table.add_row(r["label"], *("—" if r.get(k) is None else fmt.format(r[k])
-                                    for _, k, fmt in columns))
+        table.add_row(r["label"], *cells(r))
     return table
+
+
+# (header, key of a ``collect`` row, format): the console's table and ``bench.report``'s
+COLUMNS = [("msgs/s", "msgs_per_s", "{:,.0f}"), ("x keyed msgs/s", "x_keyed_msgs_per_s", "{:.2f}"),
+           ("CPU PG ms", "pg_cpu_ms_per_msg", "{:.3f}"),
+           ("x keyed CPU PG", "x_keyed_pg_cpu", "{:.2f}"),
+           ("statements", "statements_per_msg", "{:.3f}"),
+           ("round trips", "round_trips_per_msg", "{:.3f}"),
+           ("row versions", "row_versions_per_msg", "{:.2f}"),
+           ("ins", "ins_per_msg", "{:.2f}"), ("upd", "upd_per_msg", "{:.2f}"),
+           ("del", "del_per_msg", "{:.2f}"), ("HOT upd", "hot_upd_per_msg", "{:.2f}"),
+           ("WAL bytes", "wal_bytes_per_msg", "{:,.0f}")]
+
+
+def cells(r: dict[str, Any]) -> list[str]:
+    return ["—" if r.get(k) is None else fmt.format(r[k]) for _, k, fmt in COLUMNS]

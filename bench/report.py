@@ -62,6 +62,16 @@ def main_table(d: dict[str, Any]) -> list[str]:
             per_1k(r["cpu"].get("broker")), "—", "—", "—", "—",
             r.get("error") or f"{r['tps']:,.1f} tx/s, {r['latency_ms']:.2f} ms/tx",
         ]))
+    if k := d.get("keyed_sql"):  # the minimal keyed SQL (issue 38)
+        def kper_1k(v: float | None, n: int = k["messages"]) -> str:
+            return _f(v / n * 1000 if v is not None and n else None)
+
+        out.append(_row([
+            k["label"], f"{k['messages']:,}", _f(k["msgs_per_s"] or None, "{:,.0f}"), "—", "—",
+            "—", kper_1k(k["cpu"].get("consumer")) + " (psycopg)",
+            kper_1k(k["cpu"].get("postgres")), kper_1k(k["cpu"].get("broker")), "—", "—", "—",
+            "—", "ok" if k["ok"] else "FAILED",
+        ]))
     for name, p in paths.items():
         if name != "raw":
             path_row(p)
@@ -149,6 +159,17 @@ def statements_table(d: dict[str, Any]) -> list[str]:
     return out
 
 
+def db_work_table(d: dict[str, Any]) -> list[str]:
+    from bench import dbwork
+
+    rows = d.get("db_work") or []
+    if not rows:
+        return []
+    return [_row(["per message", *(c for c, _, _ in dbwork.COLUMNS)]),
+            _row(["---", *(["---:"] * len(dbwork.COLUMNS))]),
+            *(_row([r["label"], *dbwork.cells(r)]) for r in rows)]
+
+
 def targets_table(d: dict[str, Any]) -> list[str]:
     out = [_row(["target", "measured", "met"]), _row(["---", "---:", "---"])]
     for t in d.get("targets", []):
@@ -178,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                          ("Batch path phases", phases_table(d)),
                          ("Round trips", round_trips_table(d)),
                          ("pgbench statements", statements_table(d)),
+                         ("Database work per message", db_work_table(d)),
                          ("ORM handlers", orm_table(d)),
                          ("Targets", targets_table(d))):
         if lines:

@@ -1,6 +1,6 @@
 """``python -m bench`` as a subprocess at the tiniest sizes, on a few rows (raw, the
 batch path, the leased path and its ORM twins, the batch path's ORM rows, the outbox relay,
-the gateway at concurrency 1 and the ORM gateway rows), against
+the gateway at concurrency 1, the ORM gateway rows and the minimal keyed SQL), against
 the shared services: it exits 0 and every row's exactly-once check passed; and
 ``python -m bench.floor`` (the gateway rows' work with no framework) and
 ``python -m bench.rate`` (a handler's ``max_rate``) the same way;
@@ -47,7 +47,7 @@ def test_the_bench_runs_its_rows_exactly_once(tmp_path: Path) -> None:
            "KAFKA_IDEM_DATABASE_URL": ADMIN_DSN, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     before = _files(ROOT / "bench")
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--paths", ",".join(ROWS), *SIZES,
+        [sys.executable, "-m", "bench", "--paths", ",".join((*ROWS, "keyed_sql")), *SIZES,
          "--results", str(results)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     said = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
@@ -77,6 +77,18 @@ def test_the_bench_runs_its_rows_exactly_once(tmp_path: Path) -> None:
     assert [(c["raw"], c["orm"], len(c["pairs"])) for c in run["orm"]] == [
         ("leased", "leased_orm", 1), ("leased", "leased_orm_core", 1)]
     assert all(c["cpu_ratio"] > 0 for c in run["orm"]), run["orm"]
+    # the minimal keyed SQL (no Kafka): its own check, its schema gone; the database's work
+    # per message next to it (the batch row: a ledger row and a record per message at least)
+    keyed = run["keyed_sql"]
+    assert keyed["ok"] and keyed["check"].startswith("ok: 40 key rows / 40 ledger rows"), keyed
+    work = {r["row"]: r for r in run["db_work"]}
+    assert work["keyed_sql"]["ins_per_msg"] >= 2 and work["batch"]["ins_per_msg"] >= 2, work
+    assert work["batch"]["x_keyed_msgs_per_s"] > 0 and work["batch"]["wal_bytes_per_msg"] > 0
+    with psycopg.connect(ADMIN_DSN) as conn:
+        left = conn.execute("SELECT count(*) FROM information_schema.schemata"
+                            " WHERE schema_name = %s", (f"bench_{run['run_id']}_keyed",)
+                            ).fetchone()
+    assert left == (0,), "the keyed SQL's schema was left behind"
 
 
 def test_the_floor_runs_its_work_exactly_once() -> None:
