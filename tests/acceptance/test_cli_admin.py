@@ -53,11 +53,12 @@ def test_migrate_is_versioned_and_a_second_run_is_a_noop(db: DB) -> None:
     assert "0003_guard_when" in first.stdout and "0004_dead_again" in first.stdout
     assert "0005_namespaces" in first.stdout and "0006_outbox" in first.stdout
     assert "0007_fenced_complete" in first.stdout and "0008_handler_pauses" in first.stdout
-    assert "0009_shard_key" in first.stdout and "distributed" not in first.stdout
+    assert "0009_shard_key" in first.stdout and "0010_one_row_success" in first.stdout
+    assert "distributed" not in first.stdout
     second = kafka_idem(db, "--schema", schema, "migrate")
     assert second.returncode == 0 and "nothing to do" in second.stdout
     versions = db.rows(f'SELECT version FROM "{schema}".schema_migrations ORDER BY 1')
-    assert [r["version"] for r in versions] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert [r["version"] for r in versions] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
 
 
 @pytest.fixture
@@ -77,7 +78,7 @@ def test_concurrent_migrate_app_runs_on_a_fresh_database_all_succeed(empty_db: D
     assert [p.returncode for p in procs] == [0] * 6, [err for _out, err in outs]
     assert sum("0001_initial" in out for out, _err in outs) == 1, "one run created the store"
     versions = empty_db.rows('SELECT version FROM "kafka_idem".schema_migrations ORDER BY 1')
-    assert [r["version"] for r in versions] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert [r["version"] for r in versions] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     tables = empty_db.rows("SELECT schemaname || '.' || tablename AS t FROM pg_tables "
                            "WHERE schemaname IN ('payments', 'payments_audit') ORDER BY 1")
     assert [r["t"] for r in tables] == ["payments.balances", "payments.ledger",

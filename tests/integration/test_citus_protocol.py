@@ -91,11 +91,11 @@ def test_the_guard_refuses_illegal_transitions_on_the_shards(citus_dsn: str,
             "DELETE FROM kafka_idem.task_idempotency WHERE namespace = %s AND idempotency_key "
             "= 't2:charge:o1' AND shard_key = 't2'",
             "INSERT INTO kafka_idem.task_idempotency (namespace, idempotency_key, request_hash,"
-            " status, completed_token, shard_key) VALUES (%s, 't2:charge:o2', 'h', "
-            "'succeeded', %s, 't2')",
+            " status, error_kind, shard_key) VALUES (%s, 't2:charge:o2', 'h', "
+            "'failed', %s, 't2')",
         ):
             params = ((uuid.uuid4(), store.ns) if statement.startswith("UPDATE") else
-                      (store.ns,) if statement.startswith("DELETE") else (store.ns, uuid.uuid4()))
+                      (store.ns,) if statement.startswith("DELETE") else (store.ns, "permanent"))
             with pytest.raises(psycopg.Error) as caught, conn.transaction():
                 conn.execute(statement, params)
             assert caught.value.sqlstate == "KI001"
