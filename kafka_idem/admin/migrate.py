@@ -274,7 +274,8 @@ def _migrate(dsn: str, schema: str, table: str, *, from_scratch: bool) -> list[M
                 return done
         from kafka_idem.store.citus import citus_version
 
-        citus = citus_version(conn) is not None
+        with conn.transaction():  # its own: each migration below commits on its own
+            citus = citus_version(conn) is not None
         for migration in migrations():
             with conn.transaction():
                 _lock(conn, schema)

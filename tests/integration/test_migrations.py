@@ -38,3 +38,32 @@ def test_schema_from_scratch_equals_schema_from_all_migrations(db: DB) -> None:
 def test_migrations_are_numbered_without_gaps() -> None:
     versions = [m.version for m in migrations()]
     assert versions == list(range(1, len(versions) + 1))
+
+
+def test_each_pending_migration_commits_in_a_transaction_of_its_own(db: DB) -> None:
+    """A store two migrations behind takes them in two transactions (a failure in the
+    second keeps the first): each version row has its own applied_at, now() of its
+    transaction (a savepoint's rows would share their transaction's)."""
+    import psycopg
+    from psycopg import sql
+
+    from kafka_idem.admin.migrate import render
+
+    schema = f"s_{uuid.uuid4().hex[:8]}"
+    versions = sql.Identifier(schema, "schema_migrations")
+    last = migrations()[-1].version
+    with psycopg.connect(db.dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("CREATE TABLE {} (version integer PRIMARY KEY, name text NOT "
+                             "NULL, applied_at timestamptz NOT NULL DEFAULT now())").format(
+            versions))
+        for m in migrations():
+            if m.version <= last - 2:
+                conn.execute(render(m, schema, "task_idempotency"))
+                conn.execute(sql.SQL("INSERT INTO {} VALUES (%s, %s)").format(versions),
+                             (m.version, m.name))
+    assert [m.version for m in migrate(db.dsn, schema, "task_idempotency")] == [
+        last - 1, last]
+    rows = db.rows(sql.SQL("SELECT version, applied_at FROM {} WHERE version >= %s")
+                   .format(versions).as_string(None), (last - 1,))
+    assert len({r["applied_at"] for r in rows}) == 2, rows
