@@ -103,8 +103,10 @@ def test_a_counter_drawn_from_a_sequence_fails(harness: Harness,
     # nextval() is not rolled back: the crashed attempt's number is lost, the
     # redelivery's invoice is 2 where a single delivery's is 1.
     report = failed(harness, kit_shop.ORDERS, mistake, "sequence_counter")
-    assert failing_scenarios(report) == {"crash_before_commit [per-message]:",
-                                         "crash_before_commit [batch]:"}
+    crashes = {"crash_before_commit [per-message]:", "crash_before_commit [batch]:"}
+    # concurrent [batch] too when the process that commits is not the first to draw a
+    # number (every process runs the handler there, and each draws one)
+    assert crashes <= failing_scenarios(report) <= crashes | {"concurrent [batch]:"}
     assert "invoice: 1}" in report and "invoice: 2}" in report
 
 
