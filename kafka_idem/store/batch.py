@@ -66,12 +66,6 @@ class BatchQueries(OutboxQueries):
             ).fetchall()
         return {r[0]: Found(r[1], r[3], r[2]) for r in rows}
 
-    def succeeded(self, conn: Conn, keys: Sequence[str]) -> dict[str, tuple[str, Any]]:
-        """``{key: (request_hash, result)}`` for the keys among ``keys`` (distinct) that
-        succeeded."""
-        return {k: (f.request_hash, f.result) for k, f in self.found(conn, keys).items()
-                if f.status == "succeeded"}
-
     def insert_done(self, conn: Conn, done: Sequence[Done]) -> psycopg.Cursor[Any]:
         """Write every one of ``done`` as a succeeded record in one statement, in key
         order. The cursor's rowcount (read after the pipeline ends) is how many were

@@ -87,7 +87,7 @@ def test_the_duplicate_read_probes_each_key_whatever_the_statistics(
     keys = [f"k{i:06d}" for i in range(20_000, 20_000 + BATCH)]
     _probes_only(_plan(conn, store.q["succeeded_results"], {"ns": NS, "keys": keys}))
     with conn.transaction():
-        found = store.succeeded(conn, keys)
+        found = store.found(conn, keys)
     assert sorted(found) == keys  # and it answers every key
 
 
