@@ -49,7 +49,7 @@ from psycopg import sql
 from rich.console import Console
 from rich.table import Table
 
-from bench import dbwork, keyed, orm, pgbench, procstat
+from bench import cli, dbwork, keyed, orm, pgbench, procstat
 from bench.effects import TABLE, ledger_state
 from bench.gateway import ACCOUNTS, GATEWAY_PATHS, GatewayProcess, ideal
 from bench.workload import (
@@ -79,6 +79,8 @@ PATHS: dict[str, tuple[str, str, str, bool, str]] = {
     "leased_orm_core": ("kafka_idem leased, ORM handler, 2.0-style statements (ctx.session)",
                         "framework", "leased", False, "slow"),
     "batch": ("kafka_idem batch (bulk handler)", "framework", "local", True, "main"),
+    "cli": ("kafka-idem run of the same app (the CLI, defaults; bulk handler)", "cli", "local",
+            True, "main"),
     "batch_nobulk": ("kafka_idem batch (per-message handler)", "framework", "local", False,
                      "main"),
     "batch_orm": ("kafka_idem batch (per-message ORM handler, ctx.session)", "framework",
@@ -106,7 +108,7 @@ PATHS: dict[str, tuple[str, str, str, bool, str]] = {
                           "handler (AsyncSession)", "gateway", "leased", False, "gw"),
 }
 ALL = ["raw", "pgbench", "keyed_sql", "naive", "leased", "leased_orm", "leased_orm_core", "batch",
-       "batch_m2", "batch_json", "batch_nobulk", "batch_orm", "batch_orm_core", "dup90",
+       "cli", "batch_m2", "batch_json", "batch_nobulk", "batch_orm", "batch_orm_core", "dup90",
        "batch_emit", "relay", "rss", "gateway", "gateway_c64", "gateway_c64_orm",
        "gateway_async", "gateway_async_orm"]
 ONE_PARTITION = ("gw", "gw1")  # the gateway rows: one partition, key-ordered inside it
@@ -470,6 +472,11 @@ def targets(
             0.5, "x")
         add("batch path >= 10 x naive", _ratio(b.rate, limits.get("naive")), 10, "x")
         out.extend(keyed.targets(b, floor, limits.get("sql_batched_c4")))  # issue 38
+        if (c := by.get("cli")) is not None:
+            # by the database's clock, which both rows have alike (bench/cli.py)
+            add("kafka-idem run (the CLI) >= 0.85 x the batch path (database clock)",
+                _ratio(c.throughput.get("db_clock_rate") or 0.0,
+                       b.throughput.get("db_clock_rate")), 0.85, "x")
     if (le := by.get("leased")) is not None:
         add("leased >= 0.8 x pgbench per-message", _ratio(le.rate,
             limits.get("sql_per_message")), 0.8, "x")
@@ -672,13 +679,13 @@ def main(argv: list[str] | None = None) -> int:
                 "batch_size": args.batch_size, "local_workers": args.local_workers,
                 "timeout": args.timeout, "verbose": args.verbose,
                 "gateway_url": gateway.url if gateway is not None else None,
-                "events": path in EMITTING, **extra}
+                "events": path in EMITTING, "work": str(work), **extra}
 
     def run_throughput(path: str, rep: int = 0) -> dict[str, Any]:
         topic_key = PATHS[path][4]
         tspec = spec(path, "throughput", topics[topic_key], plans[topic_key], rep=rep,
                      ends=ends[topic_key], round_trips=path not in MEMBERS,
-                     wal=PATHS[path][1] not in ("raw", "relay"))
+                     wal=PATHS[path][1] not in ("raw", "relay", "cli"))
         # row versions of its store schema and the payments tables (not the relay's: it
         # fills its outbox before its clock starts)
         versions = (dbwork.RowVersions(s.dsn, [tspec["schema"], "payments"])
@@ -686,7 +693,10 @@ def main(argv: list[str] | None = None) -> int:
         out = (run_members(s, tspec, work, MEMBERS[path]) if path in MEMBERS
                else run_worker(tspec, work))
         out["row_versions"] = versions.settled() if versions is not None else None
-        out["messages"] = plans[topic_key].n
+        # the cli row's clock covers the messages committed inside it (bench/cli.py)
+        out["messages"] = out.get("window_messages", plans[topic_key].n)
+        if path in ("batch", "cli") and out.get("ok"):  # the clock both rows have alike
+            out["db_clock_rate"] = cli.db_clock_rate(s.dsn, tspec["schema"])
         return out
 
     paired: dict[str, list[dict[str, Any]]] = {}  # an ORM pair's throughput runs, in order
@@ -758,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
                 m.throughput["check"] = (f"{m.throughput.get('check', '')}; gateway "
                                          f"{m.throughput['gateway_cpu_ms_per_msg']} ms CPU/msg")
             console.print(f"  {m.rate:,.0f} msgs/s; {m.throughput.get('check')}")
-            if m.rate and path != "relay" and path not in MEMBERS:
+            if m.rate and path not in ("relay", "cli") and path not in MEMBERS:
                 rate = max(m.rate * args.latency_fraction, 1.0)
                 if args.latency_rate:  # one rate for every row, so their tails compare
                     rate = min(args.latency_rate, m.rate)

@@ -204,10 +204,12 @@ def delta(a: Snapshot, b: Snapshot) -> dict[str, float | None]:
 class Watch:
     """CPU between :meth:`start` and :meth:`stop`, polling PostgreSQL's processes every
     ``interval`` seconds so that backends which end before :meth:`stop` (pgbench's, a
-    short-lived connection's) are counted up to their last poll."""
+    short-lived connection's) are counted up to their last poll. ``pid``: the consumer
+    (default: this process)."""
 
-    def __init__(self, pids: Pids, interval: float = 0.5) -> None:
+    def __init__(self, pids: Pids, interval: float = 0.5, *, pid: int | None = None) -> None:
         self.pids = pids
+        self.pid = pid
         self.interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -218,9 +220,9 @@ class Watch:
         self.threads: dict[str, float] = {}  # CPU seconds per kind of thread, at stop
 
     def start(self) -> Watch:
-        self.first = snapshot(self.pids)
+        self.first = snapshot(self.pids, self_pid=self.pid)
         self._seen = dict(self.first.postgres or {})
-        self._threads = threads()
+        self._threads = threads(self.pid)
         self._threads_seen = dict(self._threads)
         self._thread = threading.Thread(target=self._poll, name="bench-procstat", daemon=True)
         self._thread.start()
@@ -228,15 +230,15 @@ class Watch:
 
     def _poll(self) -> None:
         while not self._stop.wait(self.interval):
-            self._seen.update(snapshot(self.pids).postgres or {})
-            self._threads_seen.update(threads())
+            self._seen.update(snapshot(self.pids, self_pid=self.pid).postgres or {})
+            self._threads_seen.update(threads(self.pid))
 
     def stop(self) -> dict[str, float | None]:
         assert self.first is not None
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        last = snapshot(self.pids)
+        last = snapshot(self.pids, self_pid=self.pid)
         self._seen.update(last.postgres or {})
         merged = Snapshot(last.at, last.self_cpu, dict(self._seen) if last.postgres is not None
                           else None, last.broker, last.machine_busy, last.machine_total)
@@ -245,7 +247,7 @@ class Watch:
         return out
 
     def _threads_now(self) -> dict[int, tuple[str, float]]:
-        got = threads()
+        got = threads(self.pid)
         self._threads_seen.update(got)
         return dict(self._threads_seen)
 

@@ -48,7 +48,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from bench import dbwork, outbox, procstat, roundtrips
+from bench import cli, dbwork, outbox, procstat, roundtrips
 from bench import gateway as bench_gateway
 from bench.effects import TABLE, check_effects, ledger_state
 from bench.naive import NaiveConsumer
@@ -694,6 +694,8 @@ def main(argv: list[str] | None = None) -> int:
             latency(s, spec, out)
         elif spec["kind"] == "relay":
             outbox.relay_throughput(s, spec, out)
+        elif spec["kind"] == "cli":
+            cli.throughput(s, spec, out)
         else:
             drain(s, spec, out)
     except Exception as exc:  # reported in the table, with the traceback on stderr
