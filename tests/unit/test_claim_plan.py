@@ -186,3 +186,14 @@ def test_the_batch_paths_dead_again_is_the_claims() -> None:
     assert script.sent == [("dead_again", {"ns": "ns", "key": KEY, "shard": None,
                                            "topic": "payments", "partition": 0, "offset": 7},
                             False)]
+
+
+def test_new_tokens_are_distinct_version_4_uuids() -> None:
+    """The batch path's owner tokens, made in one read of the system's randomness, are
+    what ``uuid.uuid4()`` makes: version 4, the RFC 4122 variant, none alike."""
+    from kafka_idem.store.types import new_tokens
+
+    tokens = new_tokens(2_000)
+    assert len(tokens) == len(set(tokens)) == 2_000
+    assert {(t.version, t.variant) for t in tokens} == {(4, uuid.RFC_4122)}
+    assert new_tokens(0) == []

@@ -57,6 +57,7 @@ from kafka_idem.errors import MessageError, ResultNotJSON
 from kafka_idem.handler import Context, Handler
 from kafka_idem.store import Claim, Conn, HandlerBlock, Outcome, translate_errors
 from kafka_idem.store.batch import Done
+from kafka_idem.store.types import new_tokens
 
 
 class Fallback(Exception):
@@ -123,7 +124,9 @@ class BatchPath:
             others = [k for k in ordered if k in found and found[k].status != "succeeded"]
             if others:
                 self._lock_existing(conn, occurrences, others)
-        return {key: Claim.new_key(key, uuid.uuid4()) for key in ordered if key not in found}
+        new = [key for key in ordered if key not in found]
+        return {key: Claim.new_key(key, token)
+                for key, token in zip(new, new_tokens(len(new)), strict=True)}
 
     def _lock_existing(
         self, conn: Conn, occurrences: dict[str, list[Item]], existing: list[str]
