@@ -127,6 +127,12 @@ METRICS: tuple[tuple[str, _Kind, str, str, tuple[str, ...]], ...] = (
      "Background retention runs that failed or were skipped, by kind (database, "
      "unchecked: a source topic's retention.ms could not be read, too_short).",
      ("kind",)),
+    ("batch_fallbacks", Counter, "kafka_idem_batch_fallbacks_total",
+     "Local-mode batches the batch path left to the per-message path (a handler "
+     "raised, a key in another member's hands or due for a retry, a key written by "
+     "another member meanwhile...), by topic: each such batch runs message by message, "
+     "slower; the DEBUG log line batch_fallback says why.",
+     ("topic",)),
 )
 
 
@@ -162,6 +168,7 @@ class Metrics:
     retention_purged: Counter
     retention_last_run: Gauge
     retention_errors: Counter
+    batch_fallbacks: Counter
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()

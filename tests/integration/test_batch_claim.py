@@ -9,6 +9,7 @@ seen directly; outcomes are checked in the business tables and the idempotency t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
@@ -181,7 +182,7 @@ def _claimed_elsewhere(
 
 
 def test_a_key_under_another_owners_live_lease_falls_back_and_is_not_processed_twice(
-    db: DB, batches: Batches
+    db: DB, batches: Batches, caplog: pytest.LogCaptureFixture
 ) -> None:
     proc = batches.proc
     # Another member claimed oF (same payload) and is still working on it: live lease.
@@ -195,7 +196,14 @@ def test_a_key_under_another_owners_live_lease_falls_back_and_is_not_processed_t
     assert {r["idempotency_key"] for r in db.records()} == {key("oF")}
 
     # The per-message path decides: oG done, oF busy (the partition waits there).
-    results = proc.run_local([(TP, msgs)])[TP]
+    with caplog.at_level(logging.DEBUG):
+        results = proc.run_local([(TP, msgs)])[TP]
+    # counted and said, with where it was (the operator's view of a slower batch)
+    assert proc.metrics.registry.get_sample_value(
+        "kafka_idem_batch_fallbacks_total", {"topic": TOPIC}) == 1
+    said = [r.getMessage() for r in caplog.records if r.__dict__.get("action") == "batch_fallback"]
+    assert said == [f"batch falls back: a key needs the per-message protocol "
+                    f"({TOPIC}[0]@{msgs[0].offset()}-{msgs[-1].offset()})"]
     assert [outcome(r) for r in results] == [("succeeded", None), ("deferred", "busy")]
     assert db.ledger_counts() == {key("oG"): 1}
     rec = _durable(db.record(key("oF")))
@@ -282,6 +290,33 @@ def test_a_bulk_item_rejected_as_permanent_is_failed_without_leaving_the_batch_p
     assert [outcome(r) for r in again] == [
         ("replayed", None), ("dead_lettered", "permanent"), ("replayed", None)]
     assert db.ledger_counts() == {key("o1"): 1, key("o3"): 1}
+
+
+def test_a_key_the_bulk_handler_rejects_twice_in_one_batch_stays_on_the_batch_path(
+    db: DB, batches: Batches
+) -> None:
+    """A producer retrying a rejected request: the same key twice (and once more with
+    another payload) in one batch. The first occurrence is failed in the batch; the
+    next is dead-lettered again as the failed record it met, the third is a conflict,
+    as the per-message claim decides them; the batch does not fall back (it did: every
+    success of such a batch went message by message)."""
+    results = batches.run(("o1", "1.00"), ("o2", "-1.00"), ("o3", "2.00"), ("o2", "-1.00"),
+                          ("o2", "-2.00"))
+    assert [outcome(r) for r in results] == [
+        ("succeeded", None), ("dead_lettered", "permanent"), ("succeeded", None),
+        ("dead_lettered", "permanent"), ("conflict", "payload_conflict")]
+    assert db.ledger_counts() == {key("o1"): 1, key("o3"): 1}
+    records = {r["idempotency_key"]: r for r in db.records()}
+    assert {k: (r["status"], r["attempts"]) for k, r in records.items()} == {
+        key("o1"): ("succeeded", 1), key("o2"): ("failed", 1), key("o3"): ("succeeded", 1)}
+    # the successes were written once each, as succeeded (the batch path's insert)
+    assert {records[key(o)]["owner_token"] for o in ("o1", "o3")} == {None}
+    assert records[key("o2")]["kafka_offset"] == 3  # the dead letter's delivery moved
+    first, again = results[1], results[3]
+    assert isinstance(first, Finished) and isinstance(again, Finished)
+    assert first.letter is not None and again.letter is not None
+    assert (again.letter.attempts, again.letter.error_class, again.letter.error_message) == (
+        first.letter.attempts, first.letter.error_class, first.letter.error_message)
 
 
 @HANDLERS

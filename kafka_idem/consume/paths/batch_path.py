@@ -173,12 +173,16 @@ class BatchPath:
             value = outcomes[key]
             item.result = value if isinstance(value, Finished) else Finished(
                 Ended.SUCCEEDED, key=key)
+        failed: dict[str, list[Item]] = {}
         for item in again:  # exactly like a redelivery after the first attempt
             value = outcomes[_prep(item).key]
-            if isinstance(value, Finished):  # the first was dead-lettered: so is this one
-                raise Fallback("a failed key occurs twice in the batch")
-            item.result = replay_or_conflict(
-                self.steps, item, _prep(first[_prep(item).key]).request_hash, value)
+            if isinstance(value, Finished):  # the first was failed in this batch
+                failed.setdefault(_prep(item).key, []).append(item)
+            else:
+                item.result = replay_or_conflict(
+                    self.steps, item, _prep(first[_prep(item).key]).request_hash, value)
+        if failed:  # met again as the failed record it now is (a producer's retries)
+            self._lock_existing(conn, failed, sorted(failed))
 
     def _complete(
         self, conn: Conn, first: dict[str, Item], claims: dict[str, Claim]

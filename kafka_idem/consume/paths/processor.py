@@ -95,18 +95,31 @@ class Processor:
         try:
             return self.batch_path.run(parts, ahead)
         except Fallback as exc:
-            log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
+            self._fell_back(parts, exc)
         except (FrameworkError, MessageError, psycopg.Error) as exc:
             # A message's data refused by the database (DataRejected) falls back too:
             # the per-message path isolates the one message it belongs to.
             if isinstance(exc, StoreUnavailable) or classify_db_error(exc) is StoreUnavailable:
                 return self.steps.defer_all(parts, exc)
-            log.debug("batch falls back: %s", exc, extra={"action": "batch_fallback"})
-        except Exception:
+            self._fell_back(parts, exc)
+        except Exception as exc:
             # A defect of the optimisation must not take the member down: the
             # per-message path is the reference and decides the batch.
-            log.exception("batch path failed; falling back", extra={"action": "batch_fallback"})
+            self._fell_back(parts, exc, defect=True)
         return self.run_local_safe(parts)
+
+    def _fell_back(self, parts: Parts, exc: BaseException, *, defect: bool = False) -> None:
+        """Count and log a batch left to the per-message path, with where it was."""
+        where = ", ".join(f"{tp[0]}[{tp[1]}]@{msgs[0].offset()}-{msgs[-1].offset()}"
+                          for tp, msgs in parts if msgs)
+        for topic in {tp[0] for tp, msgs in parts if msgs}:
+            self.metrics.batch_fallbacks.labels(topic=topic).inc()
+        if defect:
+            log.exception("batch path failed; falling back (%s)", where,
+                          extra={"action": "batch_fallback"})
+        else:
+            log.debug("batch falls back: %s (%s)", exc, where,
+                      extra={"action": "batch_fallback"})
 
     def run_local_safe(self, parts: Parts) -> Results:
         """The per-message path alone (see :meth:`LocalPath.run`)."""
