@@ -49,6 +49,7 @@ from kafka_idem.registration import (
     check_handler_options,
     check_loop_closer,
     check_setting_names,
+    handler_name,
 )
 from kafka_idem.retry import RetryPolicy
 from kafka_idem.settings import Settings, check_namespace, load_settings
@@ -203,11 +204,11 @@ class App:
                               ordering_key=ordering_key, taken=self.handlers, max_rate=max_rate)
 
         def register(fn: Callable[[M, Any], Any]) -> Handler[M]:
-            check_handler_function(fn, name=name or fn.__name__, mode=mode,
-                                   hash_fields=hash_fields)
+            called = handler_name(fn, name)
+            check_handler_function(fn, name=called, mode=mode, hash_fields=hash_fields)
             mapping = tuple((errors or {}).items()) + self.errors + DEFAULT_ERRORS
             h = Handler(
-                fn, name=name or fn.__name__, topic=topic, model=model, key=key,
+                fn, name=called, topic=topic, model=model, key=key,
                 hash_fields=tuple(hash_fields), mode=mode, batch=batch, dlq_topic=dlq_topic,
                 schema=schema, retry=retry, errors=mapping, format=format,
                 binder=self.bind_codec, concurrency=concurrency, ordering_key=ordering_key,

@@ -46,6 +46,23 @@ def check_handler_options(
                           "local_workers)", setting="concurrency")
 
 
+def handler_name(fn: Callable[..., Any], name: str | None) -> str:
+    """The name a handler registers under: ``name=``, else its function's. Refused, as a
+    :class:`ConfigError` naming what to do: a handler registered already (what
+    ``@app.handler`` returned, given to ``app.handler(...)`` again) and a callable
+    without a name of its own."""
+    if isinstance(fn, Handler):
+        raise ConfigError(
+            f"{fn.name!r} is a registered handler already (of topic {fn.topic!r}), not a "
+            f"function: register its function, app.handler(...)({fn.name}.fn) (and its bulk "
+            "handler or reconciler again on what that returns)", setting="handler")
+    called = name or getattr(fn, "__name__", None)
+    if not called:
+        raise ConfigError(f"the handler {fn!r} has no __name__: give it one with name=",
+                          setting="name")
+    return str(called)
+
+
 def check_handler_function(fn: Callable[..., Any], *, name: str, mode: Mode,
                            hash_fields: Sequence[str]) -> None:
     """The decorated function fits the options: an ``async def`` one runs in leased

@@ -49,6 +49,39 @@ def test_handlers_with_defaults_varargs_or_callables_are_accepted() -> None:
     assert sorted(app.handlers) == ["a", "b", "c"]
 
 
+def test_a_registered_handler_given_again_is_refused_naming_its_function() -> None:
+    """``@app.handler`` returns a Handler: given to ``app.handler(...)`` again (the same
+    function on a second topic or app) it is refused as a ConfigError saying what to
+    register, not an AttributeError; its function registers fine."""
+    app, other = _app(), _app()
+
+    @app.handler(topic="loans", model=Loan, key="{branch}:loan:{copy_id}",
+                 hash_fields=("copy_id",))
+    def checkout(msg: Loan, ctx: Context) -> None: ...
+
+    with pytest.raises(ConfigError) as caught:
+        other.handler(topic="loans2", model=Loan, key="{branch}:loan:{copy_id}",
+                      hash_fields=("copy_id",))(checkout)  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "'checkout' is a registered handler already (of topic 'loans'), not a function: "
+        "register its function, app.handler(...)(checkout.fn) (and its bulk handler or "
+        "reconciler again on what that returns) (setting=handler)")
+    assert other.handlers == {}
+    again = other.handler(topic="loans2", model=Loan, key="{branch}:loan:{copy_id}",
+                          hash_fields=("copy_id",))(checkout.fn)
+    assert (again.name, again.topic, again.fn) == ("checkout", "loans2", checkout.fn)
+
+
+def test_a_callable_without_a_name_needs_name() -> None:
+    class Nameless:
+        def __call__(self, msg: Any, ctx: Any) -> None: ...
+
+    with pytest.raises(ConfigError, match=r"has no __name__: give it one with name= "
+                       r"\(setting=name\)$"):
+        _app().handler(topic="a", model=Loan, key="{branch}:a:{copy_id}",
+                       hash_fields=("copy_id",))(Nameless())
+
+
 def test_a_reconciler_or_bulk_form_with_the_wrong_arguments_is_refused() -> None:
     app = _app()
 
