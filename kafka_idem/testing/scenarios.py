@@ -29,9 +29,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from kafka_idem.consume.outcome import TP, Finished, Result
-from kafka_idem.consume.paths.batch_path import Fallback, run_batch
+from kafka_idem.consume.outcome import TP, Deferred, Ended, Finished, Reason, Result
+from kafka_idem.consume.paths.batch_path import Fallback, HandlerRaised, run_batch
 from kafka_idem.errors import Retryable, UnknownOutcome
+from kafka_idem.retry import no_wait
 from kafka_idem.testing.case import (
     Case,
     Effects,
@@ -91,7 +92,9 @@ def twice(case: Case, path: Path, out: ScenarioResult) -> None:
 
 
 def _crash(case: Case, sb: Sandbox, path: Path, out: ScenarioResult) -> bool:
-    """Run the message until the handler returns, then let the process die there."""
+    """Run the message until the handler returns, then let the process die there. A
+    handler whose first attempts fail (``Retryable``: a remote side busy) is retried,
+    as the runner would, until an attempt returns; False if none did."""
     died = threading.Event()
 
     def crash(_call: Call) -> None:
@@ -99,8 +102,16 @@ def _crash(case: Case, sb: Sandbox, path: Path, out: ScenarioResult) -> bool:
         raise Crash
 
     proc = sb.processor()
-    with case.harness.hooks.using(Plan(after=crash, times=1)), contextlib.suppress(Crash):
-        sb.run(proc, case.msg, path)
+    handler = sb.app.handlers[case.msg.topic()]
+    token = None
+    with (case.harness.hooks.using(Plan(after=crash, times=1)), contextlib.suppress(Crash),
+          no_wait()):
+        for _ in range(sb.app.retry_policy(handler).max_attempts):
+            result = sb.run(proc, case.msg, path, token)
+            if isinstance(result, Finished) or result.reason != Reason.RETRY:
+                break
+            out.said(f"a try before the crash: {step(result)}")
+            token = result.token
     proc.close()  # the dead process's connection goes with it
     return died.is_set()
 
@@ -341,6 +352,7 @@ def batch(case: Case, path: Path, out: ScenarioResult) -> None:
     records: dict[str, dict[str, Any]] = {}
     effects: dict[str, Effects] = {}
     events: dict[str, list[EmittedEvent]] = {}
+    outcomes_of: dict[str, list[Result]] = {}
     for side in ("per-message", "batch"):
         for remote in h.remotes.values():
             remote.reset()
@@ -350,10 +362,21 @@ def batch(case: Case, path: Path, out: ScenarioResult) -> None:
             try:
                 results = (run_batch(proc, [(tp, msgs)]) if side == "batch"
                            else proc.run_local_safe([(tp, msgs)]))[tp]
+            except HandlerRaised as exc:
+                if _handler_failed(outcomes_of["per-message"]):
+                    out.skipped = (
+                        f"the handler raised on its first attempt ({exc.__cause__!r}), "
+                        "as it did on the per-message path: the batch path leaves such a "
+                        "batch to the per-message path, which is the one a retry runs on")
+                    return
+                out.wrong(f"the batch path left this batch to the per-message path ({exc}) "
+                          "though on the per-message path every handler call returned")
+                return
             except Fallback as exc:
                 out.wrong(f"the batch path left this batch to the per-message path ({exc}): "
                           "on it the batch path and the bulk handler are never used")
                 return
+            outcomes_of[side] = results
             letters = iter(sb.letters.send({tp: results}))
             outcomes[side] = [show((step(r), next(letters).kind if isinstance(r, Finished)
                                     and r.letter is not None else None)) for r in results]
@@ -379,6 +402,15 @@ def batch(case: Case, path: Path, out: ScenarioResult) -> None:
         if a != b:
             out.wrong(f"record {key!r}: per-message path {a}, batch path {b}")
     case.same_effects(out, expected=effects["per-message"], what="the per-message path")
+
+
+def _handler_failed(results: list[Result]) -> bool:
+    """A handler call failed in ``results``: a retry due, or a dead letter of a
+    permanent failure or an exhausted retry budget."""
+    return any((isinstance(r, Deferred) and r.reason == Reason.RETRY)
+               or (isinstance(r, Finished) and r.outcome == Ended.DEAD_LETTERED
+                   and r.letter is not None and r.letter.kind in ("permanent", "exhausted"))
+               for r in results)
 
 
 def _summary(rec: dict[str, Any] | None, drift: frozenset[str]) -> dict[str, Any] | None:

@@ -64,6 +64,11 @@ class Fallback(Exception):
     """The optimistic batch met a case it leaves to the per-message path."""
 
 
+class HandlerRaised(Fallback):
+    """A per-message handler raised in the batch (its ``__cause__``): the per-message
+    path records its failure (a retry, a dead letter)."""
+
+
 @dataclass
 class Item:
     tp: TP
@@ -286,7 +291,7 @@ class BatchPath:
                 ctx.settle_session()  # its ORM writes flushed (ctx.session)
             except Exception as exc:
                 ctx.discard_session()
-                raise Fallback(f"handler raised {type(exc).__name__}") from exc
+                raise HandlerRaised(f"handler raised {type(exc).__name__}") from exc
             return result
 
 
