@@ -95,10 +95,8 @@ class Settings(BaseSettings):
     )
     batch_linger_seconds: float = Field(
         0.0, ge=0, le=60,
-        description="After a batch's first message, how long it may wait to fill up to "
-        "batch_size (0: it starts at once with what has arrived). At most "
-        "batch_max_wait_seconds (0.1 by default), which bounds every loop round: raise "
-        "both to linger longer.",
+        description="After a batch's first message, how long it may wait to fill up to batch_size "
+        "(0: start at once with what has arrived); at most batch_max_wait_seconds.",
     )
     retry_lookahead: int = Field(10_000, ge=1, le=10_000_000, description="While a message "
         "waits for its next attempt (other keys go on), how many messages past it its partition "
