@@ -112,7 +112,7 @@ ALL = ["raw", "pgbench", "keyed_sql", "naive", "leased", "leased_orm", "leased_o
        "batch_emit", "relay", "rss", "gateway", "gateway_c64", "gateway_c64_orm",
        "gateway_async", "gateway_async_orm"]
 ONE_PARTITION = ("gw", "gw1")  # the gateway rows: one partition, key-ordered inside it
-BATCH_FAMILY = ("batch", "batch_m2", "batch_json", "batch_nobulk", "batch_orm",
+BATCH_FAMILY = ("batch", "cli", "batch_m2", "batch_json", "batch_nobulk", "batch_orm",
                 "batch_orm_core", "dup90", "batch_emit")
 # paths drained by several members of one group at once (the throughput phase only)
 MEMBERS = {"batch_m2": 2}
