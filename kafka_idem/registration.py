@@ -54,8 +54,9 @@ def handler_name(fn: Callable[..., Any], name: str | None) -> str:
     if isinstance(fn, Handler):
         raise ConfigError(
             f"{fn.name!r} is a registered handler already (of topic {fn.topic!r}), not a "
-            f"function: register its function, app.handler(...)({fn.name}.fn) (and its bulk "
-            "handler or reconciler again on what that returns)", setting="handler")
+            f"function: register its function, app.handler(..., name=...)({fn.name}.fn) (a "
+            "name of its own keeps its metrics and pauses apart; its bulk handler or "
+            "reconciler again on what that returns)", setting="handler")
     called = name or getattr(fn, "__name__", None)
     if not called:
         raise ConfigError(f"the handler {fn!r} has no __name__: give it one with name=",

@@ -37,11 +37,13 @@ def result_dumps(obj: Any) -> str:
 
 @dataclass(frozen=True)
 class Found:
-    """A record a batch read found: its request hash, its status and (succeeded) result."""
+    """A record a batch read found: its request hash, its status, its (succeeded)
+    result and its attempts (a conflict's dead letter says them)."""
 
     request_hash: str
     status: str
     result: Any
+    attempts: int
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class BatchQueries(OutboxQueries):
             rows = conn.execute(
                 self.q["succeeded_results"], {"ns": self.ns, "keys": list(keys)}
             ).fetchall()
-        return {r[0]: Found(r[1], r[3], r[2]) for r in rows}
+        return {r[0]: Found(r[1], r[3], r[2], r[4]) for r in rows}
 
     def insert_done(self, conn: Conn, done: Sequence[Done]) -> psycopg.Cursor[Any]:
         """Write every one of ``done`` as a succeeded record in one statement, in key

@@ -185,10 +185,10 @@ ORDER BY namespace;
 -- being pulled up into a join the planner may hash the same way; (namespace, key) is
 -- the primary key, so it never drops a row. The status is checked by the caller, so the
 -- status index's statistics do not matter either.
-SELECT t.idempotency_key, t.request_hash, t.result_json, t.status
+SELECT t.idempotency_key, t.request_hash, t.result_json, t.status, t.attempts
 FROM unnest(%(keys)b::text[]) AS k(key)
 CROSS JOIN LATERAL (
-    SELECT idempotency_key, request_hash, result_json, status
+    SELECT idempotency_key, request_hash, result_json, status, attempts
     FROM {table}
     WHERE namespace = %(ns)s AND idempotency_key = k.key
     LIMIT 1

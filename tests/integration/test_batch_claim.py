@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from consumers.payments import encode_charge
+from consumers.payments import ChargeRequested, encode_charge
+from kafka_idem import Context
 from kafka_idem.consume.outcome import Deferred, Finished, Result
 from kafka_idem.consume.paths.batch_path import Fallback, run_batch
 from kafka_idem.consume.paths.processor import Processor
@@ -349,3 +350,69 @@ def test_a_failed_key_met_again_is_dead_lettered_again_on_the_batch_path(
         assert result.letter.error_message == before["error_message"]
     assert db.ledger_counts() == {key("oG"): 1}
 
+
+
+def test_a_conflict_says_the_records_attempts_as_the_per_message_path_does(
+    db: DB, batches: Batches
+) -> None:
+    """A key that succeeded at its third attempt (two owners' leases ran out), met with
+    another payload: the conflict's dead letter says 3 attempts on the batch path, as
+    on the per-message path (it said 1)."""
+    proc = batches.proc
+    handler = proc.app.handlers[TOPIC]
+    (msg,) = batches.msgs(("oR", "4.00"))
+    prep = proc.prepare(handler, msg)
+    store = Store(schema="kafka_idem", table="task_idempotency",
+                  namespace=proc.app.namespace)
+    other = connect(db.dsn)
+    for attempt in (1, 2, 3):
+        with other.transaction():
+            claim = store.claim(other, key=prep.key, request_hash=prep.request_hash,
+                                delivery=Delivery(TOPIC, 0, 0, handler.name), lease_seconds=60,
+                                max_attempts=5, max_elapsed_seconds=3600)
+            assert (claim.outcome, claim.attempts) == (Outcome.CLAIMED, attempt)
+            if attempt < 3:  # its owner died: the lease runs out
+                other.execute("UPDATE kafka_idem.task_idempotency SET lease_until = "
+                              "clock_timestamp() - interval '1 second' "
+                              "WHERE idempotency_key = %s", (prep.key,))
+    with other.transaction():
+        assert claim.token is not None
+        store.complete(other, key=prep.key, token=claim.token, result={"by": "other"})
+    other.close()
+
+    batch = batches.run(("oR", "9.00"))
+    alone = proc.run_local_safe([(TP, batches.msgs(("oR", "9.00")))])[TP]
+    for result in (batch[0], alone[0]):
+        assert outcome(result) == ("conflict", "payload_conflict")
+        assert isinstance(result, Finished) and result.letter is not None
+        assert result.letter.attempts == 3
+
+
+def test_two_handlers_sharing_a_name_each_run_their_own_form_in_one_batch(db: DB) -> None:
+    """The app's charge handler (with its bulk form) and another topic's handler given
+    the same name, in one batch: each topic's messages go to their own handler (they
+    were grouped by name: the other topic's went to the bulk form)."""
+    other_topic = "claim-order.other-requested"
+    proc = processor(db.dsn, TOPIC, "local")
+    calls: list[str] = []
+
+    @proc.app.handler(topic=other_topic, model=ChargeRequested,
+                      key="{tenant_id}:other:{order_id}", hash_fields=("amount",),
+                      format="avro", schema="payments.ChargeRequested", name="charge")
+    def other(msg: ChargeRequested, ctx: Context) -> dict[str, str]:
+        calls.append(msg.order_id)
+        return {"other": msg.order_id}
+
+    try:
+        mine = [FakeMessage(TOPIC, offset=i, key=o.encode(), value=encode_charge("t1", o, "1.00"))
+                for i, o in enumerate(("o1", "o2"))]
+        theirs = [FakeMessage(other_topic, offset=0, key=b"o3",
+                              value=encode_charge("t1", "o3", "1.00"))]
+        results = run_batch(proc, [(TP, mine), ((other_topic, 0), theirs)])
+        assert [outcome(r) for rs in results.values() for r in rs] == [("succeeded", None)] * 3
+        assert calls == ["o3"]
+        assert db.ledger_counts() == {key("o1"): 1, key("o2"): 1}
+        assert {r["idempotency_key"]: r["result_json"] for r in db.records()
+                if r["idempotency_key"] == "t1:other:o3"} == {"t1:other:o3": {"other": "o3"}}
+    finally:
+        proc.close()

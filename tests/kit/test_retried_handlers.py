@@ -51,6 +51,34 @@ def redeem(msg: Redeem, ctx: Context) -> dict[str, Any]:
     return {"redeemed": msg.redemption_id}
 
 
+EARN = "loyalty.earn"
+
+
+@app.handler(topic=EARN, model=Redeem, key="{member_id}:earn:{redemption_id}",
+             hash_fields=("cost",))
+def earn(msg: Redeem, ctx: Context) -> dict[str, Any]:
+    if ctx.attempt == 1:
+        raise Retryable("the points service is busy")
+    ctx.tx.execute("INSERT INTO loyalty.redemptions (key, member_id, cost) VALUES (%s, %s, %s)",
+                   (ctx.idempotency_key, msg.member_id, -msg.cost))
+    return {"earned": msg.redemption_id}
+
+
+@earn.bulk_handler
+def earn_many(batch: list[tuple[Redeem, Context]], tx: Any) -> list[Any]:
+    """The bulk form fails an item transiently on its first attempt too (it returns the
+    exception, as a bulk handler reports one item's failure)."""
+    out: list[Any] = []
+    for msg, ctx in batch:
+        if ctx.attempt == 1:
+            out.append(Retryable("the points service is busy"))
+            continue
+        tx.execute("INSERT INTO loyalty.redemptions (key, member_id, cost) VALUES (%s, %s, %s)",
+                   (ctx.idempotency_key, msg.member_id, -msg.cost))
+        out.append({"earned": msg.redemption_id})
+    return out
+
+
 @pytest.fixture(scope="module")
 def harness() -> Iterator[Harness]:
     with Harness(app, database_url=ADMIN_DSN) as h:
@@ -85,5 +113,15 @@ def test_a_handler_that_fails_on_the_batch_path_only_fails_the_batch_scenario(
         harness.check(TOPIC, {"member_id": "m-2", "redemption_id": "r-2", "cost": 100},
                       scenarios=["batch"])
     assert ("the batch path left this batch to the per-message path (handler raised "
-            "Retryable) though on the per-message path every handler call returned"
+            "Retryable) though on the per-message path that message's handler call returned"
             ) in str(caught.value)
+
+
+def test_a_bulk_form_that_fails_an_item_transiently_on_its_first_attempt_passes(
+        harness: Harness) -> None:
+    report = harness.check(EARN, {"member_id": "m-3", "redemption_id": "e-3", "cost": 50})
+    assert report.passed, str(report)
+    batch = report.result("batch", "batch")
+    assert batch.skipped is not None and batch.skipped.startswith(
+        "the handler raised on its first attempt (Retryable('the points service is busy'))"
+    ), batch.skipped

@@ -64,8 +64,9 @@ def test_a_registered_handler_given_again_is_refused_naming_its_function() -> No
                       hash_fields=("copy_id",))(checkout)  # type: ignore[arg-type]
     assert str(caught.value) == (
         "'checkout' is a registered handler already (of topic 'loans'), not a function: "
-        "register its function, app.handler(...)(checkout.fn) (and its bulk handler or "
-        "reconciler again on what that returns) (setting=handler)")
+        "register its function, app.handler(..., name=...)(checkout.fn) (a name of its own "
+        "keeps its metrics and pauses apart; its bulk handler or reconciler again on what "
+        "that returns) (setting=handler)")
     assert other.handlers == {}
     again = other.handler(topic="loans2", model=Loan, key="{branch}:loan:{copy_id}",
                           hash_fields=("copy_id",))(checkout.fn)

@@ -171,3 +171,15 @@ def test_a_field_is_the_databases_only_when_both_values_are_one_columns() -> Non
     swapped = {"shop.orders.id": [t2], "shop.orders.created_at": [1001]}
     assert made_fields(first, made, second, swapped) == {}  # not the same column
     assert made_fields(first, made, second + second, moved) == {}  # not the same events
+
+
+def test_the_concurrent_scenario_sees_waiters_queued_behind_another_waiter() -> None:
+    """On a row that exists the second waiter queues on the first one's tuple lock:
+    ``pg_blocking_pids`` names that waiter, not the holder (100). Both wait on the
+    holder; a backend blocked by someone else entirely (7) does not."""
+    from kafka_idem.testing.scenarios import _waiting_on
+
+    edges = [(201, 100), (202, 201), (203, 202), (300, 7), (301, 300)]
+    assert _waiting_on(100, edges) == {201, 202, 203}
+    assert _waiting_on(100, list(reversed(edges))) == {201, 202, 203}
+    assert _waiting_on(100, []) == set()

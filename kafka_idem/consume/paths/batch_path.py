@@ -20,14 +20,18 @@ at the end hides nothing that claiming them first would show. A key someone else
 wrote since the read is not written: its insert waited for that writer to end, and
 the batch falls back.
 
-Anything off the common path — a handler error, a busy key, a record to take over or
-to exhaust, a key written by someone else meanwhile — rolls the transaction back and
+A bulk handler's permanent rejections are claimed and failed in the batch, and a later
+occurrence of such a key in the same batch is dead-lettered again (or conflicts), as a
+redelivery would be. Anything else off the common path — a handler error, a busy key, a
+record to take over or to exhaust, a key written by someone else meanwhile — rolls the
+transaction back and
 raises :class:`Fallback`: the batch then runs on the per-message path
 (:mod:`kafka_idem.consume.paths.local_path`, a claim and a savepoint per message),
 which handles every case. Nothing of the optimistic attempt survives a fallback.
 
 The same key twice in a batch behaves exactly like a redelivery: the second
-occurrence replays the first's result (or conflicts, when its hash differs).
+occurrence replays the first's result, conflicts when its hash differs, or is
+dead-lettered again when the first was rejected.
 """
 
 from __future__ import annotations
@@ -65,8 +69,14 @@ class Fallback(Exception):
 
 
 class HandlerRaised(Fallback):
-    """A per-message handler raised in the batch (its ``__cause__``): the per-message
-    path records its failure (a retry, a dead letter)."""
+    """A handler raised in the batch, or a bulk handler failed an item transiently (its
+    ``__cause__``), for the message at ``offset`` of ``tp``: the per-message path
+    records its failure (a retry, a dead letter)."""
+
+    def __init__(self, text: str, tp: TP, offset: int) -> None:
+        super().__init__(text)
+        self.tp = tp
+        self.offset = offset
 
 
 @dataclass
@@ -125,7 +135,7 @@ class BatchPath:
                 if rec.status == "succeeded":
                     for item in occurrences[key]:
                         item.result = replay_or_conflict(
-                            self.steps, item, rec.request_hash, rec.result)
+                            self.steps, item, rec.request_hash, rec.result, rec.attempts)
             others = [k for k in ordered if k in found and found[k].status != "succeeded"]
             if others:
                 self._lock_existing(conn, occurrences, others)
@@ -146,10 +156,12 @@ class BatchPath:
         for rec in locked:
             for item in occurrences[rec["idempotency_key"]]:
                 if rec["request_hash"] != _prep(item).request_hash:
-                    item.result = replay_or_conflict(self.steps, item, rec["request_hash"], None)
+                    item.result = replay_or_conflict(self.steps, item, rec["request_hash"], None,
+                                                     rec["attempts"])
                 elif rec["status"] == "succeeded":  # finished by someone since the read
                     item.result = replay_or_conflict(
-                        self.steps, item, rec["request_hash"], rec["result_json"])
+                        self.steps, item, rec["request_hash"], rec["result_json"],
+                        rec["attempts"])
                 elif rec["status"] == "failed":
                     # Redeliveries and re-sends of failed keys are common (a producer
                     # retrying an invalid request): falling back for them would put the
@@ -187,7 +199,8 @@ class BatchPath:
                 item.result = replay_or_conflict(
                     self.steps, item, _prep(first[_prep(item).key]).request_hash, value)
         if failed:  # met again as the failed record it now is (a producer's retries)
-            self._lock_existing(conn, failed, sorted(failed))
+            with translate_errors():
+                self._lock_existing(conn, failed, sorted(failed))
 
     def _complete(
         self, conn: Conn, first: dict[str, Item], claims: dict[str, Claim]
@@ -197,9 +210,9 @@ class BatchPath:
         outcomes: dict[str, Any] = {}
         rejected: list[tuple[Item, BaseException]] = []
         with translate_errors(), conn.pipeline():
-            by_handler: dict[str, list[Item]] = {}
+            by_handler: dict[str, list[Item]] = {}  # by topic: two handlers may share a name
             for item in first.values():
-                by_handler.setdefault(item.handler.name, []).append(item)
+                by_handler.setdefault(item.handler.topic, []).append(item)
             with HandlerBlock(conn):  # a savepoint: a handler's ctx.tx.commit() raises
                 for group in by_handler.values():
                     outcomes.update(self._run_group(conn, group, claims, rejected))
@@ -272,7 +285,8 @@ class BatchPath:
         for item, value in zip(group, out, strict=True):
             if isinstance(value, BaseException):
                 if handler.classify(value) != "permanent":
-                    raise Fallback("a bulk item failed transiently")
+                    raise HandlerRaised("a bulk item failed transiently", item.tp,
+                                        item.msg.offset()) from value
                 item.ctx = None  # no events of a rejected item
                 rejected.append((item, value))
             else:
@@ -291,7 +305,8 @@ class BatchPath:
                 ctx.settle_session()  # its ORM writes flushed (ctx.session)
             except Exception as exc:
                 ctx.discard_session()
-                raise HandlerRaised(f"handler raised {type(exc).__name__}") from exc
+                raise HandlerRaised(f"handler raised {type(exc).__name__}", item.tp,
+                                    item.msg.offset()) from exc
             return result
 
 
@@ -310,12 +325,15 @@ def prepare_items(steps: Steps, parts: Parts, ahead: Ahead | None) -> list[Item]
     return items
 
 
-def replay_or_conflict(steps: Steps, item: Item, stored_hash: str, result: Any) -> Result:
-    """``item`` met a succeeded record of its key (stored with ``stored_hash``): its
-    result replayed, or a conflict when its own hash differs."""
+def replay_or_conflict(
+    steps: Steps, item: Item, stored_hash: str, result: Any, attempts: int = 1
+) -> Result:
+    """``item`` met a record of its key (stored with ``stored_hash``, after ``attempts``):
+    its result replayed, or a conflict when its own hash differs (its dead letter says
+    the record's attempts, as the per-message claim's does)."""
     assert item.prep is not None
     outcome = Outcome.REPLAY if stored_hash == item.prep.request_hash else Outcome.CONFLICT
-    claim = Claim(outcome, item.prep.key, attempts=1, result=result)
+    claim = Claim(outcome, item.prep.key, attempts=attempts, result=result)
     # The verdict's note is dropped: the caller logs its results after its commit.
     return steps.not_claimed(item.handler, item.msg, item.prep, claim).result
 

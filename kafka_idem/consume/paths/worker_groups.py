@@ -256,7 +256,8 @@ class WorkerGroups:
                 failed.append(item)
             if isinstance(item.result, Deferred):
                 stopped.add(item.tp)
-        succeeded = {item.prep.key: result for item, _c, result in done if item.prep}
+        succeeded = {item.prep.key: (result, claim.attempts)
+                     for item, claim, result in done if item.prep}
         for item in again:  # exactly like a redelivery after the first occurrence
             prep = item.prep
             assert prep is not None
@@ -266,8 +267,8 @@ class WorkerGroups:
                 raise Fallback("a key met twice did not succeed the first time")
             stored = first[prep.key].prep
             assert stored is not None
-            item.result = replay_or_conflict(steps, item, stored.request_hash,
-                                             succeeded[prep.key])
+            result, attempts = succeeded[prep.key]
+            item.result = replay_or_conflict(steps, item, stored.request_hash, result, attempts)
         steps.emitter.flush(conn, *[item.ctx for item, _c, _r in done if item.ctx])
         try:
             steps.store.refuse_local_writes(conn, group[0].handler.name)
