@@ -7,7 +7,7 @@ The same charge requests as the bench's main topic (``bench/workload.py``: 50 te
 transaction per batch on one connection, in one pipeline sync:
 
     BEGIN
-    INSERT INTO <schema>.inbox (key) SELECT unnest(%s::text[]) ON CONFLICT (key) DO NOTHING
+    INSERT INTO <schema>.inbox (key) SELECT unnest(%b::text[]) ON CONFLICT (key) DO NOTHING
     the ledger insert and the balance upsert of consumers.payments.charge_many
     COMMIT
 
@@ -39,7 +39,7 @@ from bench.workload import Intent, Plan
 from consumers import payments
 
 LABEL = "minimal keyed SQL (psycopg, 1 connection, a key row + charge_many, 500/tx)"
-INBOX = "INSERT INTO {s}.inbox (key) SELECT unnest(%s::text[]) ON CONFLICT (key) DO NOTHING"
+INBOX = "INSERT INTO {s}.inbox (key) SELECT unnest(%b::text[]) ON CONFLICT (key) DO NOTHING"
 
 
 @dataclass

@@ -171,8 +171,9 @@ def _model(tenant: str, order: str, amount: str, currency: str) -> payments.Char
 
 
 def _bind_positional(query: str, params: Any, mapping: list[tuple[Any, str]], what: str) -> str:
-    """Replace each ``%s`` by the pgbench expression of the value it was given."""
-    parts = query.split("%s")
+    """Replace each ``%s`` (or binary ``%b``) by the pgbench expression of the value it
+    was given."""
+    parts = re.split(r"%[sb]", query)
     if len(parts) - 1 != len(params):
         raise RuntimeError(f"{what}: {len(params)} parameters for {len(parts) - 1} placeholders")
     out = [parts[0]]

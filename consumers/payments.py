@@ -213,20 +213,23 @@ def charge_many(
         out.append(result_of(msg))
     if rows:
         tenants, orders, amounts, currencies, keys = (list(col) for col in zip(*rows, strict=True))
-        entries = {key: (entry_id, at) for entry_id, at, key in tx.execute(
+        # The arrays travel in binary (%b): psycopg quotes a text array element by
+        # element, several times slower for a batch of 500.
+        ledger = tx.execute(
             "INSERT INTO payments.ledger (tenant_id, order_id, amount, currency, idempotency_key)"
-            " SELECT * FROM unnest(%s::text[], %s::text[], %s::numeric[], %s::text[], %s::text[])"
-            " RETURNING id, created_at, idempotency_key",
+            " SELECT * FROM unnest(%b::text[], %b::text[], %b::numeric[], %b::text[], %b::text[])"
+            + (" RETURNING id, created_at, idempotency_key" if events is not None else ""),
             (tenants, orders, amounts, currencies, keys),
-        ).fetchall()}
-        for msg, ctx in charged:
-            if events is not None:
+        )
+        if events is not None:  # only the events need the ledger rows' ids and times
+            entries = {key: (entry_id, at) for entry_id, at, key in ledger.fetchall()}
+            for msg, ctx in charged:
                 key = ctx.idempotency_key
                 ctx.emit(events, completed(msg, key, entries[key]), key=msg.order_id)
         pairs = sorted(totals)
         tx.execute(
             "INSERT INTO payments.balances AS b (tenant_id, currency, balance)"
-            " SELECT * FROM unnest(%s::text[], %s::text[], %s::numeric[])"
+            " SELECT * FROM unnest(%b::text[], %b::text[], %b::numeric[])"
             " ON CONFLICT (tenant_id, currency)"
             " DO UPDATE SET balance = b.balance + EXCLUDED.balance",
             ([p[0] for p in pairs], [p[1] for p in pairs], [totals[p] for p in pairs]),

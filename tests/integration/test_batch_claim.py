@@ -152,6 +152,17 @@ def test_a_new_key_is_written_once_in_the_transaction_of_its_effect(
     assert {(r["status"], r["owner_token"], r["lease_until"], r["attempts"]) for r in rows} == {
         ("succeeded", None, None, 1)}
     assert len({r["completed_token"] for r in rows}) == 20
+    # Written in key order (code point order: o10 before o2), the order in which a batch
+    # takes its keys, each record with its own message's result and offset (the results
+    # travel as one array, matched by position). A fresh table: ctid is insertion order.
+    written = db.rows("SELECT idempotency_key, result_json, kafka_offset "
+                      "FROM kafka_idem.task_idempotency ORDER BY ctid")
+    assert [r["idempotency_key"] for r in written] == sorted(key(f"o{i}") for i in range(20))
+    assert [r["idempotency_key"] for r in written] != [key(f"o{i}") for i in range(20)]
+    for r in written:
+        order = r["idempotency_key"].rsplit(":", 1)[1]
+        assert r["result_json"] == {"order_id": order, "amount": "1.00", "currency": "EUR"}
+        assert r["kafka_offset"] == int(order[1:])
 
     def counted() -> Any:  # the backend reports its counts once idle (PostgreSQL 15+)
         row = db.rows("SELECT n_tup_ins, n_tup_upd, n_tup_del FROM pg_stat_user_tables "
