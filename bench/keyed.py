@@ -68,8 +68,8 @@ class KeyedResult:
 
 
 class _Capture:
-    """A connection that records what it is asked to run (``charge_many``'s ledger insert
-    fetches its ``RETURNING`` rows: none here)."""
+    """A connection that records what it is asked to run (``charge_many`` with events
+    fetches its ledger insert's ``RETURNING`` rows: none here, it runs without)."""
 
     def __init__(self) -> None:
         self.statements: list[tuple[str, Any]] = []
