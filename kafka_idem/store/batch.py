@@ -70,10 +70,9 @@ class BatchQueries(OutboxQueries):
 
     def insert_done(self, conn: Conn, done: Sequence[Done]) -> psycopg.Cursor[Any]:
         """Write every one of ``done`` as a succeeded record in one statement, in key
-        order (code point order: the statement keeps the arrays' order). The cursor's
-        rowcount (read after the pipeline ends) is how many were written: a key that
-        exists by now is not, and the caller must then roll back, since its handler's
-        effect may not stand."""
+        order. The cursor's rowcount (read after the pipeline ends) is how many were
+        written: a key that exists by now is not, and the caller must then roll back,
+        since its handler's effect may not stand."""
         ordered = sorted(done, key=lambda d: d.key)
         return conn.execute(self.q["batch_insert_done"], {
             "ns": self.ns,

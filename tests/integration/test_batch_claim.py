@@ -152,9 +152,9 @@ def test_a_new_key_is_written_once_in_the_transaction_of_its_effect(
     assert {(r["status"], r["owner_token"], r["lease_until"], r["attempts"]) for r in rows} == {
         ("succeeded", None, None, 1)}
     assert len({r["completed_token"] for r in rows}) == 20
-    # Written in key order (code point order: o10 before o2), the order in which a batch
-    # takes its keys, each record with its own message's result and offset (the results
-    # travel as one array, matched by position). A fresh table: ctid is insertion order.
+    # Written in key order (o10 before o2), the order in which a batch takes its keys,
+    # each record with its own message's result and offset (the results travel as one
+    # array, matched by position). A fresh table: ctid is insertion order.
     written = db.rows("SELECT idempotency_key, result_json, kafka_offset "
                       "FROM kafka_idem.task_idempotency ORDER BY ctid")
     assert [r["idempotency_key"] for r in written] == sorted(key(f"o{i}") for i in range(20))
