@@ -11,23 +11,28 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg import postgres
+from psycopg.adapt import Buffer, Dumper
+from psycopg.pq import Format
 from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
 
 from kafka_idem.errors import ResultNotJSON
 from kafka_idem.store.errors import translate_errors
 from kafka_idem.store.outbox import OutboxQueries
 from kafka_idem.store.types import AsyncConn, Conn, Delivery
 
+_encode = json.JSONEncoder().encode  # json.dumps(obj) with its defaults, without its call
+
 
 def result_dumps(obj: Any) -> str:
     """``json.dumps`` of a handler's result, whose failure names what to fix: without it
     the user sees psycopg's bare ``TypeError`` and a stack trace from the batch path."""
     try:
-        return json.dumps(obj)
+        return _encode(obj)
     except (TypeError, ValueError) as exc:
         raise ResultNotJSON(
             f"the handler's result is not JSON-serialisable ({exc}): return only dict, "
@@ -59,6 +64,27 @@ class Done:
     result: Any
 
 
+class _JsonbText(bytes):
+    """A result already encoded as JSON (UTF-8), for the records' COPY."""
+
+
+class _JsonbTextDumper(Dumper):
+    """jsonb's binary form of :class:`_JsonbText`: a version byte and the JSON text, so
+    the COPY sends each result as ``result_dumps`` encoded it, once."""
+
+    format = Format.BINARY
+    oid = postgres.types["jsonb"].oid
+
+    def dump(self, obj: Any) -> Buffer:
+        text: bytes = obj
+        return b"\x01" + text
+
+
+# The columns of batch_copy_done, in its order: the types the COPY sends them as.
+_DONE_TYPES = ("text", "text", "text", "text", "uuid", "int4", "jsonb", "text", "text",
+               "int4", "int8", "timestamptz", "timestamptz", "timestamptz", "text")
+
+
 class BatchQueries(OutboxQueries):
     def found(self, conn: Conn, keys: Sequence[str]) -> dict[str, Found]:
         """The records of ``keys`` (distinct) that exist, read without a lock."""
@@ -68,24 +94,39 @@ class BatchQueries(OutboxQueries):
             ).fetchall()
         return {r[0]: Found(r[1], r[3], r[2], r[4]) for r in rows}
 
-    def insert_done(self, conn: Conn, done: Sequence[Done]) -> psycopg.Cursor[Any]:
-        """Write every one of ``done`` as a succeeded record in one statement, in key
-        order. The cursor's rowcount (read after the pipeline ends) is how many were
-        written: a key that exists by now is not, and the caller must then roll back,
-        since its handler's effect may not stand."""
+    def batch_clock(self, conn: Conn) -> psycopg.Cursor[Any]:
+        """The database's clock, for :meth:`insert_done` (a cursor: sent in the caller's
+        pipeline, read after it)."""
+        return conn.execute(self.q["batch_clock"])
+
+    def insert_done(self, conn: Conn, done: Sequence[Done], clock: psycopg.Cursor[Any]) -> bool:
+        """Write every one of ``done`` as a succeeded record stamped with the time
+        ``clock`` read (:meth:`batch_clock`, its pipeline ended), in one COPY,
+        in key order (byte order). False when a key exists by now (the COPY failed on
+        its primary key, and the transaction with it): the caller must roll back, since
+        that key's handler's effect may not stand. Outside a pipeline (a COPY cannot be
+        pipelined)."""
         ordered = sorted(done, key=lambda d: d.key)
-        return conn.execute(self.q["batch_insert_done"], {
-            "ns": self.ns,
-            "keys": [d.key for d in ordered],
-            "hashes": [d.request_hash for d in ordered],
-            "handlers": [d.delivery.handler for d in ordered],
-            "topics": [d.delivery.topic for d in ordered],
-            "parts": [d.delivery.partition for d in ordered],
-            "offs": [d.delivery.offset for d in ordered],
-            "shards": [self.shard_of(d.key, d.shard) for d in ordered],
-            "tokens": [d.token for d in ordered],
-            "results": Jsonb([d.result for d in ordered], dumps=result_dumps),
-        })
+        # every result encoded before the COPY starts: one that is not JSON raises here
+        results = [_JsonbText(result_dumps(d.result).encode()) for d in ordered]
+        row = clock.fetchone()
+        assert row is not None
+        at: datetime = row[0]
+        ns, shard_of = self.ns, self.shard_of
+        cur = conn.cursor()
+        cur.adapters.register_dumper(_JsonbText, _JsonbTextDumper)
+        try:
+            with cur.copy(self.q["batch_copy_done"]) as copy:
+                copy.set_types(list(_DONE_TYPES))
+                write = copy.write_row
+                for d, result in zip(ordered, results, strict=True):
+                    dl = d.delivery
+                    write((ns, d.key, d.request_hash, "succeeded", d.token, 1, result,
+                           dl.handler, dl.topic, dl.partition, dl.offset, at, at, at,
+                           shard_of(d.key, d.shard)))
+        except psycopg.errors.UniqueViolation:  # the records' only unique index: the key
+            return False
+        return True
 
     def claim_batch(
         self, conn: Conn, *, lease_seconds: float, keys: Sequence[str],

@@ -415,7 +415,8 @@ WHERE kafka_topic IS NOT NULL AND (%(ns)s::text IS NULL OR namespace = %(ns)s::t
 
 -- name: batch_claim_insert
 -- Batch path: every new key of the batch claimed in one statement, in key order
--- (a consistent lock order between concurrent batches). The owner tokens are
+-- (a consistent lock order between concurrent batches: byte order, "C", the order
+-- the batch's COPY writes in). The owner tokens are
 -- made here (gen_random_uuid(), built in since PostgreSQL 13) and come back with
 -- the keys that were inserted; a key that already existed returns no row.
 INSERT INTO {table} AS t (
@@ -427,45 +428,44 @@ SELECT %(ns)s, i.key, i.hash, 'processing', gen_random_uuid(),
 FROM unnest(%(keys)b::text[], %(hashes)b::text[], %(handlers)b::text[],
             %(topics)b::text[], %(parts)b::int[], %(offs)b::bigint[], %(shards)b::text[])
      AS i(key, hash, handler, topic, part, off, shard)
-ORDER BY i.key
+ORDER BY i.key COLLATE "C"
 ON CONFLICT (namespace, idempotency_key) DO NOTHING
 RETURNING idempotency_key, owner_token;
 
 -- name: batch_lock
 -- Batch path: lock the keys that already existed and were not found succeeded, in
--- key order (ORDER BY before FOR UPDATE: the rows are locked in that order). A rare
+-- key order, "C" as every multi-key statement (ORDER BY before FOR UPDATE: the rows
+-- are locked in that order). A rare
 -- path (keys in someone's hands, conflicts), so its plan is left to the planner.
 SELECT idempotency_key, request_hash, status, owner_token, lease_until, attempts,
        attempt_base, next_attempt_at, result_json, error_kind, error_class, error_message,
        first_failure_at, last_failure_at, clock_timestamp() AS db_now
 FROM {table}
 WHERE namespace = %(ns)s AND idempotency_key = ANY(%(keys)b::text[])
-ORDER BY idempotency_key
+ORDER BY idempotency_key COLLATE "C"
 FOR UPDATE;
 
--- name: batch_insert_done
+-- name: batch_clock
+-- Batch path: the one time every record a batch writes is stamped with (created, updated
+-- and completed), read at the end of its handlers' pipeline, as one statement per batch.
+SELECT clock_timestamp();
+
+-- name: batch_copy_done
 -- Batch path: every new key of the batch written once, as succeeded, after its handler
 -- ran in this same transaction (a claim and its completion in one row version: the
--- guard allows (new) -> succeeded with its completed_token, migration 0010). Key order,
--- as every claim. A key someone else inserted since the batch read it (a committed
--- record, or one whose insert this one waited for) is not written: the caller rolls
--- the batch back and the per-message path decides it.
--- The batch's one clock value is taken once (a CTE), not three times per row.
-WITH now AS (SELECT clock_timestamp() AS at)
-INSERT INTO {table} AS t (
+-- guard allows (new) -> succeeded with its completed_token, migration 0010). A COPY
+-- (binary), not an INSERT ... SELECT FROM unnest(...): the server parses and plans
+-- nothing per batch and reads each row as it comes, about two thirds of the insert's
+-- CPU. Rows go in key order, byte order (as "C" sorts), the client sorting them: the
+-- order every multi-key statement takes records in. A key someone else inserted since
+-- the batch read it (a committed record, or one whose insert this one waited for)
+-- fails the COPY with a unique violation: the caller rolls the batch back and the
+-- per-message path decides it.
+COPY {table} (
     namespace, idempotency_key, request_hash, status, completed_token, attempts,
     result_json, handler, kafka_topic, kafka_partition, kafka_offset, created_at,
     updated_at, completed_at, shard_key)
-SELECT %(ns)s, i.key, i.hash, 'succeeded', i.token, 1, r.result, i.handler, i.topic, i.part,
-       i.off, now.at, now.at, now.at, i.shard
-FROM unnest(%(keys)b::text[], %(hashes)b::text[], %(handlers)b::text[], %(topics)b::text[],
-            %(parts)b::int[], %(offs)b::bigint[], %(shards)b::text[], %(tokens)b::uuid[])
-     WITH ORDINALITY AS i(key, hash, handler, topic, part, off, shard, token, n)
--- results travel as one JSON array (one encode per batch), matched by position
-JOIN jsonb_array_elements(%(results)s::jsonb) WITH ORDINALITY AS r(result, n) USING (n)
-CROSS JOIN now
-ORDER BY i.key
-ON CONFLICT (namespace, idempotency_key) DO NOTHING;
+FROM STDIN (FORMAT BINARY);
 
 -- name: redrive_states
 -- Replay re-drive: the state of each (namespace, key) a batch of dead letters names,

@@ -10,6 +10,7 @@ seen directly; outcomes are checked in the business tables and the idempotency t
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
@@ -153,8 +154,8 @@ def test_a_new_key_is_written_once_in_the_transaction_of_its_effect(
         ("succeeded", None, None, 1)}
     assert len({r["completed_token"] for r in rows}) == 20
     # Written in key order (o10 before o2), the order in which a batch takes its keys,
-    # each record with its own message's result and offset (the results travel as one
-    # array, matched by position). A fresh table: ctid is insertion order.
+    # each record with its own message's result and offset. A fresh table: ctid is
+    # insertion order.
     written = db.rows("SELECT idempotency_key, result_json, kafka_offset "
                       "FROM kafka_idem.task_idempotency ORDER BY ctid")
     assert [r["idempotency_key"] for r in written] == sorted(key(f"o{i}") for i in range(20))
@@ -171,6 +172,40 @@ def test_a_new_key_is_written_once_in_the_transaction_of_its_effect(
 
     assert wait_for(counted, timeout=30, what="the table's statistics") == {
         "n_tup_ins": 20, "n_tup_upd": 0, "n_tup_del": 0}
+
+
+def test_a_batch_stamps_its_records_with_one_time_of_the_database_clock(
+    db: DB, batches: Batches
+) -> None:
+    """Created, updated and completed: the database's time after the handlers ran, the
+    same for every record of the batch (read once, as the insert used to take it)."""
+    (before,) = db.rows("SELECT clock_timestamp() AS t")
+    batches.run(*[(f"o{i}", "1.00") for i in range(5)])
+    (after,) = db.rows("SELECT clock_timestamp() AS t")
+    stamps = db.rows("SELECT created_at, updated_at, completed_at "
+                     "FROM kafka_idem.task_idempotency")
+    assert len(stamps) == 5
+    times = {t for r in stamps for t in r.values()}
+    assert len(times) == 1
+    (at,) = times
+    assert before["t"] < at < after["t"]
+    (ledger_first,) = db.rows("SELECT min(created_at) AS t FROM payments.ledger")
+    assert ledger_first["t"] <= at  # after the handlers' own writes
+
+
+def test_every_multi_key_write_takes_keys_in_byte_order(db: DB, batches: Batches) -> None:
+    """The batch's COPY writes its records in the order Python sorts the keys (code
+    points, which is UTF-8's byte order) and the SQL statements that take several
+    records sort by "C" (byte order): one order, whatever the database's collation, so
+    two batches with keys in common wait for each other and cannot deadlock."""
+    orders = ["oa", "oB", "o_", "o\u00e9", "oZ", "o1", "o\U0001f600", "oe", "O2"]
+    batches.run(*[(o, "1.00") for o in orders])
+    written = [r["idempotency_key"] for r in db.rows(
+        "SELECT idempotency_key FROM kafka_idem.task_idempotency ORDER BY ctid")]
+    by_c = [r["k"] for r in db.rows(
+        "SELECT k FROM unnest(%s::text[]) AS k ORDER BY k COLLATE \"C\"",
+        ([key(o) for o in orders],))]
+    assert written == sorted(key(o) for o in orders) == by_c
 
 
 def _claimed_elsewhere(
@@ -280,6 +315,70 @@ def test_a_key_another_member_finishes_after_the_read_is_not_written_twice(
     rec = _durable(db.record(key("oK")))
     assert (rec["status"], rec["completed_token"], rec["result_json"]) == (
         "succeeded", theirs[0].token, {"by": "other"})
+
+
+@pytest.mark.parametrize("theirs_ends", ["commit", "rollback"])
+def test_a_key_whose_insert_the_batch_waited_for_is_decided_by_that_transaction(
+    db: DB, batches: Batches, theirs_ends: str
+) -> None:
+    """Another member claims oK after the batch read it (new) and has not committed when
+    the batch writes its records: the batch's write waits for it. Committed, oK is
+    theirs and the batch falls back with nothing of it left; rolled back, the batch
+    writes oK itself and nothing falls back."""
+    msgs = batches.msgs(("oJ", "1.00"), ("oK", "4.00"), ("oL", "2.00"))
+    held: list[Any] = []
+
+    def claim_and_hold() -> None:
+        proc = batches.proc
+        handler = proc.app.handlers[TOPIC]
+        prep = proc.prepare(handler, msgs[1])
+        store = Store(schema="kafka_idem", table="task_idempotency",
+                      namespace=proc.app.namespace)
+        other = connect(db.dsn)
+        other.execute("BEGIN")
+        claim = store.claim(other, key=prep.key, request_hash=prep.request_hash,
+                            delivery=Delivery(TOPIC, 0, 1, handler.name), lease_seconds=60,
+                            max_attempts=5, max_elapsed_seconds=3600)
+        assert claim.outcome is Outcome.CLAIMED
+        held.append((other, claim))
+
+    def waiting() -> Any:  # the batch's backend waits for oK's unfinished insert
+        return db.rows("SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                       "AND query LIKE 'COPY %%' AND datname = current_database()") or None
+
+    seen: list[Any] = []
+
+    def end_once_the_batch_waits() -> None:  # ends the other transaction whatever happens
+        try:
+            wait_for(lambda: held or None, timeout=30, what="the other member's claim")
+            seen.append(wait_for(waiting, timeout=30, what="the batch's write to wait"))
+        finally:
+            if held:
+                other, _claim = held[0]
+                other.execute("COMMIT" if theirs_ends == "commit" and seen else "ROLLBACK")
+                other.close()
+
+    batches.after_read.append(claim_and_hold)
+    ender = threading.Thread(target=end_once_the_batch_waits)
+    ender.start()
+    try:
+        if theirs_ends == "commit":
+            with pytest.raises(Fallback, match="written by someone else"):
+                run_batch(batches.proc, [(TP, msgs)])
+            assert db.ledger_counts() == {}
+            rec = _durable(db.record(key("oK")))
+            assert (rec["status"], rec["owner_token"]) == ("processing", held[0][1].token)
+            assert {r["idempotency_key"] for r in db.records()} == {key("oK")}
+        else:
+            results = run_batch(batches.proc, [(TP, msgs)])[TP]
+            assert [outcome(r) for r in results] == [("succeeded", None)] * 3
+            assert db.ledger_counts() == {key(o): 1 for o in ("oJ", "oK", "oL")}
+            rec = _durable(db.record(key("oK")))
+            assert (rec["status"], rec["attempts"]) == ("succeeded", 1)
+            assert rec["completed_token"] != held[0][1].token
+    finally:
+        ender.join(timeout=60)
+    assert not ender.is_alive() and seen  # the write did wait for the other insert
 
 
 def test_a_bulk_item_rejected_as_permanent_is_failed_without_leaving_the_batch_path(

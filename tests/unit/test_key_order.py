@@ -1,6 +1,9 @@
-"""Statements that take several records at once take them in one order, the keys' order
-in the database's collation (each sorts in SQL): two batches with keys in common then
-wait for each other in that order and cannot deadlock."""
+"""Writes that take several records at once take them in one order, the keys' byte
+order: the SQL statements sort by the "C" collation, the batch's COPY of its records is
+sent in the order Python sorts ``str`` (code points: UTF-8's byte order). Two batches
+with keys in common then wait for each other in that order and cannot deadlock,
+whatever the database's own collation. (That the database agrees is
+tests/integration/test_batch_claim.py's ``..._in_byte_order``.)"""
 
 from __future__ import annotations
 
@@ -20,14 +23,23 @@ MULTI_KEY = sorted(name for name, text in FLAVOURS["local"].items()
 
 
 def test_the_multi_key_statements_are_the_ones_expected() -> None:
-    assert MULTI_KEY == ["batch_claim_insert", "batch_insert_done", "batch_lock"]
+    assert MULTI_KEY == ["batch_claim_insert", "batch_lock"]
+    copies = sorted(name for name, text in FLAVOURS["local"].items()
+                    if re.search(r'COPY "kafka_idem"\."task_idempotency"', text))
+    assert copies == ["batch_copy_done"]
 
 
 @pytest.mark.parametrize("flavour", sorted(FLAVOURS))
 @pytest.mark.parametrize("name", MULTI_KEY)
-def test_each_sorts_its_keys_in_sql_by_the_same_collation(flavour: str, name: str) -> None:
-    """In SQL, by the column's collation, and never by another (a ``COLLATE`` here, or
-    the order a client sorted the arrays in, would let two statements disagree)."""
+def test_each_sorts_its_keys_in_sql_in_byte_order(flavour: str, name: str) -> None:
     text = FLAVOURS[flavour][name]
-    assert re.search(r"ORDER BY (i\.key|idempotency_key)\s*$", text, re.M), text
-    assert "COLLATE" not in text
+    assert re.search(r'ORDER BY (i\.key|idempotency_key) COLLATE "C"\s*$', text, re.M), text
+
+
+@pytest.mark.parametrize("keys", [
+    ["b", "B", "a", "A", "_", "1"],
+    ["\u00e9", "e", "f", "E", "\u0100", "z"],
+    ["\U0001f600", "\uffff", "\ud7ff", "\ue000", "x"],
+])
+def test_code_point_order_is_utf8_byte_order(keys: list[str]) -> None:
+    assert sorted(keys) == sorted(keys, key=lambda k: k.encode())

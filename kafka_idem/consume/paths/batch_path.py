@@ -11,14 +11,14 @@ Optimistic; the common case only:
    a success since the read, or a ``failed`` record met again.
 3. The new keys' handlers run in offset order per partition, in psycopg pipeline
    mode, so their statements travel together, each with an owner token made here.
-4. One ``INSERT ... SELECT FROM unnest(...) ON CONFLICT DO NOTHING`` writes every
-   new key's record once, as succeeded with its token (a claim and its completion
-   in one row version: the guard allows it, migration 0010); one commit.
+4. One binary ``COPY`` writes every new key's record once, as succeeded with its
+   token (a claim and its completion in one row version: the guard allows it,
+   migration 0010), in key order (byte order, as every multi-key write); one commit.
 
 No other transaction can see the batch's records before its commit, so writing them
 at the end hides nothing that claiming them first would show. A key someone else
-wrote since the read is not written: its insert waited for that writer to end, and
-the batch falls back.
+wrote since the read fails the COPY on its primary key (after waiting for that writer
+to end, if it had not), and the batch falls back.
 
 A bulk handler's permanent rejections are claimed and failed in the batch, and a later
 occurrence of such a key in the same batch is dead-lettered again (or conflicts), as a
@@ -174,7 +174,7 @@ class BatchPath:
 
     def _run_handlers(self, conn: Conn, items: list[Item], claims: dict[str, Claim]) -> None:
         """Steps 3 and 4: handlers (pipelined, or one bulk call per handler); then one
-        insert of every success. A key's second occurrence replays its first's result."""
+        COPY of every success. A key's second occurrence replays its first's result."""
         first: dict[str, Item] = {}
         again: list[Item] = []
         for item in items:
@@ -209,27 +209,31 @@ class BatchPath:
         statement: ``{key: result}``, or a :class:`Finished` dead letter."""
         outcomes: dict[str, Any] = {}
         rejected: list[tuple[Item, BaseException]] = []
-        with translate_errors(), conn.pipeline():
-            by_handler: dict[str, list[Item]] = {}  # by topic: two handlers may share a name
-            for item in first.values():
-                by_handler.setdefault(item.handler.topic, []).append(item)
-            with HandlerBlock(conn):  # a savepoint: a handler's ctx.tx.commit() raises
-                for group in by_handler.values():
-                    outcomes.update(self._run_group(conn, group, claims, rejected))
-            # The successes' events, their slots locked in one sorted statement; a
-            # fallback rolls them back and the per-message re-run emits again.
-            self.steps.emitter.flush(conn, *_contexts(first[key] for key in outcomes))
-            done = [Done(key, _prep(first[key]).request_hash, _token(claims[key]),
-                         delivery(first[key].handler, first[key].msg), _prep(first[key]).shard,
-                         value) for key, value in outcomes.items()]
-            try:
-                cur = self.steps.store.insert_done(conn, done)
-            except ResultNotJSON as exc:
-                raise Fallback(str(exc)) from exc
-            if rejected:
-                outcomes.update(self._record_rejected(conn, rejected))
-        if cur.rowcount != len(done):
-            raise Fallback("a key was written by someone else since the batch read it")
+        store = self.steps.store
+        with translate_errors():
+            with conn.pipeline():
+                by_handler: dict[str, list[Item]] = {}  # by topic: two may share a name
+                for item in first.values():
+                    by_handler.setdefault(item.handler.topic, []).append(item)
+                with HandlerBlock(conn):  # a savepoint: a handler's ctx.tx.commit() raises
+                    for group in by_handler.values():
+                        outcomes.update(self._run_group(conn, group, claims, rejected))
+                # The successes' events, their slots locked in one sorted statement; a
+                # fallback rolls them back and the per-message re-run emits again.
+                self.steps.emitter.flush(conn, *_contexts(first[key] for key in outcomes))
+                done = [Done(key, _prep(first[key]).request_hash, _token(claims[key]),
+                             delivery(first[key].handler, first[key].msg),
+                             _prep(first[key]).shard, value) for key, value in outcomes.items()]
+                clock = store.batch_clock(conn) if done else None
+                if rejected:
+                    outcomes.update(self._record_rejected(conn, rejected))
+            if clock is not None:  # the pipeline has ended: its answers are in
+                try:
+                    written = store.insert_done(conn, done, clock)
+                except ResultNotJSON as exc:
+                    raise Fallback(str(exc)) from exc
+                if not written:
+                    raise Fallback("a key was written by someone else since the batch read it")
         return outcomes
 
     def _record_rejected(
