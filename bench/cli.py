@@ -126,7 +126,7 @@ def _window(
 def db_clock_rate(dsn: str, schema: str) -> float | None:
     """msgs/s by the database's clock: the records written after the first batch's, over
     the time from that batch's insert to the last one's (every record of a batch has
-    its write's time: ``batch_clock``). None with fewer than two batches."""
+    its write's time: ``batch_insert_done``, ``batch_clock``). None with fewer than two batches."""
     query = sql.SQL(
         "SELECT count(*) FILTER (WHERE created_at > t.first), "
         "extract(epoch FROM t.last - t.first) FROM {records}, "

@@ -445,22 +445,47 @@ WHERE namespace = %(ns)s AND idempotency_key = ANY(%(keys)b::text[])
 ORDER BY idempotency_key COLLATE "C"
 FOR UPDATE;
 
+-- name: batch_insert_done
+-- Batch path, a batch of fewer than BatchQueries.copy_from new keys: every new key of
+-- the batch written once, as succeeded, after its handler ran in this same
+-- transaction (a claim and its completion in one row version: the guard allows (new)
+-- -> succeeded with its completed_token, migration 0010). Sent in the handlers'
+-- pipeline, so it costs no round trip of its own. Key order in bytes ("C"), as every
+-- statement that takes several records. A key someone else inserted since the batch
+-- read it (a committed record, or one whose insert this one waited for) is not
+-- written: the caller rolls the batch back and the per-message path decides it.
+-- The batch's one clock value is taken once (a CTE), not three times per row.
+WITH now AS (SELECT clock_timestamp() AS at)
+INSERT INTO {table} AS t (
+    namespace, idempotency_key, request_hash, status, completed_token, attempts,
+    result_json, handler, kafka_topic, kafka_partition, kafka_offset, created_at,
+    updated_at, completed_at, shard_key)
+SELECT %(ns)s, i.key, i.hash, 'succeeded', i.token, 1, r.result, i.handler, i.topic, i.part,
+       i.off, now.at, now.at, now.at, i.shard
+FROM unnest(%(keys)b::text[], %(hashes)b::text[], %(handlers)b::text[], %(topics)b::text[],
+            %(parts)b::int[], %(offs)b::bigint[], %(shards)b::text[], %(tokens)b::uuid[])
+     WITH ORDINALITY AS i(key, hash, handler, topic, part, off, shard, token, n)
+-- results travel as one JSON array (one encode per batch), matched by position
+JOIN jsonb_array_elements(%(results)s::jsonb) WITH ORDINALITY AS r(result, n) USING (n)
+CROSS JOIN now
+ORDER BY i.key COLLATE "C"
+ON CONFLICT (namespace, idempotency_key) DO NOTHING;
+
 -- name: batch_clock
--- Batch path: the one time every record a batch writes is stamped with (created, updated
--- and completed), read at the end of its handlers' pipeline, as one statement per batch.
+-- Batch path, a batch written by COPY (batch_copy_done): the one time its records are
+-- stamped with (created, updated and completed), read at the end of its handlers'
+-- pipeline.
 SELECT clock_timestamp();
 
 -- name: batch_copy_done
--- Batch path: every new key of the batch written once, as succeeded, after its handler
--- ran in this same transaction (a claim and its completion in one row version: the
--- guard allows (new) -> succeeded with its completed_token, migration 0010). A COPY
--- (binary), not an INSERT ... SELECT FROM unnest(...): the server parses and plans
--- nothing per batch and reads each row as it comes, about two thirds of the insert's
--- CPU. Rows go in key order, byte order (as "C" sorts), the client sorting them: the
--- order every multi-key statement takes records in. A key someone else inserted since
--- the batch read it (a committed record, or one whose insert this one waited for)
--- fails the COPY with a unique violation: the caller rolls the batch back and the
--- per-message path decides it.
+-- Batch path, a batch of at least BatchQueries.copy_from new keys: the rows
+-- batch_insert_done writes, by a binary COPY. The server parses and plans nothing and
+-- reads each row as it comes: about two thirds of the insert's CPU per record, for two
+-- round trips of its own (a COPY cannot be pipelined), so small batches insert. Rows
+-- go in key order in bytes, the client sorting them as Python sorts str (code points:
+-- UTF-8's byte order, "C"). A key someone else inserted since the batch read it fails
+-- the COPY with a unique violation (after waiting for that writer to end, if it had
+-- not): the caller rolls the batch back and the per-message path decides it.
 COPY {table} (
     namespace, idempotency_key, request_hash, status, completed_token, attempts,
     result_json, handler, kafka_topic, kafka_partition, kafka_offset, created_at,

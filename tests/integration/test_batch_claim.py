@@ -69,9 +69,12 @@ class Batches:
         return run_batch(self.proc, [(TP, self.msgs(*charges))])[TP]
 
 
-@pytest.fixture
-def batches(db: DB) -> Iterator[Batches]:
+@pytest.fixture(params=["insert", "copy"])
+def batches(db: DB, request: pytest.FixtureRequest) -> Iterator[Batches]:
+    """Every test twice: the batch's records written by the INSERT a small batch sends in
+    its pipeline, and by the COPY a large one sends after it (``copy_from``)."""
     proc = processor(db.dsn, TOPIC, "local")
+    proc.store.copy_from = 1 if request.param == "copy" else 10**9
     yield Batches(proc)
     proc.close()
 
@@ -196,8 +199,9 @@ def test_a_batch_stamps_its_records_with_one_time_of_the_database_clock(
 def test_every_multi_key_write_takes_keys_in_byte_order(db: DB, batches: Batches) -> None:
     """The batch's COPY writes its records in the order Python sorts the keys (code
     points, which is UTF-8's byte order) and the SQL statements that take several
-    records sort by "C" (byte order): one order, whatever the database's collation, so
-    two batches with keys in common wait for each other and cannot deadlock."""
+    records (its insert among them) sort by "C" (byte order): one order, whatever the
+    database's collation, so two batches with keys in common wait for each other and
+    cannot deadlock."""
     orders = ["oa", "oB", "o_", "o\u00e9", "oZ", "o1", "o\U0001f600", "oe", "O2"]
     batches.run(*[(o, "1.00") for o in orders])
     written = [r["idempotency_key"] for r in db.rows(
@@ -322,7 +326,7 @@ def test_a_key_whose_insert_the_batch_waited_for_is_decided_by_that_transaction(
     db: DB, batches: Batches, theirs_ends: str
 ) -> None:
     """Another member claims oK after the batch read it (new) and has not committed when
-    the batch writes its records: the batch's write waits for it. Committed, oK is
+    the batch writes its records: the batch's write (insert or COPY) waits for it. Committed, oK is
     theirs and the batch falls back with nothing of it left; rolled back, the batch
     writes oK itself and nothing falls back."""
     msgs = batches.msgs(("oJ", "1.00"), ("oK", "4.00"), ("oL", "2.00"))
@@ -344,7 +348,9 @@ def test_a_key_whose_insert_the_batch_waited_for_is_decided_by_that_transaction(
 
     def waiting() -> Any:  # the batch's backend waits for oK's unfinished insert
         return db.rows("SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                       "AND query LIKE 'COPY %%' AND datname = current_database()") or None
+                       "AND (query LIKE 'COPY %%' "
+                       "     OR query LIKE '%%INSERT INTO%%task_idempotency%%') "
+                       "AND datname = current_database()") or None
 
     seen: list[Any] = []
 

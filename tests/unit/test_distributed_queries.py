@@ -46,7 +46,7 @@ def test_one_server_keeps_its_own_statements_but_for_the_shard_column() -> None:
     read (inspect), never filtered or joined on; the clock is clock_timestamp() as before."""
     assert [n for n, text in LOCAL.items() if "shard_key" in text] == [
         "claim_insert", "get_record", "record_shard", "lock_record", "batch_claim_insert",
-        "batch_copy_done", "failed_selection", "outbox_insert"]
+        "batch_insert_done", "batch_copy_done", "failed_selection", "outbox_insert"]
     assert [n for n, text in LOCAL.items() if "shard_key =" in text] == []
     assert "statement_timestamp()" not in "".join(LOCAL.values())
 

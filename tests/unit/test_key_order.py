@@ -1,6 +1,6 @@
 """Writes that take several records at once take them in one order, the keys' byte
-order: the SQL statements sort by the "C" collation, the batch's COPY of its records is
-sent in the order Python sorts ``str`` (code points: UTF-8's byte order). Two batches
+order: the SQL statements sort by the "C" collation, the COPY of a large batch's records
+is sent in the order Python sorts ``str`` (code points: UTF-8's byte order). Two batches
 with keys in common then wait for each other in that order and cannot deadlock,
 whatever the database's own collation. (That the database agrees is
 tests/integration/test_batch_claim.py's ``..._in_byte_order``.)"""
@@ -23,7 +23,7 @@ MULTI_KEY = sorted(name for name, text in FLAVOURS["local"].items()
 
 
 def test_the_multi_key_statements_are_the_ones_expected() -> None:
-    assert MULTI_KEY == ["batch_claim_insert", "batch_lock"]
+    assert MULTI_KEY == ["batch_claim_insert", "batch_insert_done", "batch_lock"]
     copies = sorted(name for name, text in FLAVOURS["local"].items()
                     if re.search(r'COPY "kafka_idem"\."task_idempotency"', text))
     assert copies == ["batch_copy_done"]

@@ -11,14 +11,16 @@ Optimistic; the common case only:
    a success since the read, or a ``failed`` record met again.
 3. The new keys' handlers run in offset order per partition, in psycopg pipeline
    mode, so their statements travel together, each with an owner token made here.
-4. One binary ``COPY`` writes every new key's record once, as succeeded with its
-   token (a claim and its completion in one row version: the guard allows it,
-   migration 0010), in key order (byte order, as every multi-key write); one commit.
+4. One statement writes every new key's record once, as succeeded with its token (a
+   claim and its completion in one row version: the guard allows it, migration
+   0010), in key order (byte order, as every multi-key write): an ``INSERT`` in the
+   handlers' pipeline, or a binary ``COPY`` after it for a batch of
+   ``copy_from`` (64) new keys or more; one commit.
 
 No other transaction can see the batch's records before its commit, so writing them
 at the end hides nothing that claiming them first would show. A key someone else
-wrote since the read fails the COPY on its primary key (after waiting for that writer
-to end, if it had not), and the batch falls back.
+wrote since the read is not written (the insert skips it, the COPY fails on it, each
+after waiting for that writer to end, if it had not), and the batch falls back.
 
 A bulk handler's permanent rejections are claimed and failed in the batch, and a later
 occurrence of such a key in the same batch is dead-lettered again (or conflicts), as a
@@ -174,7 +176,7 @@ class BatchPath:
 
     def _run_handlers(self, conn: Conn, items: list[Item], claims: dict[str, Claim]) -> None:
         """Steps 3 and 4: handlers (pipelined, or one bulk call per handler); then one
-        COPY of every success. A key's second occurrence replays its first's result."""
+        write of every success. A key's second occurrence replays its first's result."""
         first: dict[str, Item] = {}
         again: list[Item] = []
         for item in items:
@@ -224,16 +226,29 @@ class BatchPath:
                 done = [Done(key, _prep(first[key]).request_hash, _token(claims[key]),
                              delivery(first[key].handler, first[key].msg),
                              _prep(first[key]).shard, value) for key, value in outcomes.items()]
-                clock = store.batch_clock(conn) if done else None
+                # a small batch's records in this pipeline, a large one's by COPY after it
+                clock = inserted = None
+                if len(done) >= store.copy_from:
+                    clock = store.batch_clock(conn)
+                elif done:
+                    try:
+                        inserted = store.insert_done(conn, done)
+                    except ResultNotJSON as exc:
+                        raise Fallback(str(exc)) from exc
                 if rejected:
                     outcomes.update(self._record_rejected(conn, rejected))
-            if clock is not None:  # the pipeline has ended: its answers are in
+            # the pipeline has ended: its answers are in
+            if inserted is not None:
+                written = inserted.rowcount == len(done)
+            elif clock is not None:
                 try:
-                    written = store.insert_done(conn, done, clock)
+                    written = store.copy_done(conn, done, clock)
                 except ResultNotJSON as exc:
                     raise Fallback(str(exc)) from exc
-                if not written:
-                    raise Fallback("a key was written by someone else since the batch read it")
+            else:
+                written = True
+            if not written:
+                raise Fallback("a key was written by someone else since the batch read it")
         return outcomes
 
     def _record_rejected(
