@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -99,6 +99,21 @@ class BatchQueries(OutboxQueries):
     #: an INSERT in the handlers' pipeline (measured on the bench: the COPY's two round
     #: trips cost more than it saves below a few dozen records).
     copy_from: int = 64
+
+    def write_done(self, conn: Conn, done: Sequence[Done]) -> Callable[[], bool]:
+        """Write every one of ``done`` as a succeeded record, in key order (byte order),
+        from inside the caller's pipeline; call what this returns once the pipeline has
+        ended. It is False when a key exists by now: the caller must then roll back,
+        since that key's handler's effect may not stand. Fewer than ``copy_from`` records
+        go in the pipeline (:meth:`insert_done`); more, by a COPY after it
+        (:meth:`copy_done`), the clock they are stamped with read in the pipeline."""
+        if not done:
+            return lambda: True
+        if len(done) < self.copy_from:
+            inserted = self.insert_done(conn, done)
+            return lambda: inserted.rowcount == len(done)
+        clock = self.batch_clock(conn)
+        return lambda: self.copy_done(conn, done, clock)
 
     def insert_done(self, conn: Conn, done: Sequence[Done]) -> psycopg.Cursor[Any]:
         """Write every one of ``done`` as a succeeded record in one statement, in key

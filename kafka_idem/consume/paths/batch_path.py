@@ -211,44 +211,30 @@ class BatchPath:
         statement: ``{key: result}``, or a :class:`Finished` dead letter."""
         outcomes: dict[str, Any] = {}
         rejected: list[tuple[Item, BaseException]] = []
-        store = self.steps.store
-        with translate_errors():
-            with conn.pipeline():
-                by_handler: dict[str, list[Item]] = {}  # by topic: two may share a name
-                for item in first.values():
-                    by_handler.setdefault(item.handler.topic, []).append(item)
-                with HandlerBlock(conn):  # a savepoint: a handler's ctx.tx.commit() raises
-                    for group in by_handler.values():
-                        outcomes.update(self._run_group(conn, group, claims, rejected))
-                # The successes' events, their slots locked in one sorted statement; a
-                # fallback rolls them back and the per-message re-run emits again.
-                self.steps.emitter.flush(conn, *_contexts(first[key] for key in outcomes))
-                done = [Done(key, _prep(first[key]).request_hash, _token(claims[key]),
+        try:
+            with translate_errors():
+                with conn.pipeline():
+                    by_handler: dict[str, list[Item]] = {}  # by topic: two may share a name
+                    for item in first.values():
+                        by_handler.setdefault(item.handler.topic, []).append(item)
+                    with HandlerBlock(conn):  # a savepoint: ctx.tx.commit() raises
+                        for group in by_handler.values():
+                            outcomes.update(self._run_group(conn, group, claims, rejected))
+                    # The successes' events, their slots locked in one sorted statement;
+                    # a fallback rolls them back and the per-message re-run emits again.
+                    self.steps.emitter.flush(conn, *_contexts(first[key] for key in outcomes))
+                    finish = self.steps.store.write_done(conn, [
+                        Done(key, _prep(first[key]).request_hash, _token(claims[key]),
                              delivery(first[key].handler, first[key].msg),
-                             _prep(first[key]).shard, value) for key, value in outcomes.items()]
-                # a small batch's records in this pipeline, a large one's by COPY after it
-                clock = inserted = None
-                if len(done) >= store.copy_from:
-                    clock = store.batch_clock(conn)
-                elif done:
-                    try:
-                        inserted = store.insert_done(conn, done)
-                    except ResultNotJSON as exc:
-                        raise Fallback(str(exc)) from exc
-                if rejected:
-                    outcomes.update(self._record_rejected(conn, rejected))
-            # the pipeline has ended: its answers are in
-            if inserted is not None:
-                written = inserted.rowcount == len(done)
-            elif clock is not None:
-                try:
-                    written = store.copy_done(conn, done, clock)
-                except ResultNotJSON as exc:
-                    raise Fallback(str(exc)) from exc
-            else:
-                written = True
-            if not written:
-                raise Fallback("a key was written by someone else since the batch read it")
+                             _prep(first[key]).shard, value)
+                        for key, value in outcomes.items()])
+                    if rejected:
+                        outcomes.update(self._record_rejected(conn, rejected))
+                written = finish()  # the pipeline has ended: its answers are in
+        except ResultNotJSON as exc:
+            raise Fallback(str(exc)) from exc
+        if not written:
+            raise Fallback("a key was written by someone else since the batch read it")
         return outcomes
 
     def _record_rejected(
