@@ -81,9 +81,10 @@ class _JsonbTextDumper(Dumper):
         return b"\x01" + text
 
 
-# The columns of batch_copy_done, in its order: the types the COPY sends them as.
+# The columns of batch_copy_done, in its order: the types the COPY sends them as. The
+# three timestamps come last: a row is made before the clock is read (_copy_rows).
 _DONE_TYPES = ("text", "text", "text", "text", "uuid", "int4", "jsonb", "text", "text",
-               "int4", "int8", "timestamptz", "timestamptz", "timestamptz", "text")
+               "int4", "int8", "text", "timestamptz", "timestamptz", "timestamptz")
 
 
 class BatchQueries(OutboxQueries):
@@ -106,14 +107,16 @@ class BatchQueries(OutboxQueries):
         ended. It is False when a key exists by now: the caller must then roll back,
         since that key's handler's effect may not stand. Fewer than ``copy_from`` records
         go in the pipeline (:meth:`insert_done`); more, by a COPY after it
-        (:meth:`copy_done`), the clock they are stamped with read in the pipeline."""
+        (:meth:`copy_done`), the clock they are stamped with read in the pipeline and
+        their rows made here, while the server runs the handlers' statements."""
         if not done:
             return lambda: True
         if len(done) < self.copy_from:
             inserted = self.insert_done(conn, done)
             return lambda: inserted.rowcount == len(done)
         clock = self.batch_clock(conn)
-        return lambda: self.copy_done(conn, done, clock)
+        rows = self._copy_rows(done)
+        return lambda: self.copy_done(conn, rows, clock)
 
     def insert_done(self, conn: Conn, done: Sequence[Done]) -> psycopg.Cursor[Any]:
         """Write every one of ``done`` as a succeeded record in one statement, in key
@@ -139,29 +142,39 @@ class BatchQueries(OutboxQueries):
         pipeline, read after it)."""
         return conn.execute(self.q["batch_clock"])
 
-    def copy_done(self, conn: Conn, done: Sequence[Done], clock: psycopg.Cursor[Any]) -> bool:
-        """:meth:`insert_done` by one COPY, every record stamped with the time ``clock``
-        read (:meth:`batch_clock`, its pipeline ended); outside a pipeline (a COPY
-        cannot be pipelined). False when a key exists by now (the COPY failed on its
-        primary key, and the transaction with it): the caller must roll back."""
-        ordered = sorted(done, key=lambda d: d.key)
-        # every result encoded before the COPY starts: one that is not JSON raises here
-        results = [_JsonbText(result_dumps(d.result).encode()) for d in ordered]
+    def _copy_rows(self, done: Sequence[Done]) -> list[tuple[Any, ...]]:
+        """The rows of :meth:`copy_done`, in key order (byte order: Python sorts ``str``
+        by code point, UTF-8's byte order), each but its three timestamps; every result
+        encoded here, so one that is not JSON raises before the COPY starts."""
+        ns, shard_of = self.ns, self.shard_of
+        rows = []
+        for d in sorted(done, key=lambda d: d.key):
+            dl = d.delivery
+            rows.append((ns, d.key, d.request_hash, "succeeded", d.token, 1,
+                         _JsonbText(result_dumps(d.result).encode()), dl.handler, dl.topic,
+                         dl.partition, dl.offset, shard_of(d.key, d.shard)))
+        return rows
+
+    def copy_done(
+        self, conn: Conn, rows: Sequence[tuple[Any, ...]], clock: psycopg.Cursor[Any]
+    ) -> bool:
+        """:meth:`insert_done` by one COPY of ``rows`` (:meth:`_copy_rows`), every record
+        stamped with the time ``clock`` read (:meth:`batch_clock`, its pipeline ended);
+        outside a pipeline (a COPY cannot be pipelined). False when a key exists by now
+        (the COPY failed on its primary key, and the transaction with it): the caller
+        must roll back."""
         row = clock.fetchone()
         assert row is not None
         at: datetime = row[0]
-        ns, shard_of = self.ns, self.shard_of
+        stamps = (at, at, at)
         cur = conn.cursor()
         cur.adapters.register_dumper(_JsonbText, _JsonbTextDumper)
         try:
             with cur.copy(self.q["batch_copy_done"]) as copy:
                 copy.set_types(list(_DONE_TYPES))
                 write = copy.write_row
-                for d, result in zip(ordered, results, strict=True):
-                    dl = d.delivery
-                    write((ns, d.key, d.request_hash, "succeeded", d.token, 1, result,
-                           dl.handler, dl.topic, dl.partition, dl.offset, at, at, at,
-                           shard_of(d.key, d.shard)))
+                for r in rows:
+                    write(r + stamps)
         except psycopg.errors.UniqueViolation:  # the records' only unique index: the key
             return False
         return True

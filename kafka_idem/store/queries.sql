@@ -488,8 +488,8 @@ SELECT clock_timestamp();
 -- not): the caller rolls the batch back and the per-message path decides it.
 COPY {table} (
     namespace, idempotency_key, request_hash, status, completed_token, attempts,
-    result_json, handler, kafka_topic, kafka_partition, kafka_offset, created_at,
-    updated_at, completed_at, shard_key)
+    result_json, handler, kafka_topic, kafka_partition, kafka_offset, shard_key,
+    created_at, updated_at, completed_at)
 FROM STDIN (FORMAT BINARY);
 
 -- name: redrive_states

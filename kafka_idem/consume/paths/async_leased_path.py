@@ -257,7 +257,7 @@ class AsyncLeasedPath:
             gate.leave()
             raise
         try:
-            ctx = self.steps.context(conn, handler, msg, prep, claim, cls=AsyncContext,
+            ctx = self.steps.context(conn, handler, msg, prep, claim.attempts, cls=AsyncContext,
                                      hold=hold)
             assert isinstance(ctx, AsyncContext)
             with self.steps.handler_time(handler):

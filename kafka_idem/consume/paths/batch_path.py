@@ -123,10 +123,11 @@ class BatchPath:
             out[item.tp].append(item.result)
         return out
 
-    def _read(self, conn: Conn, items: list[Item]) -> dict[str, Claim]:
+    def _read(self, conn: Conn, items: list[Item]) -> dict[str, uuid.UUID]:
         """Step 2: every undecided key read; a key that exists is decided for *every*
-        occurrence here (or the batch falls back). Returns the new keys' claims, each
-        with a token made here (nothing is written for them yet)."""
+        occurrence here (or the batch falls back). Returns the new keys, each with the
+        owner token made here for its claim (at its first attempt; nothing is written
+        for them yet)."""
         occurrences = _undecided(items)
         if not occurrences:
             return {}
@@ -142,8 +143,7 @@ class BatchPath:
             if others:
                 self._lock_existing(conn, occurrences, others)
         new = [key for key in ordered if key not in found]
-        return {key: Claim.new_key(key, token)
-                for key, token in zip(new, new_tokens(len(new)), strict=True)}
+        return dict(zip(new, new_tokens(len(new)), strict=True))
 
     def _lock_existing(
         self, conn: Conn, occurrences: dict[str, list[Item]], existing: list[str]
@@ -174,20 +174,20 @@ class BatchPath:
                 else:
                     raise Fallback("a key needs the per-message protocol")
 
-    def _run_handlers(self, conn: Conn, items: list[Item], claims: dict[str, Claim]) -> None:
+    def _run_handlers(self, conn: Conn, items: list[Item], tokens: dict[str, uuid.UUID]) -> None:
         """Steps 3 and 4: handlers (pipelined, or one bulk call per handler); then one
         write of every success. A key's second occurrence replays its first's result."""
         first: dict[str, Item] = {}
         again: list[Item] = []
         for item in items:
             if item.result is None and item.prep is not None:
-                if item.prep.key not in claims:
+                if item.prep.key not in tokens:
                     raise Fallback("an undecided message without a claim")  # never expected
                 if item.prep.key in first:
                     again.append(item)
                 else:
                     first[item.prep.key] = item
-        outcomes = self._complete(conn, first, claims)
+        outcomes = self._complete(conn, first, tokens)
         for key, item in first.items():
             value = outcomes[key]
             item.result = value if isinstance(value, Finished) else Finished(
@@ -205,7 +205,7 @@ class BatchPath:
                 self._lock_existing(conn, failed, sorted(failed))
 
     def _complete(
-        self, conn: Conn, first: dict[str, Item], claims: dict[str, Claim]
+        self, conn: Conn, first: dict[str, Item], tokens: dict[str, uuid.UUID]
     ) -> dict[str, Any]:
         """Run the handlers of the first occurrences and write every success in one
         statement: ``{key: result}``, or a :class:`Finished` dead letter."""
@@ -219,12 +219,12 @@ class BatchPath:
                         by_handler.setdefault(item.handler.topic, []).append(item)
                     with HandlerBlock(conn):  # a savepoint: ctx.tx.commit() raises
                         for group in by_handler.values():
-                            outcomes.update(self._run_group(conn, group, claims, rejected))
+                            outcomes.update(self._run_group(conn, group, rejected))
                     # The successes' events, their slots locked in one sorted statement;
                     # a fallback rolls them back and the per-message re-run emits again.
                     self.steps.emitter.flush(conn, *_contexts(first[key] for key in outcomes))
                     finish = self.steps.store.write_done(conn, [
-                        Done(key, _prep(first[key]).request_hash, _token(claims[key]),
+                        Done(key, _prep(first[key]).request_hash, tokens[key],
                              delivery(first[key].handler, first[key].msg),
                              _prep(first[key]).shard, value)
                         for key, value in outcomes.items()])
@@ -261,19 +261,17 @@ class BatchPath:
         return out
 
     def _run_group(
-        self, conn: Conn, group: list[Item], claims: dict[str, Claim],
+        self, conn: Conn, group: list[Item],
         rejected: list[tuple[Item, BaseException]],
     ) -> dict[str, Any]:
         """One handler's messages: ``{key: result}`` of its successes; an item a bulk
         handler rejected as permanent goes to ``rejected`` (nothing of it was written)."""
         handler = group[0].handler
         if handler.bulk is None:
-            return {_prep(item).key: self._call(conn, item, claims[_prep(item).key])
-                    for item in group}
+            return {_prep(item).key: self._call(conn, item) for item in group}
         batch: list[tuple[Any, Context]] = []
         for item in group:
-            item.ctx = self.steps.context(conn, handler, item.msg, _prep(item),
-                                          claims[_prep(item).key])
+            item.ctx = self.steps.context(conn, handler, item.msg, _prep(item), 1)
             batch.append((_prep(item).model, item.ctx))
         with self.steps.handler_time(handler):
             try:
@@ -298,12 +296,12 @@ class BatchPath:
                 results[_prep(item).key] = value
         return results
 
-    def _call(self, conn: Conn, item: Item, claim: Claim) -> Any:
+    def _call(self, conn: Conn, item: Item) -> Any:
+        """A new key's handler, at its first attempt."""
         prep = _prep(item)
-        assert claim.token is not None
-        ctx = item.ctx = self.steps.context(conn, item.handler, item.msg, prep, claim)
+        ctx = item.ctx = self.steps.context(conn, item.handler, item.msg, prep, 1)
         tracing = self.steps.tracing
-        tracing.note(item.msg, handler=item.handler.name, key=prep.key, attempts=claim.attempts)
+        tracing.note(item.msg, handler=item.handler.name, key=prep.key, attempts=1)
         with self.steps.handler_time(item.handler), tracing.step(item.msg, "handler"):
             try:
                 result = item.handler(prep.model, ctx)
@@ -347,11 +345,6 @@ def _prep(item: Item) -> Prepared:
     """The item's decoded message (only decoded items get this far)."""
     assert item.prep is not None
     return item.prep
-
-
-def _token(claim: Claim) -> uuid.UUID:
-    assert claim.token is not None
-    return claim.token
 
 
 def _contexts(items: Iterable[Item]) -> list[Context]:

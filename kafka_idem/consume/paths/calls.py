@@ -15,7 +15,7 @@ from kafka_idem.context import Context, EventSink
 from kafka_idem.errors import InternalError, ResultNotJSON
 from kafka_idem.handler import CODE_DEFECTS, Handler
 from kafka_idem.orm.sessions import Sessions
-from kafka_idem.store import Claim, Delivery
+from kafka_idem.store import Delivery
 
 
 @contextmanager
@@ -40,7 +40,7 @@ def delivery(handler: Handler[Any], msg: Message) -> Delivery:
 
 
 def context(
-    conn: Any, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
+    conn: Any, handler: Handler[Any], msg: Message, prep: Prepared, attempt: int,
     cls: type[Context] = Context, *, emitter: EventSink | None = None, hold: Hold | None = None,
     sessions: Sessions | None = None,
 ) -> Context:
@@ -53,7 +53,7 @@ def context(
         tx=conn,
         idempotency_key=prep.key,
         request_hash=prep.request_hash,
-        attempt=claim.attempts,
+        attempt=attempt,
         handler=handler.name,
         topic=msg.topic(),
         partition=msg.partition(),

@@ -103,11 +103,12 @@ class Steps(Decoding):
         self.wake: set[str] | None = None
 
     def context(
-        self, conn: Any, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
+        self, conn: Any, handler: Handler[Any], msg: Message, prep: Prepared, attempt: int,
         cls: type[Context] = Context, hold: Hold | None = None,
     ) -> Context:
-        """:func:`context`, with this app's outbox for ``ctx.emit`` and ``hold``'s lease."""
-        return context(conn, handler, msg, prep, claim, cls, emitter=self.emitter, hold=hold,
+        """:func:`context` (``attempt``: the claim's attempts), with this app's outbox for
+        ``ctx.emit`` and ``hold``'s lease."""
+        return context(conn, handler, msg, prep, attempt, cls, emitter=self.emitter, hold=hold,
                        sessions=self.app.sessions)
 
     def handler(self, msg: Message) -> Handler[Any]:
@@ -256,7 +257,7 @@ class Steps(Decoding):
         self, conn: Conn, handler: Handler[Any], msg: Message, prep: Prepared, claim: Claim,
         hold: Hold | None, pipelined: bool, gate: Gate,
     ) -> Result:
-        ctx = self.context(conn, handler, msg, prep, claim, hold=hold)
+        ctx = self.context(conn, handler, msg, prep, claim.attempts, hold=hold)
         run = self._run_pipelined if pipelined else self._run_in_transaction
         with self.handler_time(handler):
             try:

@@ -286,7 +286,7 @@ class WorkerGroups:
         prep = item.prep
         assert prep is not None
         steps = self.steps
-        ctx = item.ctx = steps.context(conn, item.handler, item.msg, prep, claim)
+        ctx = item.ctx = steps.context(conn, item.handler, item.msg, prep, claim.attempts)
         with steps.handler_time(item.handler):
             try:
                 result, _how = steps.handler_step(item.handler, item.msg, prep, claim, ctx)
@@ -302,7 +302,7 @@ class WorkerGroups:
         prep = item.prep
         assert prep is not None
         steps = self.steps
-        ctx = item.ctx = steps.context(conn, item.handler, item.msg, prep, claim)
+        ctx = item.ctx = steps.context(conn, item.handler, item.msg, prep, claim.attempts)
         try:
             # A savepoint (the group's transaction was reported at its start), synced
             # before it is released: an error of the handler's statements is met inside
