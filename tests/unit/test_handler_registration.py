@@ -121,3 +121,26 @@ def test_a_result_that_is_not_json_says_what_to_return() -> None:
         "serializable): return only dict, list, str, int, float, bool or None (it is stored "
         "in result_json and given back to every duplicate)")
     assert isinstance(caught.value, TypeError)
+
+
+def test_a_result_is_stored_as_json_dumps_writes_it_and_a_cycle_is_refused() -> None:
+    """result_dumps keeps one C encoder for every call: its text must be json.dumps's,
+    byte for byte, and a result it cannot encode (a cycle, a set) must be refused as
+    json.dumps refuses it, also right after such a failure."""
+    import json
+
+    looped: dict[str, object] = {"a": 1}
+    looped["self"] = looped
+    values: list[object] = [
+        None, True, 0, -7, 2**80, 1.5, float("nan"), float("inf"), -0.0, "plain",
+        "quote \" backslash \\ newline \n tab \t", "é 漢字 😀 \u2028", [], {}, (1, "x"),
+        {"n": [1, {"deep": [None, False]}], "z": 1, "a": "b"}, {1: "int key", None: 0},
+    ]
+    for value in values:
+        assert result_dumps(value) == json.dumps(value)
+    with pytest.raises(ResultNotJSON, match="Circular reference detected"):
+        result_dumps(looped)
+    with pytest.raises(ResultNotJSON, match="Object of type set"):
+        result_dumps([1, {2}])
+    for value in values:  # nothing of a failure stays behind
+        assert result_dumps(value) == json.dumps(value)
