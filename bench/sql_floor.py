@@ -45,7 +45,7 @@ from kafka_idem.admin.migrate import migrate
 from kafka_idem.settings import load_settings
 from kafka_idem.store import Store
 from kafka_idem.store.batch import Done
-from kafka_idem.store.types import Delivery, new_tokens
+from kafka_idem.store.types import new_tokens
 
 VARIANTS = {"keyed": "minimal keyed SQL", "batch": "batch path's SQL",
             "noread": "batch path's SQL without the read"}
@@ -84,9 +84,8 @@ class Variant:
             with conn.pipeline():
                 for query, params in stmts[1:]:
                     conn.execute(query, params)
-                done = [Done(key, "v1:sha256:" + "0" * 64, token,
-                             Delivery("bench-topic", 0, i, "charge"), None,
-                             {"order_id": key[-8:], "amount": "12.50", "currency": "EUR"})
+                done = [Done(key, "v1:sha256:" + "0" * 64, token, "bench-topic", 0, i, "charge",
+                             None, {"order_id": key[-8:], "amount": "12.50", "currency": "EUR"})
                         for i, (key, token) in enumerate(
                             zip(keys, new_tokens(len(keys)), strict=True))]
                 finish = self.store.write_done(conn, done)

@@ -16,7 +16,7 @@ from json.encoder import (  # type: ignore[attr-defined]
     c_make_encoder,
     encode_basestring_ascii,
 )
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import postgres
@@ -28,7 +28,7 @@ from psycopg.types.json import Jsonb
 from kafka_idem.errors import ResultNotJSON
 from kafka_idem.store.errors import translate_errors
 from kafka_idem.store.outbox import OutboxQueries
-from kafka_idem.store.types import AsyncConn, Conn, Delivery
+from kafka_idem.store.types import AsyncConn, Conn, Delivery, Token
 
 _encoder = json.JSONEncoder()  # json.dumps's defaults
 _encode = _encoder.encode
@@ -70,17 +70,31 @@ class Found:
     attempts: int
 
 
-@dataclass(frozen=True)
-class Done:
+class Done(NamedTuple):
     """A new key whose handler succeeded in the batch's transaction: its record, to be
-    written once, as succeeded (:meth:`BatchQueries.insert_done`)."""
+    written once, as succeeded (:meth:`BatchQueries.write_done`): its owner token and
+    where its message came from (topic, partition, offset, handler)."""
 
     key: str
     request_hash: str
-    token: uuid.UUID
-    delivery: Delivery
+    token: Token
+    topic: str
+    partition: int
+    offset: int
+    handler: str
     shard: str | None
     result: Any
+
+
+class _TokenDumper(Dumper):
+    """uuid's binary form of a :class:`Token`: its 16 bytes as they are."""
+
+    format = Format.BINARY
+    oid = postgres.types["uuid"].oid
+
+    def dump(self, obj: Any) -> Buffer:
+        token: bytes = obj
+        return token
 
 
 class _JsonbText(bytes):
@@ -146,12 +160,12 @@ class BatchQueries(OutboxQueries):
             "ns": self.ns,
             "keys": [d.key for d in ordered],
             "hashes": [d.request_hash for d in ordered],
-            "handlers": [d.delivery.handler for d in ordered],
-            "topics": [d.delivery.topic for d in ordered],
-            "parts": [d.delivery.partition for d in ordered],
-            "offs": [d.delivery.offset for d in ordered],
+            "handlers": [d.handler for d in ordered],
+            "topics": [d.topic for d in ordered],
+            "parts": [d.partition for d in ordered],
+            "offs": [d.offset for d in ordered],
             "shards": [self.shard_of(d.key, d.shard) for d in ordered],
-            "tokens": [d.token for d in ordered],
+            "tokens": [uuid.UUID(bytes=d.token) for d in ordered],
             "results": Jsonb([d.result for d in ordered], dumps=result_dumps),
         })
 
@@ -167,10 +181,9 @@ class BatchQueries(OutboxQueries):
         ns, shard_of = self.ns, self.shard_of
         rows = []
         for d in sorted(done, key=lambda d: d.key):
-            dl = d.delivery
             rows.append((ns, d.key, d.request_hash, "succeeded", d.token, 1,
-                         _JsonbText(result_dumps(d.result).encode()), dl.handler, dl.topic,
-                         dl.partition, dl.offset, shard_of(d.key, d.shard)))
+                         _JsonbText(result_dumps(d.result).encode()), d.handler, d.topic,
+                         d.partition, d.offset, shard_of(d.key, d.shard)))
         return rows
 
     def copy_done(
@@ -187,6 +200,7 @@ class BatchQueries(OutboxQueries):
         stamps = (at, at, at)
         cur = conn.cursor()
         cur.adapters.register_dumper(_JsonbText, _JsonbTextDumper)
+        cur.adapters.register_dumper(Token, _TokenDumper)  # this cursor's uuid columns
         try:
             with cur.copy(self.q["batch_copy_done"]) as copy:
                 copy.set_types(list(_DONE_TYPES))

@@ -67,12 +67,25 @@ class Claim:
         return cls(Outcome.CLAIMED, key, token=token, attempts=1)
 
 
-def new_tokens(n: int) -> list[uuid.UUID]:
-    """``n`` random owner tokens (version 4 UUIDs, as :func:`uuid.uuid4` makes them) from
-    one read of the system's randomness: ``uuid4()`` reads it once per token, a system
-    call each, which was a tenth of a batch's time in its loop thread."""
-    raw = os.urandom(16 * n)
-    return [uuid.UUID(bytes=raw[i:i + 16], version=4) for i in range(0, 16 * n, 16)]
+class Token(bytes):
+    """An owner token the batch path made: the 16 bytes of a version 4 UUID, as
+    :func:`uuid.uuid4` makes them, kept as bytes (a :class:`uuid.UUID` object costs
+    more to make than the rest of a message's claim). ``uuid.UUID(bytes=token)`` is
+    the UUID; the records' ``COPY`` sends the bytes as they are."""
+
+    __slots__ = ()
+
+
+def new_tokens(n: int) -> list[Token]:
+    """``n`` random owner tokens (version 4 UUIDs, RFC 4122 variant) from one read of the
+    system's randomness: ``uuid4()`` reads it once per token, a system call each, which
+    was a tenth of a batch's time in its loop thread."""
+    raw = bytearray(os.urandom(16 * n))
+    for i in range(0, 16 * n, 16):
+        raw[i + 6] = (raw[i + 6] & 0x0F) | 0x40  # version 4
+        raw[i + 8] = (raw[i + 8] & 0x3F) | 0x80  # the RFC 4122 variant
+    data = bytes(raw)
+    return [Token(data[i:i + 16]) for i in range(0, 16 * n, 16)]
 
 
 @dataclass(frozen=True, slots=True)

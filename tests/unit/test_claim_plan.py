@@ -195,5 +195,10 @@ def test_new_tokens_are_distinct_version_4_uuids() -> None:
 
     tokens = new_tokens(2_000)
     assert len(tokens) == len(set(tokens)) == 2_000
-    assert {(t.version, t.variant) for t in tokens} == {(4, uuid.RFC_4122)}
+    assert {len(t) for t in tokens} == {16}
+    uuids = [uuid.UUID(bytes=t) for t in tokens]
+    assert {(u.version, u.variant) for u in uuids} == {(4, uuid.RFC_4122)}
+    # every bit but the version's four and the variant's two is random
+    assert all(any(u.int >> bit & 1 for u in uuids) and not all(u.int >> bit & 1 for u in uuids)
+               for bit in range(128) if bit not in {76, 77, 78, 79, 62, 63})
     assert new_tokens(0) == []

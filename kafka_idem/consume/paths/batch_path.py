@@ -39,7 +39,6 @@ dead-lettered again when the first was rejected.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -63,7 +62,7 @@ from kafka_idem.errors import MessageError, ResultNotJSON
 from kafka_idem.handler import Context, Handler
 from kafka_idem.store import Claim, Conn, HandlerBlock, Outcome, translate_errors
 from kafka_idem.store.batch import Done
-from kafka_idem.store.types import new_tokens
+from kafka_idem.store.types import Token, new_tokens
 
 
 class Fallback(Exception):
@@ -123,7 +122,7 @@ class BatchPath:
             out[item.tp].append(item.result)
         return out
 
-    def _read(self, conn: Conn, items: list[Item]) -> dict[str, uuid.UUID]:
+    def _read(self, conn: Conn, items: list[Item]) -> dict[str, Token]:
         """Step 2: every undecided key read; a key that exists is decided for *every*
         occurrence here (or the batch falls back). Returns the new keys, each with the
         owner token made here for its claim (at its first attempt; nothing is written
@@ -174,7 +173,7 @@ class BatchPath:
                 else:
                     raise Fallback("a key needs the per-message protocol")
 
-    def _run_handlers(self, conn: Conn, items: list[Item], tokens: dict[str, uuid.UUID]) -> None:
+    def _run_handlers(self, conn: Conn, items: list[Item], tokens: dict[str, Token]) -> None:
         """Steps 3 and 4: handlers (pipelined, or one bulk call per handler); then one
         write of every success. A key's second occurrence replays its first's result."""
         first: dict[str, Item] = {}
@@ -205,7 +204,7 @@ class BatchPath:
                 self._lock_existing(conn, failed, sorted(failed))
 
     def _complete(
-        self, conn: Conn, first: dict[str, Item], tokens: dict[str, uuid.UUID]
+        self, conn: Conn, first: dict[str, Item], tokens: dict[str, Token]
     ) -> dict[str, Any]:
         """Run the handlers of the first occurrences and write every success in one
         statement: ``{key: result}``, or a :class:`Finished` dead letter."""
@@ -224,10 +223,7 @@ class BatchPath:
                     # a fallback rolls them back and the per-message re-run emits again.
                     self.steps.emitter.flush(conn, *_contexts(first[key] for key in outcomes))
                     finish = self.steps.store.write_done(conn, [
-                        Done(key, _prep(first[key]).request_hash, tokens[key],
-                             delivery(first[key].handler, first[key].msg),
-                             _prep(first[key]).shard, value)
-                        for key, value in outcomes.items()])
+                        _done(first[key], tokens[key], value) for key, value in outcomes.items()])
                     if rejected:
                         outcomes.update(self._record_rejected(conn, rejected))
                 written = finish()  # the pipeline has ended: its answers are in
@@ -345,6 +341,13 @@ def _prep(item: Item) -> Prepared:
     """The item's decoded message (only decoded items get this far)."""
     assert item.prep is not None
     return item.prep
+
+
+def _done(item: Item, token: Token, result: Any) -> Done:
+    """The record to write for ``item``, whose handler succeeded with ``result``."""
+    prep, msg = _prep(item), item.msg
+    return Done(prep.key, prep.request_hash, token, msg.topic(), msg.partition(), msg.offset(),
+                item.handler.name, prep.shard, result)
 
 
 def _contexts(items: Iterable[Item]) -> list[Context]:
