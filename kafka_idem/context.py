@@ -41,7 +41,9 @@ class Context:
     ``tx`` is the open transaction (a psycopg connection inside ``BEGIN``):
     write business rows through it. ``idempotency_key`` is the key to pass
     downstream (e.g. as an ``Idempotency-Key`` HTTP header) so remote side
-    effects are deduplicated by the remote side too.
+    effects are deduplicated by the remote side too. ``attempt`` is 1, 2, ...: the
+    key's claims so far (the record's ``attempts``), a withdrawn one and those before
+    an audited re-run included.
 
     The framework builds it with its collaborators: ``lost``, the event a leased-mode
     heartbeat sets when the lease is taken over (:attr:`lease_lost`), ``emitter``,

@@ -7,6 +7,7 @@ Like the protocol's methods they never commit: the caller's transaction decides.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import Callable, Sequence
@@ -30,7 +31,9 @@ from kafka_idem.store.errors import translate_errors
 from kafka_idem.store.outbox import OutboxQueries
 from kafka_idem.store.types import AsyncConn, Conn, Delivery, Token
 
-_encoder = json.JSONEncoder()  # json.dumps's defaults
+# json.dumps's defaults, but NaN and the infinities, which jsonb refuses (json.dumps
+# writes them as NaN and Infinity, which are not JSON)
+_encoder = json.JSONEncoder(allow_nan=False)
 _encode = _encoder.encode
 # The C encoder json.dumps builds for every call, built once: half the time of a small
 # result. Without a circular-reference check, so that it keeps no state between calls
@@ -38,25 +41,53 @@ _encode = _encoder.encode
 # RecursionError), is encoded again by json.dumps's own path, which says why.
 _fast_encode = None if c_make_encoder is None else c_make_encoder(
     None, _encoder.default, encode_basestring_ascii, None, _encoder.key_separator,
-    _encoder.item_separator, False, False, True)
+    _encoder.item_separator, False, False, False)
 
 
 def result_dumps(obj: Any) -> str:
     """``json.dumps`` of a handler's result (the same text), whose failure names what to
     fix: without it the user sees psycopg's bare ``TypeError`` and a stack trace from
-    the batch path."""
+    the batch path. Refused as well: what PostgreSQL's ``jsonb`` cannot hold (NaN, an
+    infinity, U+0000 or a lone surrogate in a string), which the database would refuse
+    as the message's data."""
+    text = None
     if _fast_encode is not None:
-        try:
-            return "".join(_fast_encode(obj, 0))
-        except Exception:  # the standard path below says what is wrong
-            pass
+        with contextlib.suppress(Exception):  # the standard path below says what is wrong
+            text = "".join(_fast_encode(obj, 0))
     try:
-        return _encode(obj)
+        if text is None:
+            text = _encode(obj)
+        # ASCII text: such a string shows as an escape (rare: emoji's pairs, U+0000)
+        if "\\u0000" in text or "\\ud" in text:
+            _check_jsonb_strings(text)
     except (TypeError, ValueError) as exc:
         raise ResultNotJSON(
             f"the handler's result is not JSON-serialisable ({exc}): return only dict, "
             "list, str, int, float, bool or None (it is stored in result_json and given "
             "back to every duplicate)") from None
+    return text
+
+
+def _check_jsonb_strings(text: str) -> None:
+    """Raise ``ValueError`` when a string or a key of ``text`` (JSON) holds what
+    ``jsonb`` cannot store: U+0000, or a surrogate that is not half of a pair."""
+    stack: list[Any] = [json.loads(text)]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, str):
+            if "\x00" in value:
+                raise ValueError("a string holds U+0000, which PostgreSQL's jsonb cannot "
+                                 "store")
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string holds a lone surrogate, which is not Unicode "
+                                 "text") from None
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,12 @@ run on a path until it is finished (:class:`Delivered` says what became of it)."
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from kafka_idem.app import App
-from kafka_idem.consume.outcome import TP, Finished, Result
+from kafka_idem.consume.outcome import TP, Finished, Reason, Result
 from kafka_idem.consume.paths.processor import Processor
 from kafka_idem.observe.metrics import Metrics
 from kafka_idem.retry import no_wait
@@ -140,6 +140,23 @@ class Sandbox:
             result = proc.run_local([(tp, [msg])])[tp][0]
         else:
             result = proc.run_local_safe([(tp, [msg])])[tp][0]
+        return result
+
+    def run_until(self, proc: Processor, msg: FakeMessage, path: Path,
+                  ran: Callable[[], bool], retried: Callable[[Result], None]) -> Result:
+        """Tries of ``msg`` on ``path`` until ``ran()`` (a plan's hook ran): a handler
+        whose first attempts fail (``Retryable``: a remote side busy) is tried again at
+        once, as the runner would retry it, each such try told to ``retried``; the last
+        try's result (a hook that raises ends it there)."""
+        handler = self.app.handlers[msg.topic()]
+        token = None
+        with no_wait():
+            for _ in range(self.app.retry_policy(handler).max_attempts):
+                result = self.run(proc, msg, path, token)
+                if ran() or isinstance(result, Finished) or result.reason != Reason.RETRY:
+                    break
+                retried(result)
+                token = result.token
         return result
 
     def drive(self, proc: Processor, msg: FakeMessage, path: Path, *,

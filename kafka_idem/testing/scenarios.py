@@ -32,7 +32,6 @@ from typing import Any
 from kafka_idem.consume.outcome import TP, Deferred, Ended, Finished, Reason, Result
 from kafka_idem.consume.paths.batch_path import Fallback, HandlerRaised, run_batch
 from kafka_idem.errors import Retryable, UnknownOutcome
-from kafka_idem.retry import no_wait
 from kafka_idem.testing.case import (
     Case,
     Effects,
@@ -102,16 +101,9 @@ def _crash(case: Case, sb: Sandbox, path: Path, out: ScenarioResult) -> bool:
         raise Crash
 
     proc = sb.processor()
-    handler = sb.app.handlers[case.msg.topic()]
-    token = None
-    with (case.harness.hooks.using(Plan(after=crash, times=1)), contextlib.suppress(Crash),
-          no_wait()):
-        for _ in range(sb.app.retry_policy(handler).max_attempts):
-            result = sb.run(proc, case.msg, path, token)
-            if isinstance(result, Finished) or result.reason != Reason.RETRY:
-                break
-            out.said(f"a try before the crash: {step(result)}")
-            token = result.token
+    with case.harness.hooks.using(Plan(after=crash, times=1)), contextlib.suppress(Crash):
+        sb.run_until(proc, case.msg, path, died.is_set,
+                     lambda r: out.said(f"a try before the crash: {step(r)}"))
     proc.close()  # the dead process's connection goes with it
     return died.is_set()
 
@@ -332,7 +324,9 @@ def lease_takeover(case: Case, path: Path, out: ScenarioResult) -> None:
                 arrived.set()
 
         with case.harness.hooks.using(Plan(after=take_over, times=1, entered=entered)):
-            first = sb.run(owner, case.msg, path)
+            first = sb.run_until(  # a handler whose first attempts fail is retried first
+                owner, case.msg, path, lambda: bool(threads),
+                lambda r: out.said(f"a try before the lease expired: {step(r)}"))
             for t in threads:
                 t.join(WAIT)
         if not results or isinstance(results[0], BaseException):

@@ -295,9 +295,17 @@ def test_a_store_beside_the_app_s_tables_in_one_schema_is_reset_with_them(
         "succeeded", [1])
 
 
+@pytest.mark.parametrize(("result", "why"), [
+    ({"tags": {"c-1"}}, "Object of type set is not JSON serializable"),
+    # what json.dumps writes but PostgreSQL's jsonb refuses: the result's fault, not the
+    # message's data
+    ({"ratio": float("nan")}, "Out of range float values are not JSON compliant"),
+    ({"note": "a\x00b"}, "a string holds U+0000, which PostgreSQL's jsonb cannot store"),
+], ids=["set", "nan", "nul"])
 @pytest.mark.parametrize("mode", ["local", "leased"])
 def test_a_result_that_is_not_json_is_dead_lettered_saying_what_to_return(
     kafka_idem_harness: Make, mode: Literal["local", "leased"], caplog: pytest.LogCaptureFixture,
+    result: Any, why: str,
 ) -> None:
     class Loan(BaseModel):
         branch: str
@@ -314,7 +322,7 @@ def test_a_result_that_is_not_json_is_dead_lettered_saying_what_to_return(
                  hash_fields=("copy_id",), mode=mode)
     def checkout(msg: Loan, ctx: Context) -> Any:
         ctx.tx.execute("INSERT INTO library.loans VALUES (%s)", (msg.copy_id,))
-        return {"tags": {msg.copy_id}}
+        return result
 
     harness = kafka_idem_harness(app)
     done = harness.deliver("loans", {"branch": "north", "copy_id": "c-1"})
@@ -325,10 +333,9 @@ def test_a_result_that_is_not_json_is_dead_lettered_saying_what_to_return(
     assert (letter.kind, letter.idem["idem.attempts"]) == ("permanent", "1")
     assert letter.idem["idem.error.class"] == "ResultNotJSON"
     assert letter.idem["idem.error.message"] == (
-        "a code defect, not retried: the handler's result is not "
-        "JSON-serialisable (Object of type set is not JSON serializable): return only dict, "
-        "list, str, int, float, bool or None (it is stored in result_json and given back to "
-        "every duplicate)")
+        f"a code defect, not retried: the handler's result is not JSON-serialisable ({why}): "
+        "return only dict, list, str, int, float, bool or None (it is stored in result_json "
+        "and given back to every duplicate)")
     assert not [r for r in caplog.records if r.exc_info], "no stack trace in the log"
     assert harness.rows("library.loans") == []
 

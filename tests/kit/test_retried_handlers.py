@@ -79,6 +79,20 @@ def earn_many(batch: list[tuple[Redeem, Context]], tx: Any) -> list[Any]:
     return out
 
 
+TOUR = "loyalty.tour"
+
+
+@app.handler(topic=TOUR, model=Redeem, key="{member_id}:tour:{redemption_id}",
+             hash_fields=("cost",), mode="leased")
+def tour(msg: Redeem, ctx: Context) -> dict[str, Any]:
+    """Leased: the guide desk is busy at the first attempt of every key."""
+    if ctx.attempt == 1:
+        raise Retryable("the guide desk is busy")
+    ctx.tx.execute("INSERT INTO loyalty.redemptions (key, member_id, cost) VALUES (%s, %s, %s)",
+                   (ctx.idempotency_key, msg.member_id, msg.cost))
+    return {"toured": msg.redemption_id, "attempt": ctx.attempt}
+
+
 @pytest.fixture(scope="module")
 def harness() -> Iterator[Harness]:
     with Harness(app, database_url=ADMIN_DSN) as h:
@@ -125,3 +139,17 @@ def test_a_bulk_form_that_fails_an_item_transiently_on_its_first_attempt_passes(
     assert batch.skipped is not None and batch.skipped.startswith(
         "the handler raised on its first attempt (Retryable('the points service is busy'))"
     ), batch.skipped
+
+
+def test_a_leased_handler_whose_first_attempt_is_retried_passes_the_lease_takeover(
+        harness: Harness) -> None:
+    """The lease expires while the first attempt that returns runs (the retry): the
+    second owner takes the key over, and the first owner's completion is refused."""
+    report = harness.check(TOUR, {"member_id": "m-4", "redemption_id": "t-4", "cost": 20},
+                           scenarios=["lease_takeover", "crash_before_commit"])
+    assert report.passed, str(report)
+    takeover = report.result("lease_takeover", "leased")
+    assert not takeover.skipped and not takeover.problems, takeover.story
+    assert takeover.story[0] == "a try before the lease expired: retry", takeover.story
+    assert any(line.startswith("the first owner's handler ran; then its lease expired")
+               for line in takeover.story), takeover.story

@@ -132,9 +132,10 @@ def test_a_result_is_stored_as_json_dumps_writes_it_and_a_cycle_is_refused() -> 
     looped: dict[str, object] = {"a": 1}
     looped["self"] = looped
     values: list[object] = [
-        None, True, 0, -7, 2**80, 1.5, float("nan"), float("inf"), -0.0, "plain",
+        None, True, 0, -7, 2**80, 1.5, 1e300, -0.0, "plain",
         "quote \" backslash \\ newline \n tab \t", "é 漢字 😀 \u2028", [], {}, (1, "x"),
         {"n": [1, {"deep": [None, False]}], "z": 1, "a": "b"}, {1: "int key", None: 0},
+        "a backslash and u0000: \\u0000, \\ud800",
     ]
     for value in values:
         assert result_dumps(value) == json.dumps(value)
@@ -144,3 +145,27 @@ def test_a_result_is_stored_as_json_dumps_writes_it_and_a_cycle_is_refused() -> 
         result_dumps([1, {2}])
     for value in values:  # nothing of a failure stays behind
         assert result_dumps(value) == json.dumps(value)
+
+
+@pytest.mark.parametrize(("result", "why"), [
+    (float("nan"), "Out of range float values are not JSON compliant"),
+    ({"n": [float("inf")]}, "Out of range float values are not JSON compliant"),
+    (-float("inf"), "Out of range float values are not JSON compliant"),
+    ({"note": "a\x00b"}, "a string holds U+0000, which PostgreSQL's jsonb cannot store"),
+    ({"a\x00": 1}, "a string holds U+0000, which PostgreSQL's jsonb cannot store"),
+    (["ok", "\ud800"], "a string holds a lone surrogate, which is not Unicode text"),
+    ({"k": "x\udc00"}, "a string holds a lone surrogate, which is not Unicode text"),
+    ({"\udbff": 0}, "a string holds a lone surrogate, which is not Unicode text"),
+])
+def test_a_result_jsonb_cannot_hold_is_refused_as_the_handlers(result: object, why: str) -> None:
+    """json.dumps writes NaN and the infinities, U+0000 and lone surrogates; PostgreSQL's
+    jsonb refuses each, which would blame the message's data: the handler's result is at
+    fault, so it is refused as not JSON, before any statement."""
+    with pytest.raises(ResultNotJSON) as caught:
+        result_dumps(result)
+    assert str(caught.value) == (
+        f"the handler's result is not JSON-serialisable ({why}): return only dict, list, "
+        "str, int, float, bool or None (it is stored in result_json and given back to "
+        "every duplicate)")
+    assert result_dumps({"pair": "😀", "nul as text": "\\u0000"}) == (
+        '{"pair": "\\ud83d\\ude00", "nul as text": "\\\\u0000"}')
