@@ -151,7 +151,7 @@ class Sandbox:
         handler = self.app.handlers[msg.topic()]
         token = None
         with no_wait():
-            for _ in range(self.app.retry_policy(handler).max_attempts):
+            for _ in range(max(1, self.app.retry_policy(handler).max_attempts)):
                 result = self.run(proc, msg, path, token)
                 if ran() or isinstance(result, Finished) or result.reason != Reason.RETRY:
                     break

@@ -222,8 +222,9 @@ BAD = {
     "order_3000": Bad("t1", "N" * 2994, ("InvalidKey",), "none"),
     # The handler's own business write carries a NUL.
     "handler_writes_nul": Bad("t1", W_NUL, ("DataRejected",), "failed"),
-    # The handler's result carries \u0000: storing it as result_json is refused.
-    "result_nul": Bad("t1", R_NUL, ("DataRejected",), "failed"),
+    # The handler's result carries \u0000, which result_json (jsonb) cannot hold: the
+    # handler's result is at fault, refused before it is stored, not the message's data.
+    "result_nul": Bad("t1", R_NUL, ("ResultNotJSON",), "failed"),
 }
 
 
